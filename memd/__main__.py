@@ -1,0 +1,154 @@
+"""memd: flags, start-up, signals, readiness.
+
+Start-up order matters: size the pool, allocate all of it (fail fast), listen,
+and only then say READY=1 (systemd) — a worker that sees memd ready can attach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import structlog
+import uvloop
+
+from memd.fdpass import FdServer
+from memd.manager import KvManager
+from memd.memory import PoolMemoryError, allocate_pool
+from memd.service import MemdService
+from shared import address as addr
+from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
+from shared.logs import configure
+from shared.notify import notify
+from shared.rpc import memd_pb2_grpc as pb_grpc
+from shared.sizes import format_size, parse_size
+
+log = structlog.get_logger("memd")
+
+
+class StartupError(RuntimeError):
+    """memd cannot start as configured; the message says why in one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memd", description="kvpool's KV block pool daemon.")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    p.add_argument("--pool-bytes", type=parse_size, default=parse_size("256MiB"),
+                   help="memory for KV pages, e.g. 64MiB, 20GiB (default: 256MiB)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--block-bytes", type=parse_size, help="bytes of one page (default: 64KiB)")
+    size.add_argument("--model", type=Path, help="Hugging Face model dir: derive the page from its config.json")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --model (default: 16)")
+    p.add_argument("--dtype", help="KV dtype with --model (default: the config's torch_dtype)")
+    p.add_argument("--listen", help=f"unix:PATH or HOST:PORT (default: {addr.default_address()})")
+    p.add_argument("--lease-timeout", type=float, default=10.0,
+                   help="seconds without heartbeats before a worker is reclaimed (default: 10)")
+    p.add_argument("--heat-decay", type=float, default=0.9, help="heat factor per interval (default: 0.9)")
+    p.add_argument("--heat-interval", type=float, default=10.0, help="seconds per heat decay (default: 10)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    return p
+
+
+def plan(args: argparse.Namespace) -> PoolGeometry:
+    if args.model is not None:
+        shape = read_model_shape(args.model, args.dtype)
+        return plan_pool(args.pool_bytes, shape=shape, block_size=args.block_size)
+    return plan_pool(args.pool_bytes, block_bytes=args.block_bytes or parse_size("64KiB"))
+
+
+def prepare_socket(target: str) -> Path | None:
+    """Make the socket's directory; refuse if another memd answers there, clear a stale file."""
+    path = addr.unix_path(target)
+    if path is None:
+        return None
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()        # left by a memd that died
+            else:
+                raise StartupError(f"another memd is already listening on {path}")
+    return path
+
+
+async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
+    target = addr.resolve(args.listen)
+    sock_path = prepare_socket(target)
+    memory = allocate_pool(args.device, geometry.num_blocks, geometry.block_bytes)
+    manager = KvManager(geometry, heat_decay=args.heat_decay, heat_interval_s=args.heat_interval)
+    fd_server = None
+    if memory.backend == "shm":
+        fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
+        fd_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
+    service = MemdService(manager, memory, fd_server, lease_timeout_s=args.lease_timeout,
+                          generation=time.time_ns())
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 256 << 20),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_MemdServicer_to_server(service, server)
+    try:
+        server.add_insecure_port(target)
+    except RuntimeError:
+        raise StartupError(f"cannot listen on {target}") from None
+    await server.start()
+    if sock_path is not None:
+        os.chmod(sock_path, 0o660)
+    if fd_server is not None:
+        await fd_server.start()
+    reaper = asyncio.create_task(service.reap_expired(), name="reaper")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("memd ready", listen=target, backend=memory.backend, device=memory.device,
+             num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes,
+             bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
+             pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout)
+    notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
+                      f"listening on {target}")
+    await stop.wait()
+    log.info("memd stopping")
+    notify("STOPPING=1")
+    reaper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reaper
+    await server.stop(grace=2.0)
+    if fd_server is not None:
+        await fd_server.close()
+    if sock_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()
+    memory.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure(args.log_level, args.log_format)
+    try:
+        geometry = plan(args)
+        uvloop.run(serve(args, geometry))
+    except (GeometryError, PoolMemoryError, StartupError) as exc:
+        print(f"memd: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""What can go wrong with a request, as types; memd.service maps them to gRPC codes."""
+
+from __future__ import annotations
+
+
+class KvError(Exception):
+    """A request memd refuses; the message is meant for the operator or client author."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(KvError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KvError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(KvError):
+    code = "ALREADY_EXISTS"
+
+
+class PermissionDenied(KvError):
+    code = "PERMISSION_DENIED"
+
+
+class FailedPrecondition(KvError):
+    code = "FAILED_PRECONDITION"
+
+
+class PoolExhausted(KvError):
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"pool exhausted: {needed} more block(s) needed, {free} free")
+        self.needed, self.free = needed, free
+
+
+class PositionError(InvalidArgument):
+    def __init__(self, seq_id: int, pos: int, num_committed: int) -> None:
+        super().__init__(f"sequence {seq_id}: position {pos} is outside its {num_committed} committed tokens")
+
+
+class OpError(KvError):
+    """An error of one operation of a Step; says which, so a worker can retry without it."""
+
+    def __init__(self, index: int, what: str, cause: KvError) -> None:
+        super().__init__(f"op {index} ({what}): {cause}")
+        self.index, self.cause = index, cause
+        self.code = cause.code

@@ -1,0 +1,88 @@
+"""The side socket that hands the shm pool's file descriptor to attached workers.
+
+A file descriptor cannot travel in a gRPC message, so Attach returns a one-time
+token and the path of this Unix socket; the worker presents the token and
+receives the memfd by SCM_RIGHTS. Tokens expire, and each works once: only a
+worker that just attached gets the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("memd.fdpass")
+
+TOKEN_BYTES = 16
+TOKEN_TTL_S = 60.0
+
+
+class FdServer:
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._tokens: dict[bytes, float] = {}
+        self._sock: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._handovers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.path))
+        os.chmod(self.path, 0o660)
+        sock.listen(64)
+        sock.setblocking(False)
+        self._sock = sock
+        self._task = asyncio.create_task(self._accept_loop(), name="fdpass")
+
+    def issue(self) -> bytes:
+        now = time.monotonic()
+        for token in [t for t, deadline in self._tokens.items() if deadline < now]:
+            del self._tokens[token]
+        token = os.urandom(TOKEN_BYTES)
+        self._tokens[token] = now + TOKEN_TTL_S
+        return token
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            task = asyncio.create_task(self._hand_over(conn))
+            self._handovers.add(task)
+            task.add_done_callback(self._handovers.discard)
+
+    async def _hand_over(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        with conn:
+            try:
+                token = await asyncio.wait_for(loop.sock_recv(conn, TOKEN_BYTES), 5.0)
+            except (TimeoutError, OSError):
+                return
+            deadline = self._tokens.pop(token, None)
+            try:
+                if deadline is None or deadline < time.monotonic():
+                    await loop.sock_sendall(conn, b"NO")
+                    log.warning("pool handle refused", reason="unknown or expired token")
+                    return
+                socket.send_fds(conn, [b"OK"], [self._fd])
+            except OSError as exc:
+                log.warning("pool handle not delivered", error=str(exc))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._sock is not None:
+            self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()

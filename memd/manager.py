@@ -1,0 +1,462 @@
+"""The KV manager: workers, sequences and pages, changed only by whole Steps.
+
+All state lives on memd's one event loop, so nothing here locks. A Step runs
+its operations in order under a journal; the first error rolls everything
+back, so a rejected Step leaves no trace. Page contents are never touched
+here: a committed Step returns the zeroing and copying it needs as effects,
+which the caller performs before the worker hears back.
+
+Ownership: a RUNNING sequence belongs to one worker, which alone may change
+it. PARKED and DROPPED sequences belong to memd; any worker of the same model
+may resume or free them. Only full committed blocks are ever shared (prefix
+hits, forks), so every slot a RUNNING sequence may write is its own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from memd.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KvError,
+    NotFound,
+    OpError,
+    PermissionDenied,
+    PoolExhausted,
+)
+from memd.pool import BlockPool, Journal
+from memd.sequences import PrefixHasher, SeqState, Sequence, blocks_for
+from shared.geometry import PoolGeometry
+from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
+
+Effect = tuple[str, int, int]   # ("zero", block, block) or ("copy", src, dst), in order
+
+
+@dataclass(slots=True)
+class Worker:
+    worker_id: int
+    name: str
+    pid: int
+    model: str
+    block_size: int
+    last_seen: float
+    streaming: bool = False
+
+
+@dataclass(slots=True)
+class _Txn:
+    worker: Worker
+    journal: Journal
+    saved: set[int] = field(default_factory=set)
+    touched: dict[int, Sequence] = field(default_factory=dict)
+    effects: list[Effect] = field(default_factory=list)
+    counters: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    results: list[OpResult]
+    effects: list[Effect]
+
+
+class KvManager:
+    def __init__(self, geometry: PoolGeometry, *, hash_key: bytes | None = None,
+                 heat_decay: float = 0.9, heat_interval_s: float = 10.0) -> None:
+        self.geometry = geometry
+        self.pool = BlockPool(geometry.num_blocks)
+        self.seqs: dict[int, Sequence] = {}
+        self.sessions: dict[str, int] = {}
+        self.workers: dict[int, Worker] = {}
+        self.counters: Counter[str] = Counter()
+        self.hasher = PrefixHasher(hash_key or os.urandom(32))
+        self.heat_decay, self.heat_interval_s = heat_decay, heat_interval_s
+        self._next_seq = 1
+        self._next_worker = 1
+
+    # ---- workers -------------------------------------------------------
+
+    def attach(self, name: str, pid: int, model: str, block_size: int, bytes_per_token: int) -> Worker:
+        block_size = block_size or self.geometry.block_size
+        if block_size <= 0:
+            raise InvalidArgument("block_size is required: memd was sized by --block-bytes, not by a model")
+        if bytes_per_token and block_size * bytes_per_token > self.geometry.block_bytes:
+            raise InvalidArgument(
+                f"a block of {block_size} tokens x {bytes_per_token} bytes does not fit "
+                f"a page of {self.geometry.block_bytes} bytes")
+        worker = Worker(self._next_worker, name, pid, model or "default", block_size, time.monotonic())
+        self._next_worker += 1
+        self.workers[worker.worker_id] = worker
+        self.counters["attaches"] += 1
+        return worker
+
+    def worker(self, worker_id: int) -> Worker:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise FailedPrecondition(f"worker {worker_id} holds no lease (never attached, or reclaimed); attach again")
+        return worker
+
+    def expired_workers(self, now: float, lease_timeout_s: float) -> list[int]:
+        return [w.worker_id for w in self.workers.values() if now - w.last_seen > lease_timeout_s]
+
+    def reclaim(self, worker_id: int) -> tuple[int, int]:
+        """A worker is gone: park its running sequences at their committed length.
+
+        Sequences with nothing committed and no session to find them by are
+        freed. Returns (parked, freed).
+        """
+        self.workers.pop(worker_id, None)
+        parked = freed = 0
+        for seq in [s for s in self.seqs.values() if s.owner == worker_id]:
+            if seq.num_committed == 0 and seq.session_id is None:
+                self._release(seq.block_ids)
+                self._forget(seq)
+                freed += 1
+            else:
+                self._park(seq)
+                parked += 1
+        self.counters["reclaims"] += 1
+        return parked, freed
+
+    # ---- steps ---------------------------------------------------------
+
+    def step(self, worker_id: int, ops: Iterable[Op]) -> StepOutcome:
+        worker = self.worker(worker_id)
+        worker.last_seen = time.monotonic()
+        txn = _Txn(worker, Journal())
+        self.pool.journal = txn.journal
+        results: list[OpResult] = []
+        try:
+            for index, op in enumerate(ops):
+                try:
+                    results.append(self._apply(txn, op))
+                except KvError as exc:
+                    raise OpError(index, _describe(op), exc) from None
+        except BaseException:
+            txn.journal.rollback()
+            raise
+        finally:
+            self.pool.journal = None
+        now = time.monotonic()
+        for seq in txn.touched.values():
+            self._touch(seq, now)
+        self.counters.update(txn.counters)
+        self.counters["steps"] += 1
+        self.counters["ops"] += len(results)
+        return StepOutcome(results, txn.effects)
+
+    def _apply(self, txn: _Txn, op: Op) -> OpResult:
+        match op:
+            case Open():
+                return self._open(txn, op)
+            case Extend():
+                return self._extend(txn, op)
+            case Park():
+                return self._park_op(txn, op)
+            case Resume():
+                return self._resume(txn, op)
+            case Free():
+                return self._free(txn, op)
+            case Fork():
+                return self._fork(txn, op)
+        raise InvalidArgument(f"unknown operation {op!r}")
+
+    def _open(self, txn: _Txn, op: Open) -> OpResult:
+        worker = txn.worker
+        self._check_session_free(op.session_id)
+        self._check_fits(len(op.token_ids) + op.reserve, worker.block_size)
+        seq = Sequence(self._next_seq, worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
+                       [], 0, list(op.token_ids), session_id=op.session_id or None)
+        self._next_seq += 1
+        self._create(txn, seq)
+        cached = self._match_prefix(txn, seq)
+        self._grow(txn, seq, len(seq.token_ids) + op.reserve)
+        return _result(seq, 0, cached)
+
+    def _extend(self, txn: _Txn, op: Extend) -> OpResult:
+        seq = self._own(txn, op.seq_id)
+        self._commit(txn, seq, op.append, op.commit_to)
+        first = len(seq.block_ids)
+        self._grow(txn, seq, len(seq.token_ids) + op.reserve)
+        return _result(seq, first)
+
+    def _park_op(self, txn: _Txn, op: Park) -> OpResult:
+        seq = self._own(txn, op.seq_id)
+        self._commit(txn, seq, op.append, op.commit_to)
+        self._park(seq)
+        return _result(seq, len(seq.block_ids))
+
+    def _resume(self, txn: _Txn, op: Resume) -> OpResult:
+        worker = txn.worker
+        seq = self._find(op.seq_id, op.session_id)
+        if seq.state is SeqState.RUNNING:
+            if seq.owner == worker.worker_id:
+                raise FailedPrecondition(f"sequence {seq.seq_id} is already running on this worker")
+            raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
+        if (seq.model, seq.block_size) != (worker.model, worker.block_size):
+            raise FailedPrecondition(
+                f"sequence {seq.seq_id} holds KV of model {seq.model!r} (block size {seq.block_size}); "
+                f"this worker serves {worker.model!r} (block size {worker.block_size})")
+        self._check_fits(len(seq.token_ids) + op.reserve, seq.block_size)
+        self._save(txn, seq)
+        cached = self._match_prefix(txn, seq) if seq.state is SeqState.DROPPED else seq.num_committed
+        seq.state, seq.owner = SeqState.RUNNING, worker.worker_id
+        self._grow(txn, seq, len(seq.token_ids) + op.reserve)
+        txn.counters["resumes"] += 1
+        return _result(seq, 0, cached, history=True)
+
+    def _free(self, txn: _Txn, op: Free) -> OpResult:
+        seq = self._find(op.seq_id, None)
+        if seq.state is SeqState.RUNNING and seq.owner != txn.worker.worker_id:
+            raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
+        self._release(seq.block_ids)
+        self._forget(seq, txn.journal)
+        txn.touched.pop(seq.seq_id, None)
+        return OpResult(seq.seq_id, "freed", 0, [], 0, 0)
+
+    def _fork(self, txn: _Txn, op: Fork) -> OpResult:
+        parent = self._own(txn, op.seq_id)
+        self._check_session_free(op.session_id)
+        full = parent.num_full_blocks
+        partial = parent.num_committed % parent.block_size != 0
+        if partial and not self.pool.num_free:
+            raise PoolExhausted(1, 0)
+        child = Sequence(self._next_seq, parent.model, parent.block_size, parent.owner, SeqState.RUNNING,
+                         list(parent.block_ids[:full]), parent.num_committed, list(parent.token_ids),
+                         list(parent.hashes), op.session_id or None)
+        self._next_seq += 1
+        for block in child.block_ids:
+            self.pool.incref(block)
+        if partial:
+            # The only block either side will write: copy it now rather than share it.
+            dst, _ = self.pool.allocate()
+            txn.effects.append(("copy", parent.block_ids[full], dst))
+            child.block_ids.append(dst)
+        self._create(txn, child)
+        txn.counters["forks"] += 1
+        return _result(child, 0, history=True)
+
+    # ---- admin ---------------------------------------------------------
+
+    def evict(self, seq_id: int | None, session_id: str | None) -> tuple[list[int], int]:
+        """Drop a parked sequence's pages, keeping its token ids. Returns (seq ids, blocks freed)."""
+        seq = self._find(seq_id, session_id)
+        if seq.state is SeqState.RUNNING:
+            raise FailedPrecondition(
+                f"sequence {seq.seq_id} is running on worker {seq.owner}; only parked sequences can be evicted")
+        freed = self._release(seq.block_ids)
+        seq.block_ids, seq.hashes, seq.num_committed = [], [], 0
+        seq.state = SeqState.DROPPED
+        self.counters["evictions_forced"] += 1
+        return [seq.seq_id], freed
+
+    def violations(self) -> list[str]:
+        """Every broken invariant of pages, tables and ownership, as sentences."""
+        problems = self.pool.violations()
+        refs = [0] * self.pool.num_blocks
+        for seq in self.seqs.values():
+            problems += self._seq_violations(seq)
+            for block in seq.block_ids:
+                if 0 <= block < len(refs):
+                    refs[block] += 1
+        for block, (counted, actual) in enumerate(zip(refs, self.pool.ref, strict=True)):
+            if counted != actual:
+                problems.append(f"block {block} has ref count {actual} but {counted} table reference(s)")
+        for session, seq_id in self.sessions.items():
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.session_id != session:
+                problems.append(f"session {session!r} maps to sequence {seq_id}, which is not its sequence")
+        return problems
+
+    def _seq_violations(self, seq: Sequence) -> list[str]:
+        out, name = [], f"sequence {seq.seq_id}"
+        running = seq.state is SeqState.RUNNING
+        if running != (seq.owner is not None):
+            out.append(f"{name} is {seq.state} with owner {seq.owner}")
+        if running and seq.owner not in self.workers:
+            out.append(f"{name} runs on worker {seq.owner}, which holds no lease")
+        if not 0 <= seq.num_committed <= min(len(seq.token_ids), seq.capacity):
+            out.append(f"{name} commits {seq.num_committed} of {len(seq.token_ids)} tokens "
+                       f"with {seq.capacity} slots")
+        needed = blocks_for(seq.num_committed, seq.block_size)
+        if seq.state is not SeqState.RUNNING and len(seq.block_ids) != needed:
+            out.append(f"{name} is {seq.state} with {len(seq.block_ids)} blocks for {needed} committed")
+        if len(seq.hashes) != seq.num_full_blocks:
+            out.append(f"{name} has {len(seq.hashes)} block hashes for {seq.num_full_blocks} full blocks")
+        if len(set(seq.block_ids)) != len(seq.block_ids):
+            out.append(f"{name} lists a block twice")
+        for index, block in enumerate(seq.block_ids):
+            if not 0 <= block < self.pool.num_blocks:
+                out.append(f"{name} references block {block}, outside the pool")
+            elif self.pool.ref[block] > 1 and index >= seq.num_full_blocks:
+                out.append(f"{name} shares block {block}, which it may still write")
+        if seq.session_id is not None and self.sessions.get(seq.session_id) != seq.seq_id:
+            out.append(f"{name} names session {seq.session_id!r}, which maps elsewhere")
+        return out
+
+    def heat(self, seq: Sequence, now: float) -> float:
+        """Touches decayed by `heat_decay` per `heat_interval_s`: no timer per block."""
+        return seq.heat * self.heat_decay ** ((now - seq.heat_at) / self.heat_interval_s)
+
+    def state_counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in SeqState}
+        for seq in self.seqs.values():
+            counts[seq.state.value] += 1
+        return counts
+
+    # ---- mechanics -----------------------------------------------------
+
+    def _find(self, seq_id: int | None, session_id: str | None) -> Sequence:
+        if session_id:
+            found = self.sessions.get(session_id)
+            if found is None:
+                raise NotFound(f"no session {session_id!r}")
+            seq_id = found
+        if not seq_id:
+            raise InvalidArgument("a sequence id or a session id is required")
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"no sequence {seq_id}")
+        return seq
+
+    def _own(self, txn: _Txn, seq_id: int) -> Sequence:
+        seq = self._find(seq_id, None)
+        if seq.state is not SeqState.RUNNING:
+            raise FailedPrecondition(f"sequence {seq_id} is {seq.state}; resume it first")
+        if seq.owner != txn.worker.worker_id:
+            raise PermissionDenied(f"sequence {seq_id} is running on worker {seq.owner}")
+        self._save(txn, seq)
+        return seq
+
+    def _check_session_free(self, session_id: str | None) -> None:
+        if session_id and session_id in self.sessions:
+            seq = self.seqs[self.sessions[session_id]]
+            raise AlreadyExists(
+                f"session {session_id!r} already has sequence {seq.seq_id} ({seq.state}); resume or free it")
+
+    def _check_fits(self, num_tokens: int, block_size: int) -> None:
+        needed = blocks_for(num_tokens, block_size)
+        if needed > self.pool.num_blocks:
+            raise InvalidArgument(
+                f"{num_tokens} tokens need {needed} blocks; the whole pool has {self.pool.num_blocks}")
+
+    def _save(self, txn: _Txn, seq: Sequence) -> None:
+        """Journal a sequence's fields before its first change in this Step."""
+        txn.touched[seq.seq_id] = seq
+        if seq.seq_id in txn.saved:
+            return
+        txn.saved.add(seq.seq_id)
+        txn.journal.record(_restore, seq, seq.state, seq.owner, list(seq.block_ids), seq.num_committed,
+                           len(seq.token_ids), list(seq.hashes))
+
+    def _create(self, txn: _Txn, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        if seq.session_id:
+            self.sessions[seq.session_id] = seq.seq_id
+        txn.saved.add(seq.seq_id)
+        txn.touched[seq.seq_id] = seq
+        txn.journal.record(self._forget, seq)
+
+    def _forget(self, seq: Sequence, journal: Journal | None = None) -> None:
+        del self.seqs[seq.seq_id]
+        if seq.session_id:
+            del self.sessions[seq.session_id]
+        if journal is not None:
+            journal.record(self._remember, seq)
+
+    def _remember(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        if seq.session_id:
+            self.sessions[seq.session_id] = seq.seq_id
+
+    def _match_prefix(self, txn: _Txn, seq: Sequence) -> int:
+        """Share cached blocks for the history's leading full blocks; returns tokens reused.
+
+        The last token is always left to compute: its logits are what the worker needs.
+        """
+        bs, tokens = seq.block_size, seq.token_ids
+        limit = (len(tokens) - 1) // bs if tokens else 0
+        parent = b""
+        for i in range(limit):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            digest = self.hasher.block_hash(parent, seq.model, chunk)
+            block = self.pool.lookup(digest, chunk)
+            if block is None:
+                break
+            self.pool.incref(block)
+            seq.block_ids.append(block)
+            seq.hashes.append(digest)
+            parent = digest
+        seq.num_committed = len(seq.block_ids) * bs
+        txn.counters["prefix_query_tokens"] += len(tokens)
+        txn.counters["prefix_hit_tokens"] += seq.num_committed
+        return seq.num_committed
+
+    def _commit(self, txn: _Txn, seq: Sequence, append: list[int], commit_to: int) -> None:
+        seq.token_ids.extend(append)
+        if not commit_to:
+            return
+        if commit_to < seq.num_committed:
+            raise InvalidArgument(f"commit_to {commit_to} is below the {seq.num_committed} tokens already committed")
+        if commit_to > len(seq.token_ids):
+            raise InvalidArgument(f"commit_to {commit_to} is past the {len(seq.token_ids)} known tokens")
+        if commit_to > seq.capacity:
+            raise InvalidArgument(f"commit_to {commit_to} is past the {seq.capacity} slots of the block table")
+        seq.num_committed = commit_to
+        parent = seq.hashes[-1] if seq.hashes else b""
+        start = len(seq.hashes)
+        for i, (digest, chunk) in enumerate(
+                self.hasher.chain(seq.model, seq.token_ids, seq.block_size, start, parent, seq.num_full_blocks),
+                start):
+            self.pool.register(seq.block_ids[i], digest, chunk)
+            seq.hashes.append(digest)
+
+    def _grow(self, txn: _Txn, seq: Sequence, num_tokens: int) -> None:
+        self._check_fits(num_tokens, seq.block_size)
+        needed = blocks_for(num_tokens, seq.block_size) - len(seq.block_ids)
+        if needed <= 0:
+            return
+        if needed > self.pool.num_free:
+            raise PoolExhausted(needed, self.pool.num_free)
+        for _ in range(needed):
+            block, dirty = self.pool.allocate()
+            if dirty:
+                txn.effects.append(("zero", block, block))
+            seq.block_ids.append(block)
+        txn.counters["blocks_allocated"] += needed
+
+    def _park(self, seq: Sequence) -> None:
+        keep = blocks_for(seq.num_committed, seq.block_size)
+        self._release(seq.block_ids[keep:])
+        del seq.block_ids[keep:]
+        seq.state, seq.owner = SeqState.PARKED, None
+
+    def _release(self, blocks: list[int]) -> int:
+        return sum(self.pool.decref(block) for block in blocks)
+
+    def _touch(self, seq: Sequence, now: float) -> None:
+        seq.heat = self.heat(seq, now) + 1.0
+        seq.heat_at = seq.last_access = now
+
+
+def _restore(seq: Sequence, state: SeqState, owner: int | None, block_ids: list[int], num_committed: int,
+             num_tokens: int, hashes: list[bytes]) -> None:
+    seq.state, seq.owner, seq.block_ids, seq.num_committed = state, owner, block_ids, num_committed
+    del seq.token_ids[num_tokens:]
+    seq.hashes = hashes
+
+
+def _result(seq: Sequence, first_block: int, cached: int = 0, *, history: bool = False) -> OpResult:
+    return OpResult(seq.seq_id, seq.state.value, first_block, seq.block_ids[first_block:], len(seq.block_ids),
+                    seq.num_committed, cached, list(seq.token_ids) if history else None)
+
+
+def _describe(op: Op) -> str:
+    name = type(op).__name__.lower()
+    seq_id = getattr(op, "seq_id", None)
+    return f"{name} seq {seq_id}" if seq_id else name

@@ -1,0 +1,194 @@
+"""The pool's memory: one allocation at start-up, shared with workers, never grown.
+
+Two backends behind one small interface. `shm` is a memfd populated at
+start-up and handed to workers as a file descriptor (memd/fdpass.py);
+`cuda` is one device tensor whose CUDA IPC handle workers open. memd itself
+touches page contents only to zero a page before it is handed out again and
+to copy a partly written page on fork.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import glob
+import mmap
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from memd.manager import Effect
+from shared.sizes import format_size
+
+
+class PoolMemoryError(RuntimeError):
+    """The pool cannot be allocated as asked: memd refuses to start."""
+
+
+class PoolMemory(Protocol):
+    backend: str
+    device: str
+
+    def export(self) -> dict[str, Any]: ...
+    def apply(self, effects: list[Effect]) -> None: ...
+    def close(self) -> None: ...
+
+
+def allocate_pool(device: str, num_blocks: int, block_bytes: int) -> PoolMemory:
+    """`device` is "auto", "cpu" or "cuda[:N]"; "auto" picks CUDA when a GPU is usable."""
+    if device == "auto":
+        device = "cuda" if _gpu_present() else "cpu"
+    if device == "cpu":
+        return ShmMemory(num_blocks, block_bytes)
+    if device.startswith("cuda"):
+        return CudaMemory(device, num_blocks, block_bytes)
+    raise PoolMemoryError(f"unknown device {device!r}: use auto, cpu or cuda:N")
+
+
+def _gpu_present() -> bool:
+    # torch takes seconds to import; a machine without NVIDIA device nodes needs no asking.
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def available_host_memory() -> int | None:
+    """Bytes this process may still take: MemAvailable, capped by a cgroup v2 limit."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            room = int(limit) - used
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+class ShmMemory:
+    """A memfd: anonymous, sealed to its size, freed when the last mapping and fd go.
+
+    memd needs no tensor library for it: zeroing and copying pages are memset
+    and memmove on the mapping (ctypes releases the GIL for both).
+    """
+
+    backend = "shm"
+    device = "cpu"
+
+    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+        size = num_blocks * block_bytes
+        available = available_host_memory()
+        if available is not None and size > available:
+            raise PoolMemoryError(
+                f"pool of {format_size(size)} does not fit: {format_size(available)} of host memory available")
+        self.size, self.block_bytes = size, block_bytes
+        self.fd = os.memfd_create("kvpool-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            # Populate now so a short machine fails at start-up, not under load.
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as exc:
+            os.close(self.fd)
+            raise PoolMemoryError(f"cannot allocate a pool of {format_size(size)}: {exc.strerror}") from None
+        # Sealed: no process can shrink the file under another's mapping.
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self._base = ctypes.addressof(self._anchor)
+
+    def export(self) -> dict[str, Any]:
+        return {"backend": "shm", "size": self.size}
+
+    def apply(self, effects: list[Effect]) -> None:
+        base, size = self._base, self.block_bytes
+        for kind, a, b in effects:
+            if kind == "zero":
+                ctypes.memset(base + a * size, 0, size)
+            else:
+                ctypes.memmove(base + b * size, base + a * size, size)
+
+    def read(self, block: int) -> bytes:
+        """A copy of one page, for tests and debugging."""
+        return self._map[block * self.block_bytes:(block + 1) * self.block_bytes]
+
+    def close(self) -> None:
+        del self._anchor
+        self._map.close()
+        os.close(self.fd)
+
+
+class CudaMemory:
+    """One device tensor for the whole pool, exported through its CUDA IPC handle."""
+
+    backend = "cuda"
+
+    def __init__(self, device: str, num_blocks: int, block_bytes: int) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PoolMemoryError(f"device {device!r} asked for, but torch sees no CUDA GPU")
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if "expandable_segments:True" in conf.replace(" ", ""):
+            raise PoolMemoryError("PYTORCH_CUDA_ALLOC_CONF enables expandable_segments, whose memory "
+                                  "CUDA IPC cannot share; unset it for memd")
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        if index >= torch.cuda.device_count():
+            raise PoolMemoryError(f"{device}: only {torch.cuda.device_count()} GPU(s) visible")
+        props = torch.cuda.get_device_properties(index)
+        if "MIG" in props.name or os.environ.get("CUDA_VISIBLE_DEVICES", "").startswith("MIG-"):
+            raise PoolMemoryError(f"{device} is a MIG instance: MIG has no CUDA IPC, so workers cannot map "
+                                  "the pool; run memd on a whole GPU")
+        size = num_blocks * block_bytes
+        free, _total = torch.cuda.mem_get_info(index)
+        if size > free:
+            raise PoolMemoryError(f"pool of {format_size(size)} does not fit: {format_size(free)} free on {device}")
+        try:
+            flat = torch.zeros(size, dtype=torch.uint8, device=f"cuda:{index}")
+        except torch.cuda.OutOfMemoryError as exc:
+            raise PoolMemoryError(f"cannot allocate a pool of {format_size(size)} on {device}: {exc}") from None
+        torch.cuda.synchronize(index)
+        self.index = index
+        self.device = f"cuda:{index}"
+        self.uuid = str(props.uuid)
+        self.pages = flat.view(num_blocks, block_bytes)
+        self._stream = torch.cuda.Stream(index)
+
+    def export(self) -> dict[str, Any]:
+        (_device, handle, size, offset, ref_handle, ref_offset, event_handle,
+         event_sync) = self.pages.untyped_storage()._share_cuda_()
+        return {"backend": "cuda", "uuid": self.uuid, "handle": bytes(handle), "size": int(size),
+                "offset": int(offset), "ref_counter_handle": bytes(ref_handle),
+                "ref_counter_offset": int(ref_offset), "event_handle": bytes(event_handle or b""),
+                "event_sync_required": bool(event_sync)}
+
+    def apply(self, effects: list[Effect]) -> None:
+        """Zero and copy pages in Step order, batching runs of zeros into one kernel.
+
+        Finished before the reply: the worker writes on its own stream, in its own process.
+        """
+        import torch
+
+        pages, zeros = self.pages, []
+        with torch.cuda.stream(self._stream):
+            for kind, a, b in effects:
+                if kind == "zero":
+                    zeros.append(a)
+                    continue
+                if zeros:
+                    pages.index_fill_(0, torch.tensor(zeros, device=pages.device), 0)
+                    zeros = []
+                pages[b].copy_(pages[a])
+            if zeros:
+                pages.index_fill_(0, torch.tensor(zeros, device=pages.device), 0)
+        self._stream.synchronize()
+
+    def close(self) -> None:
+        """The pool lives as long as memd: workers may still have it mapped."""

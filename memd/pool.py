@@ -1,0 +1,227 @@
+"""The pages: which are free, who references them, what prefix they cache.
+
+Invariants (`BlockPool.violations` checks them):
+- a block is in the free queue exactly when its ref count is 0, and at most once;
+- a block carries a content hash exactly when `by_hash` maps that hash to it.
+
+Allocation order: a freed block that caches no prefix goes to the front of the
+free queue, a freed block with a content hash to the back. Allocation pops the
+front, so worthless blocks are reused first and cached prefixes live longest,
+least recently freed evicted first.
+
+Every mutation can be journaled: a Step applies its operations one by one and,
+if a later one fails, replays the journal backwards so that nothing changed.
+The free queue is a linked list whose removed nodes keep their links, so undo
+in reverse order puts each block back exactly where it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from memd.errors import PoolExhausted
+
+
+class Journal:
+    """Undo records of one Step; `rollback` restores the state before it."""
+
+    __slots__ = ("_undo",)
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+    def record(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._undo.append((fn, args))
+
+    def rollback(self) -> None:
+        while self._undo:
+            fn, args = self._undo.pop()
+            fn(*args)
+
+
+class FreeQueue:
+    """Doubly linked list of block ids in two int arrays; every operation is O(1)."""
+
+    __slots__ = ("_end", "_len", "_member", "_next", "_prev")
+
+    def __init__(self, num_blocks: int) -> None:
+        end = num_blocks                          # the sentinel node
+        self._end = end
+        self._next = list(range(1, num_blocks + 1)) + [0 if num_blocks else end]
+        self._prev = [end] + list(range(num_blocks - 1)) + [num_blocks - 1 if num_blocks else end]
+        self._member = bytearray(b"\x01" * num_blocks)
+        self._len = num_blocks
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, block: int) -> bool:
+        return bool(self._member[block])
+
+    def __iter__(self) -> Iterator[int]:
+        node, seen = self._next[self._end], 0
+        while node != self._end and seen <= self._len:
+            yield node
+            node, seen = self._next[node], seen + 1
+
+    def _insert_after(self, block: int, prev: int) -> None:
+        nxt = self._next[prev]
+        self._prev[block], self._next[block] = prev, nxt
+        self._next[prev] = block
+        self._prev[nxt] = block
+        self._member[block] = 1
+        self._len += 1
+
+    def push_front(self, block: int) -> None:
+        self._insert_after(block, self._end)
+
+    def push_back(self, block: int) -> None:
+        self._insert_after(block, self._prev[self._end])
+
+    def remove(self, block: int) -> None:
+        prev, nxt = self._prev[block], self._next[block]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._member[block] = 0
+        self._len -= 1
+
+    def relink(self, block: int) -> None:
+        """Undo the latest `remove(block)`: valid only in reverse order of removals."""
+        self._next[self._prev[block]] = block
+        self._prev[self._next[block]] = block
+        self._member[block] = 1
+        self._len += 1
+
+    def pop_front(self) -> int:
+        block = self._next[self._end]
+        self.remove(block)
+        return block
+
+
+class BlockPool:
+    """Ref counts, the free queue and the prefix-cache index of `num_blocks` pages."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.free = FreeQueue(num_blocks)
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        # Written since it was last zeroed: the pool starts zeroed, so a page's
+        # first allocation needs no memset.
+        self.dirty = bytearray(num_blocks)
+        self.last_access = [0.0] * num_blocks
+        self.journal: Journal | None = None
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks still holding a reusable prefix."""
+        return sum(1 for b in self.free if self.hash_of[b] is not None)
+
+    def allocate(self) -> tuple[int, bool]:
+        """A block with ref count 1 for new content, and whether its page must be zeroed."""
+        if not self.free:
+            raise PoolExhausted(1, 0)
+        block = self.free.pop_front()
+        old_hash, old_tokens, was_dirty = self.hash_of[block], self.tokens_of[block], self.dirty[block]
+        if old_hash is not None:
+            del self.by_hash[old_hash]
+            self.hash_of[block] = self.tokens_of[block] = None
+        self.ref[block] = 1
+        self.dirty[block] = 1
+        self.last_access[block] = time.monotonic()
+        if self.journal is not None:
+            self.journal.record(self._undo_allocate, block, old_hash, old_tokens, was_dirty)
+        return block, bool(was_dirty)
+
+    def _undo_allocate(self, block: int, old_hash: bytes | None, old_tokens: tuple[int, ...] | None,
+                       was_dirty: int) -> None:
+        self.ref[block] = 0
+        self.dirty[block] = was_dirty
+        if old_hash is not None:
+            self.hash_of[block], self.tokens_of[block] = old_hash, old_tokens
+            self.by_hash[old_hash] = block
+        self.free.relink(block)
+
+    def incref(self, block: int) -> None:
+        if self.ref[block] == 0:
+            self.free.remove(block)
+        self.ref[block] += 1
+        self.last_access[block] = time.monotonic()
+        if self.journal is not None:
+            self.journal.record(self._undo_incref, block)
+
+    def _undo_incref(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free.relink(block)
+
+    def decref(self, block: int) -> bool:
+        """Drop one reference; True when the block became free."""
+        self.ref[block] -= 1
+        freed = self.ref[block] == 0
+        if freed:
+            if self.hash_of[block] is None:
+                self.free.push_front(block)
+            else:
+                self.free.push_back(block)
+            self.last_access[block] = time.monotonic()
+        if self.journal is not None:
+            self.journal.record(self._undo_decref, block, freed)
+        return freed
+
+    def _undo_decref(self, block: int, freed: bool) -> None:
+        if freed:
+            self.free.remove(block)
+        self.ref[block] += 1
+
+    def register(self, block: int, digest: bytes, tokens: tuple[int, ...]) -> None:
+        """Offer a full, committed block to the prefix cache; first come keeps the hash."""
+        if self.hash_of[block] is not None or digest in self.by_hash:
+            return
+        self.hash_of[block], self.tokens_of[block] = digest, tokens
+        self.by_hash[digest] = block
+        if self.journal is not None:
+            self.journal.record(self._undo_register, block, digest)
+
+    def _undo_register(self, block: int, digest: bytes) -> None:
+        del self.by_hash[digest]
+        self.hash_of[block] = self.tokens_of[block] = None
+
+    def lookup(self, digest: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The cached block for a prefix; token ids are compared so a hash collision never hits."""
+        block = self.by_hash.get(digest)
+        if block is None or self.tokens_of[block] != tokens:
+            return None
+        return block
+
+    def violations(self) -> list[str]:
+        problems: list[str] = []
+        seen: set[int] = set()
+        for block in self.free:
+            if block in seen:
+                problems.append(f"block {block} is in the free queue twice")
+            seen.add(block)
+        if len(seen) != len(self.free):
+            problems.append(f"free queue holds {len(seen)} blocks but counts {len(self.free)}")
+        for block in range(self.num_blocks):
+            ref, queued = self.ref[block], block in seen
+            if ref < 0:
+                problems.append(f"block {block} has negative ref count {ref}")
+            if (ref == 0) != queued:
+                where = "in" if queued else "not in"
+                problems.append(f"block {block} has ref count {ref} but is {where} the free queue")
+            digest = self.hash_of[block]
+            if digest is not None and self.by_hash.get(digest) != block:
+                problems.append(f"block {block} carries a hash the prefix index does not map to it")
+        for digest, block in self.by_hash.items():
+            if self.hash_of[block] != digest:
+                problems.append(f"prefix index maps a hash to block {block}, which carries another")
+        return problems

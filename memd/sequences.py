@@ -1,0 +1,94 @@
+"""Sequences, their block tables and the content hashes of their full blocks.
+
+A block table is the seed's two-level index (§3.2): a dict from sequence id
+to a compact list of block ids, block i holding tokens [i*bs, (i+1)*bs).
+Token ids are the sequence's history; the first `num_committed` of them have
+their K/V written in the blocks. Tokens past that are known but not yet
+written (a sampled token, or the history of a dropped sequence) and are
+recomputed by whichever worker resumes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from memd.errors import PositionError
+
+
+class SeqState(StrEnum):
+    RUNNING = "running"   # owned by one worker, never evicted by policy
+    PARKED = "parked"     # between turns: owned by memd, resumable by any worker of its model
+    DROPPED = "dropped"   # pages released; token ids kept so a resume recomputes
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    model: str
+    block_size: int
+    owner: int | None                  # worker id; None once memd owns it
+    state: SeqState
+    block_ids: list[int]
+    num_committed: int
+    token_ids: list[int]
+    hashes: list[bytes] = field(default_factory=list)   # of the leading full committed blocks
+    session_id: str | None = None
+    last_access: float = 0.0
+    heat: float = 0.0
+    heat_at: float = 0.0
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.num_committed // self.block_size
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the block table has slots for."""
+        return len(self.block_ids) * self.block_size
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)
+
+
+def locate(seq: Sequence, pos: int) -> tuple[int, int]:
+    """Block id and offset of token `pos`; positions are never negative."""
+    if not 0 <= pos < seq.num_committed:
+        raise PositionError(seq.seq_id, pos, seq.num_committed)
+    return seq.block_ids[pos // seq.block_size], pos % seq.block_size
+
+
+class PrefixHasher:
+    """Chained, keyed content hashes of full blocks: (parent, model, token ids) -> digest.
+
+    Keyed BLAKE2b with a per-process secret: a client cannot craft two prompts
+    whose blocks collide, and lookups compare token ids anyway.
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key[:64]
+
+    def block_hash(self, parent: bytes, model: str, tokens: tuple[int, ...]) -> bytes:
+        h = hashlib.blake2b(key=self._key, digest_size=16)
+        h.update(parent)
+        h.update(model.encode())
+        h.update(b"\0")
+        h.update(len(tokens).to_bytes(4, "little"))
+        h.update(array("I", tokens).tobytes())
+        return h.digest()
+
+    def chain(self, model: str, token_ids: list[int], block_size: int, start: int, parent: bytes,
+              stop: int) -> list[tuple[bytes, tuple[int, ...]]]:
+        """Hashes and token tuples of full blocks `start` .. `stop`-1."""
+        out = []
+        for i in range(start, stop):
+            tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+            parent = self.block_hash(parent, model, tokens)
+            out.append((parent, tokens))
+        return out

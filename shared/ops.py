@@ -1,0 +1,77 @@
+"""The operations of a Step, as plain values.
+
+Workers build these (through `shared.client`), memd applies them
+(`memd.manager`); `shared.wire` turns them into protobuf and back. A Step is a
+list of them, applied in order, all or nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class Open:
+    """A new RUNNING sequence for `token_ids`; cached full blocks are shared, not recomputed."""
+
+    token_ids: list[int]
+    reserve: int = 0                 # writable slots wanted past the tokens
+    session_id: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Extend:
+    """`append` joins the history; the first `commit_to` tokens have K/V written (0: unchanged)."""
+
+    seq_id: int
+    append: list[int] = field(default_factory=list)
+    commit_to: int = 0
+    reserve: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Park:
+    """End of turn: commit, release pages past the committed tokens, hand the sequence to memd."""
+
+    seq_id: int
+    append: list[int] = field(default_factory=list)
+    commit_to: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Resume:
+    """Take a PARKED or DROPPED sequence, by id or session, back to RUNNING on this worker."""
+
+    seq_id: int | None = None
+    session_id: str | None = None
+    reserve: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Free:
+    seq_id: int
+
+
+@dataclass(slots=True, frozen=True)
+class Fork:
+    """A child sharing the parent's full committed blocks; the partly written tail is copied."""
+
+    seq_id: int
+    session_id: str | None = None
+
+
+Op = Open | Extend | Park | Resume | Free | Fork
+
+
+@dataclass(slots=True)
+class OpResult:
+    """What one operation left: `block_ids` replaces the block table from `first_block` on."""
+
+    seq_id: int
+    state: str
+    first_block: int
+    block_ids: list[int]
+    num_blocks: int
+    num_committed: int
+    num_cached: int = 0
+    token_ids: list[int] | None = None   # resume and fork: the whole history

@@ -1,0 +1,333 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Geometry(_message.Message):
+    __slots__ = ("backend", "num_blocks", "block_bytes", "pool_bytes", "block_size", "bytes_per_token", "generation")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    num_blocks: int
+    block_bytes: int
+    pool_bytes: int
+    block_size: int
+    bytes_per_token: int
+    generation: int
+    def __init__(self, backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("name", "pid", "model", "block_size", "bytes_per_token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pid: int
+    model: str
+    block_size: int
+    bytes_per_token: int
+    def __init__(self, name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("worker_id", "geometry", "pool_handle", "lease_timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    geometry: Geometry
+    pool_handle: bytes
+    lease_timeout_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pool_handle: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SessionUp(_message.Message):
+    __slots__ = ("worker_id", "goodbye")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    goodbye: bool
+    def __init__(self, worker_id: _Optional[int] = ..., goodbye: _Optional[bool] = ...) -> None: ...
+
+class SessionDown(_message.Message):
+    __slots__ = ("event", "seq_id", "reason")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    event: str
+    seq_id: int
+    reason: str
+    def __init__(self, event: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("worker_id", "ops")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    ops: _containers.RepeatedCompositeFieldContainer[Op]
+    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ...) -> None: ...
+
+class Op(_message.Message):
+    __slots__ = ("open", "extend", "park", "resume", "free", "fork")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    PARK_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    open: OpenOp
+    extend: ExtendOp
+    park: ParkOp
+    resume: ResumeOp
+    free: FreeOp
+    fork: ForkOp
+    def __init__(self, open: _Optional[_Union[OpenOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., park: _Optional[_Union[ParkOp, _Mapping]] = ..., resume: _Optional[_Union[ResumeOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ...) -> None: ...
+
+class OpenOp(_message.Message):
+    __slots__ = ("session_id", "token_ids", "reserve")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    reserve: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve: _Optional[int] = ...) -> None: ...
+
+class ExtendOp(_message.Message):
+    __slots__ = ("seq_id", "append", "commit_to", "reserve")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    append: _containers.RepeatedScalarFieldContainer[int]
+    commit_to: int
+    reserve: int
+    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., reserve: _Optional[int] = ...) -> None: ...
+
+class ParkOp(_message.Message):
+    __slots__ = ("seq_id", "append", "commit_to")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    append: _containers.RepeatedScalarFieldContainer[int]
+    commit_to: int
+    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ...) -> None: ...
+
+class ResumeOp(_message.Message):
+    __slots__ = ("seq_id", "session_id", "reserve")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    session_id: str
+    reserve: int
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., reserve: _Optional[int] = ...) -> None: ...
+
+class FreeOp(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class ForkOp(_message.Message):
+    __slots__ = ("seq_id", "session_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    session_id: str
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class OpResult(_message.Message):
+    __slots__ = ("seq_id", "state", "first_block", "block_ids", "num_blocks", "num_committed", "num_cached", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    state: str
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: int
+    num_committed: int
+    num_cached: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_cached: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("results", "free_blocks")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[OpResult]
+    free_blocks: int
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes", "workers", "sequences", "counters", "backend", "device", "generation", "uptime_s", "bytes_per_token", "block_size")
+    class SequencesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    block_bytes: int
+    pool_bytes: int
+    workers: int
+    sequences: _containers.ScalarMap[str, int]
+    counters: _containers.ScalarMap[str, int]
+    backend: str
+    device: str
+    generation: int
+    uptime_s: float
+    bytes_per_token: int
+    block_size: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockRow(_message.Message):
+    __slots__ = ("block_id", "ref_count", "last_access", "seq_ids", "state", "heat", "owners")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HEAT_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    ref_count: int
+    last_access: float
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    state: str
+    heat: float
+    owners: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_id: _Optional[int] = ..., ref_count: _Optional[int] = ..., last_access: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., heat: _Optional[float] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SeqRow(_message.Message):
+    __slots__ = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "block_ids", "model", "last_access")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    session_id: str
+    state: str
+    owner: int
+    num_committed: int
+    num_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    last_access: float
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ...) -> None: ...
+
+class WorkerRow(_message.Message):
+    __slots__ = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    name: str
+    pid: int
+    model: str
+    block_size: int
+    last_seen: float
+    running: int
+    def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., last_seen: _Optional[float] = ..., running: _Optional[int] = ...) -> None: ...
+
+class SnapshotReply(_message.Message):
+    __slots__ = ("taken_at", "block_bytes", "blocks", "sequences", "workers")
+    TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    taken_at: float
+    block_bytes: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRow]
+    sequences: _containers.RepeatedCompositeFieldContainer[SeqRow]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerRow]
+    def __init__(self, taken_at: _Optional[float] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRow, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[SeqRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("seq_id", "session_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    session_id: str
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class EvictReply(_message.Message):
+    __slots__ = ("seq_ids", "blocks_freed")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    blocks_freed: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., blocks_freed: _Optional[int] = ...) -> None: ...
+
+class CheckRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckReply(_message.Message):
+    __slots__ = ("ok", "violations")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    violations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ok: _Optional[bool] = ..., violations: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,197 @@
+"""Fixtures that start real memd and worker processes and always clean them up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.client import MemdAdmin
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 60.0
+
+
+class LogWatch:
+    """memd's JSON log lines as events a test can await."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        self._changed = asyncio.Condition()
+        self._task = asyncio.create_task(self._pump(stream))
+
+    async def _pump(self, stream: asyncio.StreamReader) -> None:
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            self.raw.append(text)
+            with contextlib.suppress(json.JSONDecodeError):
+                event = json.loads(text)
+                if isinstance(event, dict):
+                    self.events.append(event)
+            async with self._changed:
+                self._changed.notify_all()
+        async with self._changed:
+            self._changed.notify_all()
+
+    def find(self, event: str, **fields: Any) -> dict[str, Any] | None:
+        for e in self.events:
+            if e.get("event") == event and all(e.get(k) == v for k, v in fields.items()):
+                return e
+        return None
+
+    async def wait_for(self, event: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        async def found() -> dict[str, Any]:
+            async with self._changed:
+                while (hit := self.find(event, **fields)) is None:
+                    if self._task.done():
+                        raise AssertionError(f"memd exited before logging {event!r}: {self.raw[-5:]}")
+                    await self._changed.wait()
+                return hit
+        return await asyncio.wait_for(found(), timeout)
+
+
+class MemdProcess:
+    def __init__(self, proc: asyncio.subprocess.Process, address: str, log: LogWatch) -> None:
+        self.proc, self.address, self.log = proc, address, log
+
+    def admin(self) -> MemdAdmin:
+        return MemdAdmin(self.address)
+
+    async def stop(self) -> int:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return await asyncio.wait_for(self.proc.wait(), 30)
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+
+
+async def start_memd(tmp: Path, *args: str, name: str = "memd") -> MemdProcess:
+    """Start memd and return once it said READY=1 on a notify socket of the test's own."""
+    sock_path = tmp / f"{name}.sock"
+    notify_path = tmp / f"{name}.notify"
+    address = f"unix:{sock_path}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.setblocking(False)
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
+    flags = list(args)
+    if "--listen" not in flags:
+        flags += ["--listen", address]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "memd", "--log-format", "json", *flags,
+        env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    log = LogWatch(proc.stderr)
+    loop = asyncio.get_running_loop()
+    try:
+        ready = asyncio.ensure_future(_await_ready(loop, listener))
+        exited = asyncio.ensure_future(proc.wait())
+        done, _ = await asyncio.wait({ready, exited}, timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        if ready not in done:
+            ready.cancel()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            await asyncio.sleep(0)
+            raise AssertionError(f"memd did not become ready: {log.raw[-5:]}")
+        exited.cancel()
+    finally:
+        listener.close()
+    return MemdProcess(proc, address, log)
+
+
+async def _await_ready(loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
+    while b"READY=1" not in (await loop.sock_recv(listener, 4096)).split(b"\n"):
+        pass
+
+
+@pytest.fixture
+async def memd_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    started: list[MemdProcess] = []
+
+    async def factory(*args: str, name: str = "memd") -> MemdProcess:
+        proc = await start_memd(tmp_path, *args, name=name)
+        started.append(proc)
+        return proc
+
+    yield factory
+    for proc in started:
+        await proc.kill()
+
+
+@pytest.fixture
+async def memd(memd_factory: Callable[..., Any]) -> MemdProcess:
+    """A memd on CPU shared memory: 64 pages of 4 KiB, 16 tokens per block by default."""
+    return await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB",
+                              "--lease-timeout", "30")
+
+
+class WorkerProcess:
+    """A real worker process (tests/worker_proc.py) driven by JSON commands."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.worker_id = 0
+
+    async def call(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write((json.dumps({"cmd": cmd, **fields}) + "\n").encode())
+        await self.proc.stdin.drain()
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+        if not line:
+            raise AssertionError("worker process exited")
+        reply = json.loads(line)
+        if "exception" in reply:
+            raise AssertionError(f"worker raised {reply['exception']}")
+        return reply
+
+    async def step(self, *ops: dict[str, Any]) -> list[dict[str, Any]]:
+        reply = await self.call("step", ops=list(ops))
+        if "error" in reply:
+            raise AssertionError(f"step refused: {reply['error']}")
+        return reply["results"]
+
+    async def step_error(self, *ops: dict[str, Any]) -> dict[str, Any]:
+        reply = await self.call("step", ops=list(ops))
+        assert "error" in reply, f"step should have been refused: {reply}"
+        return reply["error"]
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+
+
+@pytest.fixture
+async def spawn_worker() -> AsyncIterator[Callable[..., Any]]:
+    spawned: list[WorkerProcess] = []
+
+    async def spawn(address: str, **attach: Any) -> WorkerProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(ROOT / "tests" / "worker_proc.py"), cwd=ROOT,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        worker = WorkerProcess(proc)
+        spawned.append(worker)
+        reply = await worker.call("attach", address=address, **({"block_size": 16} | attach))
+        worker.worker_id = reply["worker_id"]
+        return worker
+
+    yield spawn
+    for worker in spawned:
+        if worker.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.send_signal(signal.SIGCONT)
+        await worker.kill()
