@@ -38,21 +38,35 @@ class StartupError(RuntimeError):
     """memd cannot start as configured; the message says why in one line."""
 
 
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memd", description="kvpool's KV block pool daemon.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    p.add_argument("--pool-bytes", type=parse_size, default=parse_size("256MiB"),
+    p.add_argument("--pool-bytes", type=size_arg, default=parse_size("256MiB"),
                    help="memory for KV pages, e.g. 64MiB, 20GiB (default: 256MiB)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--block-bytes", type=parse_size, help="bytes of one page (default: 64KiB)")
+    size.add_argument("--block-bytes", type=size_arg, help="bytes of one page (default: 64KiB)")
     size.add_argument("--model", type=Path, help="Hugging Face model dir: derive the page from its config.json")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block with --model (default: 16)")
     p.add_argument("--dtype", help="KV dtype with --model (default: the config's torch_dtype)")
     p.add_argument("--listen", help=f"unix:PATH or HOST:PORT (default: {addr.default_address()})")
-    p.add_argument("--lease-timeout", type=float, default=10.0,
+    p.add_argument("--lease-timeout", type=positive, default=10.0,
                    help="seconds without heartbeats before a worker is reclaimed (default: 10)")
     p.add_argument("--heat-decay", type=float, default=0.9, help="heat factor per interval (default: 0.9)")
-    p.add_argument("--heat-interval", type=float, default=10.0, help="seconds per heat decay (default: 10)")
+    p.add_argument("--heat-interval", type=positive, default=10.0, help="seconds per heat decay (default: 10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     return p

@@ -136,15 +136,17 @@ class BlockPool:
             self.hash_of[block] = self.tokens_of[block] = None
         self.ref[block] = 1
         self.dirty[block] = 1
-        self.last_access[block] = time.monotonic()
         if self.journal is not None:
-            self.journal.record(self._undo_allocate, block, old_hash, old_tokens, was_dirty)
+            self.journal.record(self._undo_allocate, block, old_hash, old_tokens, was_dirty,
+                                self.last_access[block])
+        self.last_access[block] = time.monotonic()
         return block, bool(was_dirty)
 
     def _undo_allocate(self, block: int, old_hash: bytes | None, old_tokens: tuple[int, ...] | None,
-                       was_dirty: int) -> None:
+                       was_dirty: int, last_access: float) -> None:
         self.ref[block] = 0
         self.dirty[block] = was_dirty
+        self.last_access[block] = last_access
         if old_hash is not None:
             self.hash_of[block], self.tokens_of[block] = old_hash, old_tokens
             self.by_hash[old_hash] = block
@@ -154,11 +156,12 @@ class BlockPool:
         if self.ref[block] == 0:
             self.free.remove(block)
         self.ref[block] += 1
-        self.last_access[block] = time.monotonic()
         if self.journal is not None:
-            self.journal.record(self._undo_incref, block)
+            self.journal.record(self._undo_incref, block, self.last_access[block])
+        self.last_access[block] = time.monotonic()
 
-    def _undo_incref(self, block: int) -> None:
+    def _undo_incref(self, block: int, last_access: float) -> None:
+        self.last_access[block] = last_access
         self.ref[block] -= 1
         if self.ref[block] == 0:
             self.free.relink(block)
@@ -167,17 +170,18 @@ class BlockPool:
         """Drop one reference; True when the block became free."""
         self.ref[block] -= 1
         freed = self.ref[block] == 0
+        if self.journal is not None:
+            self.journal.record(self._undo_decref, block, freed, self.last_access[block])
         if freed:
             if self.hash_of[block] is None:
                 self.free.push_front(block)
             else:
                 self.free.push_back(block)
             self.last_access[block] = time.monotonic()
-        if self.journal is not None:
-            self.journal.record(self._undo_decref, block, freed)
         return freed
 
-    def _undo_decref(self, block: int, freed: bool) -> None:
+    def _undo_decref(self, block: int, freed: bool, last_access: float) -> None:
+        self.last_access[block] = last_access
         if freed:
             self.free.remove(block)
         self.ref[block] += 1

@@ -20,6 +20,7 @@ import contextlib
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -27,10 +28,12 @@ import structlog
 from shared import address as addr
 from shared.geometry import PoolGeometry
 from shared.ops import Fork, Op, OpResult, Resume
-from shared.poolmap import MappedPool, map_pool
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.wire import OP_INDEX_KEY, decode_handle, op_to_proto, result_from_proto
+
+if TYPE_CHECKING:
+    from shared.poolmap import MappedPool
 
 log = structlog.get_logger("kvpool.client")
 
@@ -100,6 +103,8 @@ class MemdClient:
         pool = None
         try:
             if map_memory:
+                from shared.poolmap import map_pool  # torch: seconds to import, needless for admin tools
+
                 pool = await asyncio.to_thread(map_pool, decode_handle(reply.pool_handle), attachment.geometry)
             client = cls(chan, attachment, pool)
             await client._start_lease()

@@ -12,7 +12,7 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     """`fmt` is "json", "console" or "auto" (console when stderr is a terminal)."""
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = (structlog.dev.ConsoleRenderer() if fmt == "console"
+    renderer = (structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if fmt == "console"
                 else structlog.processors.JSONRenderer())
     structlog.configure(
         processors=[

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ class MemdProcess:
 async def start_memd(tmp: Path, *args: str, name: str = "memd") -> MemdProcess:
     """Start memd and return once it said READY=1 on a notify socket of the test's own."""
     sock_path = tmp / f"{name}.sock"
-    notify_path = tmp / f"{name}.notify"
+    notify_path = Path(tempfile.mkdtemp(dir=tmp)) / "notify"
     address = f"unix:{sock_path}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
