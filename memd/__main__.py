@@ -115,9 +115,11 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     ])
     pb_grpc.add_MemdServicer_to_server(service, server)
     try:
-        server.add_insecure_port(target)
+        port = server.add_insecure_port(target)
     except RuntimeError:
         raise StartupError(f"cannot listen on {target}") from None
+    if sock_path is None and target.endswith(":0"):
+        target = f"{target[:-2]}:{port}"          # report the port the kernel chose
     await server.start()
     if sock_path is not None:
         os.chmod(sock_path, 0o660)

@@ -145,6 +145,7 @@ class MemdService(pb_grpc.MemdServicer):
     # ---- admin ---------------------------------------------------------
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
+        log.debug("rpc", method="Stats")
         m, g = self.manager, self.manager.geometry
         free = m.pool.num_free
         return pb.StatsReply(
@@ -156,6 +157,7 @@ class MemdService(pb_grpc.MemdServicer):
             block_size=g.block_size)
 
     async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotReply:
+        log.debug("rpc", method="Snapshot")
         m, now = self.manager, time.monotonic()
         holders: dict[int, list] = {}
         for seq in m.seqs.values():
@@ -186,6 +188,7 @@ class MemdService(pb_grpc.MemdServicer):
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:
         target = request.WhichOneof("target")
+        log.debug("rpc", method="Evict", target=target)
         try:
             if target is None:
                 raise InvalidArgument("evict needs a sequence id or a session id")
@@ -197,4 +200,5 @@ class MemdService(pb_grpc.MemdServicer):
 
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckReply:
         violations = self.manager.violations()
+        log.debug("rpc", method="Check", violations=len(violations))
         return pb.CheckReply(ok=not violations, violations=violations)

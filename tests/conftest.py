@@ -79,15 +79,17 @@ class MemdProcess:
         await self.proc.wait()
 
 
-async def start_memd(tmp: Path, *args: str, name: str = "memd") -> MemdProcess:
+async def start_memd(tmp: Path, *args: str, name: str = "memd", env: dict[str, str] | None = None) -> MemdProcess:
     """Start memd and return once it said READY=1 on a notify socket of the test's own."""
     sock_path = tmp / f"{name}.sock"
     notify_path = Path(tempfile.mkdtemp(dir=tmp)) / "notify"
     address = f"unix:{sock_path}"
+    if "--listen" in args:
+        address = args[list(args).index("--listen") + 1]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
     listener.setblocking(False)
-    env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
+    env = {**os.environ, **(env or {}), "NOTIFY_SOCKET": str(notify_path)}
     flags = list(args)
     if "--listen" not in flags:
         flags += ["--listen", address]
@@ -123,8 +125,8 @@ async def _await_ready(loop: asyncio.AbstractEventLoop, listener: socket.socket)
 async def memd_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     started: list[MemdProcess] = []
 
-    async def factory(*args: str, name: str = "memd") -> MemdProcess:
-        proc = await start_memd(tmp_path, *args, name=name)
+    async def factory(*args: str, name: str = "memd", env: dict[str, str] | None = None) -> MemdProcess:
+        proc = await start_memd(tmp_path, *args, name=name, env=env)
         started.append(proc)
         return proc
 

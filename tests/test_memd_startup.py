@@ -81,3 +81,13 @@ async def test_sigterm_stops_cleanly_and_removes_the_socket(memd_factory, tmp_pa
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "1MiB")
     assert await memd.stop() == 0
     assert not (tmp_path / "memd.sock").exists() and not (tmp_path / "memd.sock.fd").exists()
+
+
+async def test_memd_serves_over_tcp_when_asked(memd_factory, tmp_path):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "1MiB", "--listen", "127.0.0.1:0",
+                              env={"XDG_RUNTIME_DIR": str(tmp_path), "RUNTIME_DIRECTORY": ""})
+    address = (await memd.log.wait_for("memd ready"))["listen"]
+    assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+    async with await MemdClient.attach(address, block_size=16) as client:   # the pool fd comes over a side socket
+        assert client.pool is not None and client.pool.pages.shape == (16, 65536)
+    assert any((tmp_path / "kvpool").glob("memd-*.fd"))

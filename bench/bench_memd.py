@@ -1,0 +1,302 @@
+"""How fast memd's control plane is: the allocator, the Step RPC, worker reclaim.
+
+    .venv/bin/python bench/bench_memd.py [--seconds 3] [--json]
+
+Three questions, each answered by a real code path rather than a model of it:
+1. What does the allocator cost with no RPC around it? `KvManager.step`
+   (open a sequence of N blocks, free it) and the raw `BlockPool`.
+2. How many decode Steps per second does one memd answer? Real client
+   processes attach over the Unix socket; each Step carries 16 `Extend`s, one
+   token per open sequence, so a page is allocated about once per Step.
+3. How soon after a worker dies does memd get its pages back? A worker is
+   SIGKILLed; the clock stops when memd logs "worker reclaimed".
+
+Client processes start together on a barrier, so their (slow: torch) imports
+are outside every measured window. Nothing here sleeps to wait for anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from memd.manager import KvManager
+from memd.pool import BlockPool
+from shared.geometry import plan_pool
+from shared.ops import Extend, Free, Open
+from shared.sizes import parse_size
+
+POOL, PAGE, BLOCK_SIZE = "256MiB", "16KiB", 16
+SEQS = 16                 # sequences per client: one Extend each per Step
+MAX_SEQ_TOKENS = 1024     # a sequence is freed and reopened here, or earlier if the pool share is tight
+BLOCKS_PER_SEQ = 64       # the in-process open/free cycle
+START_TIMEOUT_S = 120.0   # spawning clients imports torch: seconds each on a small machine
+
+
+# ---- 1. in-process allocator -------------------------------------------------
+
+def bench_manager(seconds: float) -> float:
+    """Blocks/s through a whole Step: journal, prefix lookup, effects; freed again in a second Step."""
+    geometry = plan_pool(parse_size(POOL), block_bytes=parse_size(PAGE))
+    manager = KvManager(geometry)
+    worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
+    prompt = list(range(BLOCKS_PER_SEQ * BLOCK_SIZE - 1))     # + reserve=1: exactly BLOCKS_PER_SEQ pages
+    blocks, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        opened, = manager.step(worker, [Open(prompt, reserve=1)]).results
+        manager.step(worker, [Free(opened.seq_id)])
+        blocks += opened.num_blocks
+    return blocks / elapsed
+
+
+def bench_pool(seconds: float) -> float:
+    """Blocks/s of `BlockPool.allocate` + `decref` alone: the floor under every Step."""
+    pool = BlockPool(plan_pool(parse_size(POOL), block_bytes=parse_size(PAGE)).num_blocks)
+    blocks, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        taken = [pool.allocate()[0] for _ in range(BLOCKS_PER_SEQ)]
+        for block in taken:
+            pool.decref(block)
+        blocks += len(taken)
+    return blocks / elapsed
+
+
+# ---- client processes (spawned) ----------------------------------------------
+
+def client_main(kind: str, address: str, index: int, nclients: int, seconds: float,
+                barrier: mp.synchronize.Barrier, results: mp.Queue) -> None:
+    """Entry point of a spawned client; every outcome, failure included, goes to `results`."""
+    try:
+        if kind == "decode":
+            results.put(asyncio.run(decode_client(address, index, nclients, seconds, barrier)))
+        else:
+            asyncio.run(victim_client(address, index, results))
+    except BaseException as exc:
+        barrier.abort()                       # release the others rather than leave them waiting
+        results.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
+
+
+async def decode_client(address: str, index: int, nclients: int, seconds: float,
+                        barrier: mp.synchronize.Barrier) -> dict:
+    """Decode Steps on SEQS sequences for `seconds`; returns steps done and each Step's latency."""
+    from shared.client import MemdClient  # imports torch: in the child, before the barrier
+
+    # The control plane is measured, not K/V writes: no need to map the pool.
+    client = await MemdClient.attach(address, name=f"bench-{index}", block_size=BLOCK_SIZE, map_memory=False)
+    share = client.geometry.num_blocks // nclients // SEQS     # pages one sequence may hold
+    limit = min(MAX_SEQ_TOKENS, (share - 1) * BLOCK_SIZE - 1)
+    # Token ids no other client of this or an earlier run used: no prefix-cache hits, every page is new.
+    base = (nclients + index) << 24
+    token = iter(range(base, base + (1 << 24)))
+    # Staggered prompts, so sequences reach `limit` (free, reopen) in different Steps.
+    opened = await client.step(*[Open([next(token) for _ in range(32 + 53 * i)], reserve=1) for i in range(SEQS)])
+    seq_ids = [r.seq_id for r in opened]
+    lengths = [32 + 53 * i for i in range(SEQS)]                # tokens known; each Extend commits all but the newest
+    await asyncio.to_thread(barrier.wait, START_TIMEOUT_S)       # the loop keeps heartbeating meanwhile
+    latencies: list[float] = []
+    start = time.perf_counter()
+    deadline = start + seconds
+    while (now := time.perf_counter()) < deadline:
+        ops = []
+        for i in range(SEQS):
+            if seq_ids[i] == 0:
+                ops.append(Open([next(token) for _ in range(32)], reserve=1))
+            elif lengths[i] >= limit:
+                ops.append(Free(seq_ids[i]))
+            else:   # K/V of the last token written, one token sampled: the decode-step shape
+                ops.append(Extend(seq_ids[i], append=[next(token)], commit_to=lengths[i], reserve=1))
+        results = await client.step(*ops)
+        latencies.append(time.perf_counter() - now)
+        for i, (op, result) in enumerate(zip(ops, results, strict=True)):
+            if isinstance(op, Free):
+                seq_ids[i] = 0
+            elif isinstance(op, Open):
+                seq_ids[i], lengths[i] = result.seq_id, len(op.token_ids)
+            else:
+                lengths[i] += 1
+    elapsed = time.perf_counter() - start
+    await client.step(*[Free(s) for s in seq_ids if s])    # parked sequences would hold pages for the next run
+    await client.close()
+    return {"index": index, "steps": len(latencies), "elapsed": elapsed, "latencies": latencies}
+
+
+async def victim_client(address: str, index: int, results: mp.Queue) -> None:
+    """Hold SEQS running sequences with committed tokens, say so, and wait to be killed."""
+    from shared.client import MemdClient
+
+    client = await MemdClient.attach(address, name=f"victim-{index}", block_size=BLOCK_SIZE, map_memory=False)
+    first = (index * SEQS + 1) * 100                            # distinct prompts: no shared pages
+    opened = await client.step(*[Open(list(range(first + 100 * i, first + 100 * (i + 1))), reserve=1)
+                                 for i in range(SEQS)])
+    await client.step(*[Extend(r.seq_id, commit_to=100, reserve=1) for r in opened])
+    results.put({"index": index, "worker_id": client.worker_id, "pid": os.getpid()})
+    await asyncio.Event().wait()           # heartbeats go on until SIGKILL
+
+
+def run_clients(ctx: mp.context.SpawnContext, kind: str, address: str, n: int, seconds: float) \
+        -> tuple[list[mp.Process], list[dict]]:
+    """Spawn `n` clients and collect one message from each (the decode result, or 'ready')."""
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=client_main, args=(kind, address, i, n, seconds, barrier, results), daemon=True)
+             for i in range(n)]
+    for p in procs:
+        p.start()
+    replies: list[dict] = []
+    deadline = time.monotonic() + START_TIMEOUT_S + seconds
+    while len(replies) < n:
+        try:
+            replies.append(results.get(timeout=0.5))    # a poll period for "did one die", not a wait
+        except queue.Empty:
+            if dead := [p.pid for p in procs if p.exitcode not in (None, 0)]:
+                raise RuntimeError(f"client process {dead[0]} died without reporting") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{n - len(replies)} client(s) did not report in time") from None
+    if errors := [r["error"] for r in replies if "error" in r]:
+        raise RuntimeError(f"client failed: {errors[0]}")
+    return procs, sorted(replies, key=lambda r: r["index"])
+
+
+def summarise_steps(nclients: int, replies: list[dict]) -> dict:
+    lat = sorted(x * 1e3 for r in replies for x in r["latencies"])
+    per_client = [r["steps"] / r["elapsed"] for r in replies]
+    total = sum(per_client)
+    return {"clients": nclients, "steps_per_s": total, "steps_per_s_per_client": total / nclients,
+            "ops_per_s": total * SEQS, "lat_mean_ms": statistics.fmean(lat),
+            "lat_p50_ms": lat[len(lat) // 2], "lat_p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))]}
+
+
+# ---- memd as a subprocess ----------------------------------------------------
+
+class Memd:
+    """memd on CPU shared memory; its JSON log lines arrive, time-stamped on receipt, in `events`."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.address = f"unix:{tmp / 'memd.sock'}"
+        notify_path = tmp / "memd.notify"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        listener.bind(str(notify_path))
+        listener.settimeout(0.5)   # a poll period for "did memd exit instead", not a wait
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", POOL, "--block-bytes", PAGE,
+             "--listen", self.address, "--log-format", "json"],
+            env={**os.environ, "NOTIFY_SOCKET": str(notify_path)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.events: queue.Queue[tuple[float, dict]] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        with listener:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if b"READY=1" in listener.recv(4096).split(b"\n"):
+                        return
+                except TimeoutError:
+                    continue
+        self.kill()
+        raise RuntimeError("memd did not become ready")
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:      # drained always: a full pipe would stall memd
+            try:
+                self.events.put((time.monotonic(), json.loads(line)))
+            except json.JSONDecodeError:
+                pass
+
+    def wait_for(self, event: str, timeout: float = 30.0, **fields: object) -> tuple[float, dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            at, e = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            if e.get("event") == event and all(e.get(k) == v for k, v in fields.items()):
+                return at, e
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def bench_reclaim(ctx: mp.context.SpawnContext, memd: Memd, trials: int) -> list[float]:
+    """Kill-to-"worker reclaimed" in ms, one victim per trial (all started together, killed in turn)."""
+    procs, ready = run_clients(ctx, "victim", memd.address, trials, 0.0)
+    out = []
+    for p, victim in zip(procs, ready, strict=True):
+        killed = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        seen, _ = memd.wait_for("worker reclaimed", worker=victim["worker_id"])
+        out.append((seen - killed) * 1e3)
+        p.join()
+    return out
+
+
+# ---- report ------------------------------------------------------------------
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def report(res: dict) -> str:
+    g = res["geometry"]
+    head = (f"memd bench: {res['cores']} cores, Python {res['python']}, pool {POOL} of {PAGE} pages "
+            f"({g['num_blocks']} blocks, {BLOCK_SIZE} tokens/block), {res['seconds']:g} s per measurement")
+    alloc = table([["in-process allocator", "blocks/s"],
+                   [f"KvManager.step open {BLOCKS_PER_SEQ} blocks + free", f"{res['manager_blocks_per_s']:,.0f}"],
+                   ["BlockPool.allocate + decref", f"{res['pool_blocks_per_s']:,.0f}"]])
+    rows = [["Step RPC (16 Extend/Step)", "steps/s", "per client", "ops/s", "mean ms", "p50 ms", "p99 ms"]]
+    for s in res["step_rpc"]:
+        rows.append([f"{s['clients']} client process{'es' if s['clients'] > 1 else ''}",
+                     f"{s['steps_per_s']:,.0f}", f"{s['steps_per_s_per_client']:,.0f}", f"{s['ops_per_s']:,.0f}",
+                     f"{s['lat_mean_ms']:.3f}", f"{s['lat_p50_ms']:.3f}", f"{s['lat_p99_ms']:.3f}"])
+    ms = res["reclaim_ms"]
+    reclaim = table([["worker reclaim (SIGKILL -> log)", "trials", "min ms", "median ms", "max ms"],
+                     ["running worker, 16 sequences", str(len(ms)), f"{min(ms):.2f}",
+                      f"{statistics.median(ms):.2f}", f"{max(ms):.2f}"]])
+    return "\n\n".join([head, alloc, table(rows), reclaim])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=3.0, help="length of each measurement (default: 3)")
+    p.add_argument("--clients", type=int, default=8, help="client processes of the concurrent run (default: 8)")
+    p.add_argument("--reclaim-trials", type=int, default=3, help="workers killed, one at a time (default: 3)")
+    p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    args = p.parse_args()
+    geometry = plan_pool(parse_size(POOL), block_bytes=parse_size(PAGE))
+    res: dict = {"cores": os.cpu_count(), "python": sys.version.split()[0], "seconds": args.seconds,
+                 "geometry": {"num_blocks": geometry.num_blocks, "block_bytes": geometry.block_bytes}}
+    res["manager_blocks_per_s"] = bench_manager(args.seconds)
+    res["pool_blocks_per_s"] = bench_pool(args.seconds)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="memd-bench-") as tmp:
+        memd = Memd(Path(tmp))
+        try:
+            res["step_rpc"] = []
+            for n in (1, args.clients):
+                procs, replies = run_clients(ctx, "decode", memd.address, n, args.seconds)
+                for proc in procs:
+                    proc.join()
+                res["step_rpc"].append(summarise_steps(n, replies))
+            res["reclaim_ms"] = bench_reclaim(ctx, memd, args.reclaim_trials)
+        finally:
+            memd.kill()
+    print(report(res))
+    if args.json:
+        print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

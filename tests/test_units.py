@@ -1,0 +1,84 @@
+"""Small pure pieces: sizes, geometry formulas, positions, handle codec."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from memd.errors import PositionError
+from memd.sequences import SeqState, Sequence, locate
+from shared.geometry import GeometryError, ModelShape, plan_pool, read_model_shape
+from shared.sizes import format_size, parse_size
+from shared.wire import WireError, decode_handle, encode_handle
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4096", 4096), ("64KiB", 65536), ("64MiB", 64 << 20), ("1.5GiB", 3 << 29), ("512MB", 512_000_000),
+    ("2 gib", 2 << 30), ("1TiB", 1 << 40),
+])
+def test_sizes_parse_as_operators_write_them(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "-5", "12XB", "1.2.3KiB"])
+def test_nonsense_sizes_are_refused(text):
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+def test_sizes_format_for_humans():
+    assert format_size(512) == "512 B" and format_size(64 << 20) == "64.0 MiB"
+
+
+def test_seed_formulas_for_a_7b_model():
+    # Llama-2-7B (seed §2.1, §3.3): 32 layers x 2 x 32 kv heads x 128 x 2 bytes = 512 KiB per token.
+    # (The seed's 0.5 MB for a 32-token block is one layer's share: 32 x 128 x 32 x 2 x 2.)
+    shape = ModelShape(num_layers=32, num_kv_heads=32, head_dim=128, dtype="float16")
+    assert shape.bytes_per_token == 524_288
+    geometry = plan_pool(20 << 30, shape=shape, block_size=32)
+    assert geometry.block_bytes == 32 * 524_288
+    assert geometry.num_blocks == (20 << 30) // (32 * 524_288)
+    assert shape.page_shape(32) == (32, 2, 32, 32, 128)
+
+
+def test_model_config_gqa_and_explicit_head_dim(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 2048,
+        "head_dim": 256, "torch_dtype": "bfloat16"}))
+    shape = read_model_shape(tmp_path)
+    assert (shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (8, 256, 2)
+    assert read_model_shape(tmp_path, dtype="float32").bytes_per_token == 28 * 2 * 8 * 256 * 4
+
+
+def test_geometry_refuses_what_cannot_make_a_pool():
+    with pytest.raises(GeometryError, match="holds no block"):
+        plan_pool(1000, block_bytes=4096)
+    with pytest.raises(GeometryError, match="multiple of 16"):
+        plan_pool(1 << 20, block_bytes=1000)
+    with pytest.raises(GeometryError, match="block size in tokens"):
+        plan_pool(1 << 20, shape=ModelShape(1, 1, 8, "float32"), block_size=0)
+
+
+def test_locate_uses_floor_division_and_refuses_bad_positions():
+    seq = Sequence(7, "m", 16, 1, SeqState.RUNNING, [40, 41, 42], 35, list(range(36)))
+    assert locate(seq, 0) == (40, 0)
+    assert locate(seq, 16) == (41, 0)
+    assert locate(seq, 34) == (42, 2)
+    for pos in (-1, -16, 35, 48):           # -1 // 16 would silently pick the last block
+        with pytest.raises(PositionError):
+            locate(seq, pos)
+
+
+def test_pool_handles_round_trip_and_reject_tampering():
+    handle = {"backend": "shm", "size": 4096, "socket": "/run/memd/memd.sock.fd", "token": b"x" * 16}
+    assert decode_handle(encode_handle(handle)) == {"v": 1, **handle}
+    with pytest.raises(WireError, match="not msgpack"):
+        decode_handle(b"\xc1")
+    with pytest.raises(WireError, match="unknown backend"):
+        decode_handle(encode_handle({"backend": "nfs"}))
+    with pytest.raises(WireError, match="'token'"):
+        decode_handle(encode_handle({**handle, "token": "text"}))
+    with pytest.raises(WireError, match="version"):
+        decode_handle(msgpack.packb({"v": 99}))
