@@ -36,6 +36,7 @@ from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
 Effect = tuple[str, int, int]   # ("zero", block, block) or ("copy", src, dst), in order
+MAX_NAME = 256                  # characters of a session id, model or worker name
 
 
 @dataclass(slots=True)
@@ -82,6 +83,8 @@ class KvManager:
     # ---- workers -------------------------------------------------------
 
     def attach(self, name: str, pid: int, model: str, block_size: int, bytes_per_token: int) -> Worker:
+        for what, value in (("worker name", name), ("model", model)):
+            _check_name(what, value)
         block_size = block_size or self.geometry.block_size
         if block_size <= 0:
             raise InvalidArgument("block_size is required: memd was sized by --block-bytes, not by a model")
@@ -335,6 +338,7 @@ class KvManager:
         return seq
 
     def _check_session_free(self, session_id: str | None) -> None:
+        _check_name("session id", session_id or "")
         if session_id and session_id in self.sessions:
             seq = self.seqs[self.sessions[session_id]]
             raise AlreadyExists(
@@ -450,6 +454,11 @@ def _restore(seq: Sequence, state: SeqState, owner: int | None, block_ids: list[
     seq.state, seq.owner, seq.block_ids, seq.num_committed = state, owner, block_ids, num_committed
     del seq.token_ids[num_tokens:]
     seq.hashes = hashes
+
+
+def _check_name(what: str, value: str) -> None:
+    if len(value) > MAX_NAME:
+        raise InvalidArgument(f"{what} of {len(value)} characters; at most {MAX_NAME}")
 
 
 def _result(seq: Sequence, first_block: int, cached: int = 0, *, history: bool = False) -> OpResult:

@@ -50,6 +50,7 @@ CASES = {
     "extend another worker's sequence": ("b", lambda s: [Extend(s["running"], append=[5])], "PERMISSION_DENIED"),
     "free another worker's sequence": ("b", lambda s: [Free(s["running"])], "PERMISSION_DENIED"),
     "resume another worker's sequence": ("b", lambda s: [Resume(session_id="a")], "PERMISSION_DENIED"),
+    "session id too long": ("b", lambda s: [Open([1], session_id="x" * 300)], "INVALID_ARGUMENT"),
     "open a taken session": ("b", lambda s: [Open([1, 2, 3], session_id="p")], "ALREADY_EXISTS"),
     "extend a parked sequence": ("b", lambda s: [Extend(s["parked"], commit_to=40)], "FAILED_PRECONDITION"),
     "resume own running sequence": ("a", lambda s: [Resume(session_id="a")], "FAILED_PRECONDITION"),
