@@ -218,6 +218,9 @@ class KvManager:
         seq = self._find(op.seq_id, None)
         if seq.state is SeqState.RUNNING and seq.owner != txn.worker.worker_id:
             raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
+        if seq.model != txn.worker.model:
+            raise FailedPrecondition(f"sequence {seq.seq_id} belongs to model {seq.model!r}; "
+                                     f"this worker serves {txn.worker.model!r}")
         self._release(seq.block_ids)
         self._forget(seq, txn.journal)
         txn.touched.pop(seq.seq_id, None)

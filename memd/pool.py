@@ -11,8 +11,9 @@ least recently freed evicted first.
 
 Every mutation can be journaled: a Step applies its operations one by one and,
 if a later one fails, replays the journal backwards so that nothing changed.
-The free queue is a linked list whose removed nodes keep their links, so undo
-in reverse order puts each block back exactly where it was.
+The free queue is a linked list; the journal keeps the neighbours a block had
+when it left the queue, so undo in reverse order puts it back exactly there,
+even if the block re-entered the queue elsewhere in between.
 """
 
 from __future__ import annotations
@@ -80,17 +81,24 @@ class FreeQueue:
     def push_back(self, block: int) -> None:
         self._insert_after(block, self._prev[self._end])
 
-    def remove(self, block: int) -> None:
+    def remove(self, block: int) -> tuple[int, int]:
+        """Unlink `block`; returns its (prev, next) neighbours, which `relink` needs to undo it."""
         prev, nxt = self._prev[block], self._next[block]
         self._next[prev] = nxt
         self._prev[nxt] = prev
         self._member[block] = 0
         self._len -= 1
+        return prev, nxt
 
-    def relink(self, block: int) -> None:
-        """Undo the latest `remove(block)`: valid only in reverse order of removals."""
-        self._next[self._prev[block]] = block
-        self._prev[self._next[block]] = block
+    def relink(self, block: int, prev: int, nxt: int) -> None:
+        """Put `block` back between the neighbours `remove` returned.
+
+        Correct when every queue change since that removal has been undone, as
+        a journal replayed backwards guarantees: then `prev` and `nxt` are adjacent again.
+        """
+        self._prev[block], self._next[block] = prev, nxt
+        self._next[prev] = block
+        self._prev[nxt] = block
         self._member[block] = 1
         self._len += 1
 
@@ -98,6 +106,9 @@ class FreeQueue:
         block = self._next[self._end]
         self.remove(block)
         return block
+
+    def first(self) -> int:
+        return self._next[self._end]
 
 
 class BlockPool:
@@ -129,7 +140,8 @@ class BlockPool:
         """A block with ref count 1 for new content, and whether its page must be zeroed."""
         if not self.free:
             raise PoolExhausted(1, 0)
-        block = self.free.pop_front()
+        block = self.free.first()
+        links = self.free.remove(block)
         old_hash, old_tokens, was_dirty = self.hash_of[block], self.tokens_of[block], self.dirty[block]
         if old_hash is not None:
             del self.by_hash[old_hash]
@@ -137,34 +149,33 @@ class BlockPool:
         self.ref[block] = 1
         self.dirty[block] = 1
         if self.journal is not None:
-            self.journal.record(self._undo_allocate, block, old_hash, old_tokens, was_dirty,
+            self.journal.record(self._undo_allocate, block, links, old_hash, old_tokens, was_dirty,
                                 self.last_access[block])
         self.last_access[block] = time.monotonic()
         return block, bool(was_dirty)
 
-    def _undo_allocate(self, block: int, old_hash: bytes | None, old_tokens: tuple[int, ...] | None,
-                       was_dirty: int, last_access: float) -> None:
+    def _undo_allocate(self, block: int, links: tuple[int, int], old_hash: bytes | None,
+                       old_tokens: tuple[int, ...] | None, was_dirty: int, last_access: float) -> None:
         self.ref[block] = 0
         self.dirty[block] = was_dirty
         self.last_access[block] = last_access
         if old_hash is not None:
             self.hash_of[block], self.tokens_of[block] = old_hash, old_tokens
             self.by_hash[old_hash] = block
-        self.free.relink(block)
+        self.free.relink(block, *links)
 
     def incref(self, block: int) -> None:
-        if self.ref[block] == 0:
-            self.free.remove(block)
+        links = self.free.remove(block) if self.ref[block] == 0 else None
         self.ref[block] += 1
         if self.journal is not None:
-            self.journal.record(self._undo_incref, block, self.last_access[block])
+            self.journal.record(self._undo_incref, block, links, self.last_access[block])
         self.last_access[block] = time.monotonic()
 
-    def _undo_incref(self, block: int, last_access: float) -> None:
+    def _undo_incref(self, block: int, links: tuple[int, int] | None, last_access: float) -> None:
         self.last_access[block] = last_access
         self.ref[block] -= 1
-        if self.ref[block] == 0:
-            self.free.relink(block)
+        if links is not None:
+            self.free.relink(block, *links)
 
     def decref(self, block: int) -> bool:
         """Drop one reference; True when the block became free."""

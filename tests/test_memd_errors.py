@@ -28,15 +28,16 @@ async def fingerprint(memd: Any) -> tuple:
 
 @pytest.fixture
 async def scene(memd):
-    """Worker a runs session "a" (20 committed) and parked session "p"; worker b is idle."""
+    """Worker a runs session "a" (20 committed) and parked session "p"; b is idle; c serves another model."""
     a = await MemdClient.attach(memd.address, block_size=BS, name="a")
     b = await MemdClient.attach(memd.address, block_size=BS, name="b")
+    c = await MemdClient.attach(memd.address, block_size=BS, name="c", model="another")
     running, parked = await a.step(Open(list(range(20)), reserve=1, session_id="a"),
                                    Open(list(range(50, 90)), session_id="p"))
     await a.step(Extend(running.seq_id, commit_to=20, reserve=1), Park(parked.seq_id, commit_to=40))
-    yield {"a": a, "b": b, "running": running.seq_id, "parked": parked.seq_id}
-    await a.close()
-    await b.close()
+    yield {"a": a, "b": b, "c": c, "running": running.seq_id, "parked": parked.seq_id}
+    for client in (a, b, c):
+        await client.close()
 
 
 CASES = {
@@ -51,6 +52,7 @@ CASES = {
     "free another worker's sequence": ("b", lambda s: [Free(s["running"])], "PERMISSION_DENIED"),
     "resume another worker's sequence": ("b", lambda s: [Resume(session_id="a")], "PERMISSION_DENIED"),
     "session id too long": ("b", lambda s: [Open([1], session_id="x" * 300)], "INVALID_ARGUMENT"),
+    "free another model's sequence": ("c", lambda s: [Free(s["parked"])], "FAILED_PRECONDITION"),
     "open a taken session": ("b", lambda s: [Open([1, 2, 3], session_id="p")], "ALREADY_EXISTS"),
     "extend a parked sequence": ("b", lambda s: [Extend(s["parked"], commit_to=40)], "FAILED_PRECONDITION"),
     "resume own running sequence": ("a", lambda s: [Resume(session_id="a")], "FAILED_PRECONDITION"),

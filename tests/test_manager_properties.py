@@ -1,0 +1,446 @@
+"""KvManager driven by random Steps, in-process: invariants, all-or-nothing Steps, no leaks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from memd.errors import FailedPrecondition, KvError, NotFound, OpError
+from memd.manager import KvManager
+from memd.sequences import SeqState
+from shared.geometry import PoolGeometry
+from shared.ops import Extend, Fork, Free, Op, Open, Park, Resume
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+GEOMETRY = PoolGeometry(num_blocks=NUM_BLOCKS, block_bytes=4096, block_size=BLOCK_SIZE)
+MODELS = ("m", "m", "n")                 # worker slots: two share a model, one serves another
+SESSIONS = ("s1", "s2", "s3")
+NO_SUCH_SEQ = 10**6
+
+# Histories built from a few whole blocks plus a short tail: prefix hits are common.
+CHUNKS = ((1, 2, 3, 4), (5, 6, 7, 8), (1, 1, 1, 1))
+tokens = st.one_of(
+    st.builds(lambda chunks, tail: [t for c in chunks for t in c] + tail,
+              st.lists(st.sampled_from(CHUNKS), min_size=1, max_size=3), st.lists(st.integers(0, 3), max_size=3)),
+    st.lists(st.integers(0, 3), max_size=3),
+)
+appended = st.lists(st.integers(0, 3), max_size=6)
+reserves = st.integers(0, 5)
+sessions = st.sampled_from((None, None, None, *SESSIONS))
+
+
+def new_manager() -> KvManager:
+    return KvManager(GEOMETRY, hash_key=b"k" * 32)
+
+
+def attach(manager: KvManager, model: str) -> int:
+    return manager.attach(f"worker-{model}", 1000, model, BLOCK_SIZE, 0).worker_id
+
+
+def dump(manager: KvManager) -> dict[str, Any]:
+    """Everything a Step may change, in comparable form."""
+    pool = manager.pool
+    return {
+        "seqs": {sid: (s.model, s.block_size, s.owner, s.state, tuple(s.block_ids), s.num_committed,
+                       tuple(s.token_ids), tuple(s.hashes), s.session_id)
+                 for sid, s in manager.seqs.items()},
+        "sessions": dict(manager.sessions),
+        "ref": list(pool.ref),
+        "free": list(pool.free),
+        "num_free": pool.num_free,
+        "by_hash": dict(pool.by_hash),
+        "hash_of": list(pool.hash_of),
+        "tokens_of": list(pool.tokens_of),
+        "dirty": bytes(pool.dirty),
+        "last_access": list(pool.last_access),
+    }
+
+
+def free_everything(manager: KvManager) -> None:
+    """Reclaim every worker, then free what is left through a fresh worker of each model."""
+    for worker_id in list(manager.workers):
+        manager.reclaim(worker_id)
+    assert all(s.state is not SeqState.RUNNING for s in manager.seqs.values())
+    for model in {s.model for s in manager.seqs.values()}:
+        worker = attach(manager, model)
+        ids = [sid for sid, s in manager.seqs.items() if s.model == model]
+        manager.step(worker, [Free(sid) for sid in ids])
+    assert manager.seqs == {}
+    assert manager.sessions == {}
+    assert manager.pool.num_free == NUM_BLOCKS
+    assert manager.violations() == []
+
+
+class KvManagerMachine(RuleBasedStateMachine):
+    """Three workers send random Steps; memd evicts and reclaims in between.
+
+    After every rule the manager's invariants hold; a refused Step changes
+    nothing; an Open whose first block is cached hits it; a dirty page is never
+    handed out without a zero or copy effect; at the end, freeing everything
+    returns every page.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = new_manager()
+        self.slots = [attach(self.manager, model) for model in MODELS]
+
+    # ---- building ops from the state they will meet ---------------------
+
+    def seq_ids(self, worker: int | None = None, extra: int = 0) -> st.SearchStrategy[int]:
+        """Live sequences, the ids the next ops of this Step would create, and one that never exists.
+
+        Weighted towards sequences `worker` may touch, so that most Steps can succeed.
+        """
+        usable = [sid for sid, s in self.manager.seqs.items() if s.owner in (worker, None)]
+        nxt = self.manager._next_seq
+        return st.sampled_from([*usable * 4, *self.manager.seqs, *[*range(nxt, nxt + extra)] * 2, NO_SUCH_SEQ])
+
+    def commit_to(self, data: st.DataObject, seq_id: int, append: list[int]) -> int:
+        seq = self.manager.seqs.get(seq_id)
+        if seq is None:
+            return data.draw(st.integers(0, 12))
+        known = len(seq.token_ids) + len(append)
+        most = min(known, seq.capacity)
+        return data.draw(st.one_of(
+            st.just(0),                                            # unchanged
+            st.just(most),                                         # everything it can
+            st.integers(min(seq.num_committed, most), most),       # usually valid
+            st.integers(0, known + 2),                             # often invalid: rolls back
+        ))
+
+    def draw_op(self, data: st.DataObject, worker: int, extra: int) -> Op:
+        kind = data.draw(st.sampled_from(("open", "extend", "park", "resume", "free", "fork")))
+        if kind == "open":
+            return Open(data.draw(tokens), data.draw(reserves), data.draw(sessions))
+        if kind == "resume":
+            if data.draw(st.booleans()):
+                return Resume(session_id=data.draw(st.sampled_from((*SESSIONS, "nope"))),
+                              reserve=data.draw(reserves))
+            return Resume(seq_id=data.draw(self.seq_ids(worker, extra)), reserve=data.draw(reserves))
+        seq_id = data.draw(self.seq_ids(worker, extra))
+        if kind == "free":
+            return Free(seq_id)
+        if kind == "fork":
+            return Fork(seq_id, data.draw(sessions))
+        append = data.draw(appended)
+        if kind == "park":
+            return Park(seq_id, append, self.commit_to(data, seq_id, append))
+        return Extend(seq_id, append, self.commit_to(data, seq_id, append), data.draw(reserves))
+
+    def run_step(self, slot: int, ops: list[Op]) -> None:
+        manager, worker = self.manager, self.slots[slot]
+        before = dump(manager)
+        # Releases never evict a cached block, takes may: predict hits only up to the first take.
+        takes = [i for i, op in enumerate(ops) if not isinstance(op, Free | Park)]
+        expected_hit = bool(takes) and isinstance(ops[takes[0]], Open) and self.expected_cached(ops[takes[0]], worker)
+        try:
+            outcome = manager.step(worker, ops)
+        except KvError as exc:
+            event(f"step rejected: {exc.code}")
+            assert isinstance(exc, OpError)
+            assert 0 <= exc.index < len(ops)
+            assert dump(manager) == before, f"rejected step {ops} left a trace ({exc})"
+            return
+        event(f"step of {len(ops)} op(s) applied")
+        assert len(outcome.results) == len(ops)
+        for op, result in zip(ops, outcome.results, strict=True):
+            if isinstance(op, Open):
+                limit = (len(op.token_ids) - 1) // BLOCK_SIZE if op.token_ids else 0
+                assert result.num_cached % BLOCK_SIZE == 0
+                assert result.num_cached <= limit * BLOCK_SIZE
+                event("open: prefix hit" if result.num_cached else "open: no hit")
+        if expected_hit:
+            hit = outcome.results[takes[0]]
+            assert hit.num_cached >= BLOCK_SIZE, f"{ops[takes[0]]} missed a cached first block"
+        self.check_effects(before, ops, outcome.effects)
+
+    def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[tuple[str, int, int]]) -> None:
+        """A page is zeroed only if written before, and a written page is never handed out as it is."""
+        pool, targets = self.manager.pool, set()
+        releases = any(isinstance(op, Free | Park) for op in ops)
+        for effect, src, dst in effects:
+            assert effect in ("zero", "copy")
+            # A clean page is zeroed only if this Step took it, released it and takes it again.
+            assert before["dirty"][dst] or effect == "copy" or releases
+            # Only a page released by this very Step may be reused while it was referenced before.
+            assert before["ref"][dst] == 0 or releases
+            if effect == "zero":
+                assert src == dst
+            targets.add(dst)
+        for block in range(NUM_BLOCKS):
+            was_free_and_written = before["ref"][block] == 0 and before["dirty"][block]
+            prefix_hit = before["hash_of"][block] is not None and pool.hash_of[block] == before["hash_of"][block]
+            if was_free_and_written and pool.ref[block] and not prefix_hit:
+                assert block in targets, f"block {block} handed out by {ops} without zeroing"
+
+    def expected_cached(self, op: Open, worker: int) -> bool:
+        """Whether the first block of `op` is a prefix hit as things stand before the Step."""
+        if (len(op.token_ids) - 1) // BLOCK_SIZE < 1:
+            return False
+        model = self.manager.workers[worker].model
+        chunk = tuple(op.token_ids[:BLOCK_SIZE])
+        digest = self.manager.hasher.block_hash(b"", model, chunk)
+        return self.manager.pool.lookup(digest, chunk) is not None
+
+    # ---- rules ----------------------------------------------------------
+
+    @rule(slot=st.integers(0, len(MODELS) - 1), data=st.data())
+    def one_op(self, slot: int, data: st.DataObject) -> None:
+        self.run_step(slot, [self.draw_op(data, self.slots[slot], extra=0)])
+
+    @rule(slot=st.integers(0, len(MODELS) - 1), token_ids=tokens, reserve=reserves, session=sessions)
+    def open_and_commit(self, slot: int, token_ids: list[int], reserve: int, session: str | None) -> None:
+        """A prefill: the usual way blocks become cached, so later Opens can hit them."""
+        new = self.manager._next_seq
+        self.run_step(slot, [Open(token_ids, reserve, session), Extend(new, commit_to=len(token_ids))])
+
+    @rule(slot=st.integers(0, len(MODELS) - 1), blocks=st.integers(1, NUM_BLOCKS))
+    def open_a_large_reservation(self, slot: int, blocks: int) -> None:
+        """Crowds the pool: evicts cached blocks, or is refused as RESOURCE_EXHAUSTED."""
+        self.run_step(slot, [Open([], blocks * BLOCK_SIZE)])
+
+    @rule(slot=st.integers(0, len(MODELS) - 1), data=st.data(), append=appended, park=st.booleans())
+    def commit_a_running_sequence(self, slot: int, data: st.DataObject, append: list[int], park: bool) -> None:
+        worker = self.slots[slot]
+        mine = sorted(sid for sid, s in self.manager.seqs.items() if s.owner == worker)
+        if not mine:
+            return
+        seq = self.manager.seqs[data.draw(st.sampled_from(mine))]
+        commit_to = min(len(seq.token_ids) + len(append), seq.capacity)
+        op = Park if park else Extend
+        self.run_step(slot, [op(seq.seq_id, append, commit_to)])
+
+    @rule(slot=st.integers(0, len(MODELS) - 1), data=st.data(), count=st.integers(2, 4))
+    def several_ops(self, slot: int, data: st.DataObject, count: int) -> None:
+        ops = [self.draw_op(data, self.slots[slot], extra=count) for _ in range(count)]
+        self.run_step(slot, ops)
+
+    @rule(slot=st.integers(0, len(MODELS) - 1), data=st.data(), count=st.integers(1, 3),
+          failing=st.sampled_from((Free(NO_SUCH_SEQ), Resume(session_id="nope"),
+                                   Open([0] * (NUM_BLOCKS * BLOCK_SIZE + 1)), Extend(NO_SUCH_SEQ))))
+    def ops_then_a_failing_one(self, slot: int, data: st.DataObject, count: int, failing: Op) -> None:
+        ops = [self.draw_op(data, self.slots[slot], extra=count) for _ in range(count)]
+        before = dump(self.manager)
+        with pytest.raises(OpError) as caught:
+            self.manager.step(self.slots[slot], [*ops, failing])
+        assert caught.value.index <= len(ops)
+        assert dump(self.manager) == before
+
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        seq_id = data.draw(self.seq_ids())
+        seq = self.manager.seqs.get(seq_id)
+        before = dump(self.manager)
+        if seq is None:
+            with pytest.raises(NotFound):
+                self.manager.evict(seq_id, None)
+        elif seq.state is SeqState.RUNNING:
+            with pytest.raises(FailedPrecondition):
+                self.manager.evict(seq_id, None)
+        else:
+            self.manager.evict(seq_id, None)
+            assert seq.state is SeqState.DROPPED
+            assert (seq.block_ids, seq.num_committed, seq.hashes) == ([], 0, [])
+            assert tuple(seq.token_ids) == before["seqs"][seq_id][6]
+            return
+        assert dump(self.manager) == before
+
+    @rule(slot=st.integers(0, len(MODELS) - 1))
+    def reclaim_and_reattach(self, slot: int) -> None:
+        gone = self.slots[slot]
+        running = {sid: (s.num_committed, s.session_id) for sid, s in self.manager.seqs.items() if s.owner == gone}
+        self.manager.reclaim(gone)
+        self.slots[slot] = attach(self.manager, MODELS[slot])
+        for sid, (committed, session) in running.items():
+            seq = self.manager.seqs.get(sid)
+            if committed == 0 and session is None:
+                assert seq is None
+            else:
+                assert seq is not None and seq.state is SeqState.PARKED and seq.owner is None
+                assert seq.num_committed == committed
+
+    @precondition(lambda self: self.manager.seqs)
+    @rule(data=st.data())
+    def running_belongs_to_its_worker(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.manager.seqs)))
+        seq = self.manager.seqs[seq_id]
+        others = [w for w in self.slots if w != seq.owner]
+        if seq.state is SeqState.RUNNING:
+            before = dump(self.manager)
+            for op in (Extend(seq_id), Park(seq_id), Free(seq_id), Fork(seq_id), Resume(seq_id)):
+                with pytest.raises(OpError) as caught:
+                    self.manager.step(others[0], [op])
+                assert caught.value.code in ("PERMISSION_DENIED", "FAILED_PRECONDITION")
+            assert dump(self.manager) == before
+
+    # ---- invariants -----------------------------------------------------
+
+    @invariant()
+    def no_violations(self) -> None:
+        assert self.manager.violations() == []
+
+    @invariant()
+    def every_block_is_free_or_referenced(self) -> None:
+        held = sum(1 for ref in self.manager.pool.ref if ref)
+        assert held + self.manager.pool.num_free == NUM_BLOCKS
+
+    def teardown(self) -> None:
+        free_everything(self.manager)
+
+
+KvManagerMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_kv_manager_state_machine = KvManagerMachine.TestCase
+
+
+# ---- examples ------------------------------------------------------------
+
+
+def open_and_commit(manager: KvManager, worker: int, token_ids: list[int], **kw: Any) -> int:
+    result = manager.step(worker, [Open(token_ids, **kw)]).results[0]
+    manager.step(worker, [Extend(result.seq_id, commit_to=len(token_ids))])
+    return result.seq_id
+
+
+def test_committed_prefix_is_found_again_by_a_later_open():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    first = open_and_commit(manager, worker, history)
+    full_blocks = manager.seqs[first].block_ids[:2]
+    manager.step(worker, [Free(first)])                            # cached, not evicted
+
+    hit = manager.step(worker, [Open([*history, 10])]).results[0]
+    assert hit.num_cached == 8
+    assert hit.num_committed == 8
+    assert manager.seqs[hit.seq_id].block_ids[:2] == full_blocks
+
+    other = attach(manager, "n")                                   # same tokens, another model: no hit
+    assert manager.step(other, [Open([*history, 10])]).results[0].num_cached == 0
+    assert manager.violations() == []
+    free_everything(manager)
+
+
+def test_a_prefix_hit_shares_the_blocks_of_a_running_sequence():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    first = open_and_commit(manager, worker, [1, 2, 3, 4, 5])
+    second = manager.step(worker, [Open([1, 2, 3, 4, 9, 9])]).results[0]
+    assert second.num_cached == 4
+    assert manager.seqs[second.seq_id].block_ids[0] == manager.seqs[first].block_ids[0]
+    assert manager.pool.ref[manager.seqs[first].block_ids[0]] == 2
+    assert manager.violations() == []
+    free_everything(manager)
+
+
+def test_open_leaves_the_last_token_to_compute():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    open_and_commit(manager, worker, [1, 2, 3, 4, 5, 6, 7, 8])
+    again = manager.step(worker, [Open([1, 2, 3, 4, 5, 6, 7, 8])]).results[0]
+    assert again.num_cached == 4                                   # (8 - 1) // 4 blocks
+    free_everything(manager)
+
+
+def test_an_evicted_prefix_is_not_found_once_its_pages_are_reused():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    seq = open_and_commit(manager, worker, [1, 2, 3, 4, 5])
+    manager.step(worker, [Park(seq)])
+    manager.evict(seq, None)
+    filler = manager.step(worker, [Open([], reserve=NUM_BLOCKS * BLOCK_SIZE)]).results[0]   # takes every page
+    manager.step(worker, [Free(filler.seq_id)])
+    assert manager.step(worker, [Resume(seq)]).results[0].num_cached == 0
+    free_everything(manager)
+
+
+def test_a_dropped_sequence_resumes_from_its_still_cached_prefix():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    seq = open_and_commit(manager, worker, [1, 2, 3, 4, 5, 6, 7, 8, 9], session_id="s1")
+    manager.step(worker, [Park(seq)])
+    manager.evict(None, "s1")                                      # pages freed, prefix still cached
+    assert manager.seqs[seq].state is SeqState.DROPPED
+    resumed = manager.step(attach(manager, "m"), [Resume(session_id="s1")]).results[0]
+    assert resumed.num_cached == 8
+    assert resumed.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]       # the worker recomputes token 9
+    assert manager.violations() == []
+    free_everything(manager)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_tail():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    parent = open_and_commit(manager, worker, [1, 2, 3, 4, 5, 6])
+    outcome = manager.step(worker, [Fork(parent)])
+    child = manager.seqs[outcome.results[0].seq_id]
+    parent_blocks = manager.seqs[parent].block_ids
+    assert child.block_ids[0] == parent_blocks[0]
+    assert child.block_ids[1] != parent_blocks[1]
+    assert outcome.effects == [("copy", parent_blocks[1], child.block_ids[1])]
+    assert child.num_committed == 6
+    assert manager.violations() == []
+    free_everything(manager)
+
+
+def test_a_step_rejected_by_a_late_op_changes_nothing():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    parked = open_and_commit(manager, worker, [1, 2, 3, 4, 5], session_id="s1")
+    manager.step(worker, [Park(parked)])
+    before = dump(manager)
+    with pytest.raises(OpError) as caught:
+        manager.step(worker, [
+            Resume(session_id="s1", reserve=3),
+            Extend(parked, append=[6, 7, 8], commit_to=8),
+            Open([1, 2, 3, 4, 5, 6, 7, 8, 9], session_id="s2"),
+            Fork(parked),
+            Extend(parked, commit_to=2),                                # below the committed tokens
+        ])
+    assert caught.value.index == 4 and caught.value.code == "INVALID_ARGUMENT"
+    assert dump(manager) == before
+    free_everything(manager)
+
+
+def test_a_step_that_exhausts_the_pool_changes_nothing():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    before = dump(manager)
+    with pytest.raises(OpError) as caught:
+        manager.step(worker, [Open([1, 2, 3, 4, 5]), Open([], reserve=(NUM_BLOCKS - 1) * BLOCK_SIZE)])
+    assert caught.value.code == "RESOURCE_EXHAUSTED"
+    assert dump(manager) == before
+    free_everything(manager)
+
+
+# The two below were bugs: a rejected Step whose pages left the free queue and
+# re-entered it was rolled back with those pages relinked where they re-entered.
+
+
+def test_rejected_step_that_frees_what_it_took_keeps_every_page_in_the_free_queue():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    held = open_and_commit(manager, worker, [1, 2, 3, 4])                  # block 0, cached
+    before = dump(manager)
+    with pytest.raises(OpError):
+        manager.step(worker, [Open([5, 6, 7, 8]), Extend(held + 1, commit_to=4),   # block 1, cached
+                              Free(held), Free(held + 1), Free(NO_SUCH_SEQ)])
+    assert manager.violations() == []       # block 1 had ref 0 but was not in the free queue
+    assert dump(manager) == before
+
+
+def test_rejected_step_that_frees_what_it_took_keeps_the_free_queue_order():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    before = dump(manager)
+    with pytest.raises(OpError):
+        manager.step(worker, [Open([1, 2, 3, 4]), Extend(1, commit_to=4), Free(1), Free(NO_SUCH_SEQ)])
+    assert dump(manager)["free"] == before["free"]          # block 0 moved from the front to the back

@@ -1,0 +1,420 @@
+"""The free queue and the block pool, in-process: order, ref counts, prefix index, undo."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from memd.errors import PoolExhausted
+from memd.pool import BlockPool, FreeQueue, Journal
+
+NUM_BLOCKS = 8
+
+
+def digest(n: int) -> bytes:
+    return bytes([n]) * 16
+
+
+def hold(pool: BlockPool, n: int) -> list[int]:
+    """Allocate `n` blocks from the front of the queue."""
+    return [pool.allocate()[0] for _ in range(n)]
+
+
+def snapshot(pool: BlockPool) -> tuple:
+    return (list(pool.free), len(pool.free), list(pool.ref), dict(pool.by_hash), list(pool.hash_of),
+            list(pool.tokens_of), bytes(pool.dirty), list(pool.last_access))
+
+
+# ---- FreeQueue ---------------------------------------------------------------
+
+
+def test_a_new_queue_holds_every_block_in_id_order():
+    queue = FreeQueue(5)
+    assert list(queue) == [0, 1, 2, 3, 4]
+    assert len(queue) == 5
+    assert all(block in queue for block in range(5))
+
+
+def test_an_empty_queue_iterates_nothing():
+    queue = FreeQueue(0)
+    assert list(queue) == []
+    assert len(queue) == 0
+
+
+def test_pop_front_takes_blocks_in_queue_order():
+    queue = FreeQueue(4)
+    assert [queue.pop_front() for _ in range(4)] == [0, 1, 2, 3]
+    assert list(queue) == []
+    assert len(queue) == 0
+    assert not any(block in queue for block in range(4))
+
+
+def test_push_front_and_push_back_place_blocks_at_either_end():
+    queue = FreeQueue(4)
+    for _ in range(4):
+        queue.pop_front()
+    queue.push_back(2)
+    queue.push_front(0)
+    queue.push_back(3)
+    queue.push_front(1)
+    assert list(queue) == [1, 0, 2, 3]
+    assert len(queue) == 4
+    assert queue.pop_front() == 1
+
+
+def test_remove_from_the_middle_keeps_the_others_in_order():
+    queue = FreeQueue(5)
+    queue.remove(2)
+    assert list(queue) == [0, 1, 3, 4]
+    assert 2 not in queue
+    queue.remove(4)
+    queue.remove(0)
+    assert list(queue) == [1, 3]
+    assert len(queue) == 2
+
+
+def test_relink_in_reverse_order_of_removals_restores_each_position():
+    queue = FreeQueue(6)
+    links = {block: queue.remove(block) for block in (3, 4, 0, 5)}
+    assert links == {3: (2, 4), 4: (2, 5), 0: (6, 1), 5: (2, 6)}     # 6 is the sentinel
+    assert list(queue) == [1, 2]
+    for block in (5, 0, 4, 3):
+        queue.relink(block, *links[block])
+    assert list(queue) == [0, 1, 2, 3, 4, 5]
+    assert len(queue) == 6
+
+
+def test_relink_restores_a_position_even_after_the_block_was_pushed_elsewhere():
+    queue = FreeQueue(4)
+    links = queue.remove(1)
+    queue.push_back(1)
+    queue.remove(1)                                 # undo of the push
+    queue.relink(1, *links)                         # undo of the removal
+    assert list(queue) == [0, 1, 2, 3]
+
+
+queue_ops = st.lists(st.tuples(st.sampled_from(["push_front", "push_back", "remove", "pop_front"]),
+                               st.integers(0, NUM_BLOCKS - 1)), max_size=40)
+
+
+@given(queue_ops)
+def test_queue_behaves_like_a_list(ops):
+    queue, model = FreeQueue(NUM_BLOCKS), list(range(NUM_BLOCKS))
+    for name, k in ops:
+        outside = [b for b in range(NUM_BLOCKS) if b not in model]
+        if name == "push_front" and outside:
+            block = outside[k % len(outside)]
+            queue.push_front(block)
+            model.insert(0, block)
+        elif name == "push_back" and outside:
+            block = outside[k % len(outside)]
+            queue.push_back(block)
+            model.append(block)
+        elif name == "remove" and model:
+            block = model[k % len(model)]
+            queue.remove(block)
+            model.remove(block)
+        elif name == "pop_front" and model:
+            assert queue.pop_front() == model.pop(0)
+        assert list(queue) == model
+        assert len(queue) == len(model)
+        assert [b for b in range(NUM_BLOCKS) if b in queue] == sorted(model)
+
+
+@given(st.permutations(range(NUM_BLOCKS)), st.integers(0, NUM_BLOCKS))
+def test_removals_undone_in_reverse_restore_the_queue(order, count):
+    queue = FreeQueue(NUM_BLOCKS)
+    removed = [(block, queue.remove(block)) for block in order[:count]]
+    for block, links in reversed(removed):
+        queue.relink(block, *links)
+    assert list(queue) == list(range(NUM_BLOCKS))
+    assert len(queue) == NUM_BLOCKS
+
+
+# ---- BlockPool: allocation order ------------------------------------------------
+
+
+def test_allocate_takes_the_front_block_and_zeroes_only_a_reused_page():
+    pool = BlockPool(3)
+    assert pool.allocate() == (0, False)          # a fresh pool is zeroed
+    assert pool.ref[0] == 1
+    assert 0 not in pool.free
+    assert pool.decref(0)
+    assert pool.allocate() == (0, True)           # written before: must be zeroed
+    assert pool.violations() == []
+
+
+def test_allocate_from_an_empty_pool_raises_and_changes_nothing():
+    pool = BlockPool(2)
+    hold(pool, 2)
+    before = snapshot(pool)
+    with pytest.raises(PoolExhausted):
+        pool.allocate()
+    assert snapshot(pool) == before
+
+
+def test_uncached_freed_blocks_are_reused_before_untouched_ones():
+    pool = BlockPool(4)
+    a, b = hold(pool, 2)
+    pool.decref(a)
+    pool.decref(b)
+    assert list(pool.free) == [b, a, 2, 3]        # most recently freed first
+    assert [pool.allocate()[0] for _ in range(4)] == [b, a, 2, 3]
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first():
+    pool = BlockPool(5)
+    a, b, c = hold(pool, 3)
+    for n, block in enumerate((a, b, c)):
+        pool.register(block, digest(n), (n,))
+    pool.decref(b)
+    pool.decref(c)
+    pool.decref(a)
+    assert list(pool.free) == [3, 4, b, c, a]
+    assert pool.num_cached == 3
+    assert [pool.allocate()[0] for _ in range(5)] == [3, 4, b, c, a]
+
+
+def test_uncached_freed_blocks_are_reused_before_cached_ones():
+    pool = BlockPool(3)
+    cached, plain, _ = hold(pool, 3)
+    pool.register(cached, digest(1), (1,))
+    pool.decref(cached)
+    pool.decref(plain)
+    assert pool.allocate()[0] == plain
+    assert pool.allocate()[0] == cached
+
+
+def test_allocating_a_cached_block_evicts_its_prefix():
+    pool = BlockPool(1)
+    (block,) = hold(pool, 1)
+    pool.register(block, digest(1), (1, 2))
+    pool.decref(block)
+    assert pool.lookup(digest(1), (1, 2)) == block
+    assert pool.allocate() == (block, True)
+    assert pool.lookup(digest(1), (1, 2)) is None
+    assert pool.hash_of[block] is None and pool.tokens_of[block] is None
+    assert pool.by_hash == {}
+    assert pool.violations() == []
+
+
+def test_incref_of_a_cached_free_block_takes_it_out_of_the_queue():
+    pool = BlockPool(4)
+    a, b = hold(pool, 2)
+    pool.register(a, digest(1), (1,))
+    pool.register(b, digest(2), (2,))
+    pool.decref(a)
+    pool.decref(b)
+    pool.incref(a)                                 # a prefix hit revives it
+    assert pool.ref[a] == 1
+    assert list(pool.free) == [2, 3, b]
+    assert pool.hash_of[a] == digest(1)
+    assert pool.decref(a)
+    assert list(pool.free) == [2, 3, b, a]         # freed again: most recently freed, evicted last
+    assert pool.violations() == []
+
+
+def test_decref_reports_only_the_last_reference():
+    pool = BlockPool(2)
+    (block,) = hold(pool, 1)
+    pool.incref(block)
+    assert pool.decref(block) is False
+    assert block not in pool.free
+    assert pool.decref(block) is True
+    assert block in pool.free
+
+
+# ---- BlockPool: prefix index -------------------------------------------------
+
+
+def test_lookup_finds_a_registered_block_by_hash_and_tokens():
+    pool = BlockPool(2)
+    (block,) = hold(pool, 1)
+    pool.register(block, digest(7), (1, 2, 3, 4))
+    assert pool.lookup(digest(7), (1, 2, 3, 4)) == block
+    assert pool.lookup(digest(8), (1, 2, 3, 4)) is None
+
+
+def test_lookup_refuses_a_hash_hit_whose_tokens_differ():
+    pool = BlockPool(2)
+    (block,) = hold(pool, 1)
+    pool.register(block, digest(7), (1, 2, 3, 4))
+    assert pool.lookup(digest(7), (1, 2, 3, 5)) is None       # a collision never hits
+    assert pool.lookup(digest(7), (1, 2, 3)) is None
+
+
+def test_register_keeps_the_first_block_for_a_hash_and_the_first_hash_for_a_block():
+    pool = BlockPool(3)
+    a, b = hold(pool, 2)
+    pool.register(a, digest(1), (1,))
+    pool.register(b, digest(1), (1,))              # same content elsewhere: not indexed
+    pool.register(a, digest(2), (2,))              # a block keeps its first hash
+    assert pool.by_hash == {digest(1): a}
+    assert pool.hash_of[b] is None
+    assert pool.hash_of[a] == digest(1)
+    assert pool.violations() == []
+
+
+# ---- BlockPool: violations --------------------------------------------------
+
+
+def test_a_consistent_pool_has_no_violations():
+    pool = BlockPool(4)
+    a, b = hold(pool, 2)
+    pool.register(a, digest(1), (1,))
+    pool.decref(a)
+    pool.incref(b)
+    assert pool.violations() == []
+
+
+def test_violations_report_a_held_block_with_a_zero_ref_count():
+    pool = BlockPool(3)
+    (block,) = hold(pool, 1)
+    pool.ref[block] = 0
+    assert pool.violations() == [f"block {block} has ref count 0 but is not in the free queue"]
+
+
+def test_violations_report_a_queued_block_with_a_ref_count():
+    pool = BlockPool(3)
+    pool.ref[2] = 1
+    assert pool.violations() == ["block 2 has ref count 1 but is in the free queue"]
+
+
+def test_violations_report_a_negative_ref_count():
+    pool = BlockPool(3)
+    (block,) = hold(pool, 1)
+    pool.ref[block] = -1
+    assert f"block {block} has negative ref count -1" in pool.violations()
+
+
+def test_violations_report_a_hash_the_index_does_not_know():
+    pool = BlockPool(2)
+    pool.hash_of[1] = digest(3)
+    assert pool.violations() == ["block 1 carries a hash the prefix index does not map to it"]
+
+
+def test_violations_report_an_index_entry_the_block_does_not_carry():
+    pool = BlockPool(2)
+    pool.by_hash[digest(3)] = 0
+    assert pool.violations() == ["prefix index maps a hash to block 0, which carries another"]
+
+
+def test_violations_report_a_queue_whose_length_disagrees_with_its_links():
+    pool = BlockPool(3)
+    pool.free._len += 1
+    assert "free queue holds 3 blocks but counts 4" in pool.violations()
+
+
+# ---- BlockPool: journal rollback ---------------------------------------------
+#
+# An op is (name, k); k picks the target among the blocks the op is valid for,
+# so that an op list stays meaningful whatever state it meets.
+
+POOL_OP_NAMES = ("allocate", "incref", "decref", "register")
+pool_ops = st.lists(st.tuples(st.sampled_from(POOL_OP_NAMES), st.integers(0, 50)), max_size=25)
+
+
+def apply_op(pool: BlockPool, name: str, k: int) -> None:
+    held = [b for b in range(pool.num_blocks) if pool.ref[b] > 0]
+    if name == "allocate" and pool.free:
+        pool.allocate()
+    elif name == "incref":
+        pool.incref(k % pool.num_blocks)
+    elif name == "decref" and held:
+        pool.decref(held[k % len(held)])
+    elif name == "register" and held:
+        # Few distinct digests, so "first come keeps the hash" is exercised.
+        pool.register(held[k % len(held)], digest(k % 5), (k % 5,))
+
+
+def journaled_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -> tuple[tuple, tuple]:
+    pool = BlockPool(NUM_BLOCKS)
+    for name, k in setup:
+        apply_op(pool, name, k)
+    before = snapshot(pool)
+    pool.journal = Journal()
+    for name, k in ops:
+        apply_op(pool, name, k)
+    assert pool.violations() == []
+    pool.journal.rollback()
+    pool.journal = None
+    assert pool.violations() == []
+    return before, snapshot(pool)
+
+
+def test_rollback_after_taking_blocks_restores_order_refs_and_hashes():
+    pool = BlockPool(6)
+    a, b, c = hold(pool, 3)
+    pool.register(a, digest(1), (1,))
+    pool.register(b, digest(2), (2,))
+    pool.decref(a)
+    pool.decref(b)                                  # queue: 3 4 5 a b
+    before = snapshot(pool)
+    pool.journal = Journal()
+    pool.incref(b)                                  # prefix hit from the back
+    pool.allocate()                                 # a plain page from the front
+    pool.incref(c)
+    pool.register(c, digest(3), (3,))
+    pool.allocate()
+    pool.allocate()
+    pool.allocate()                                 # evicts cached a
+    assert pool.lookup(digest(1), (1,)) is None
+    pool.journal.rollback()
+    assert snapshot(pool) == before
+    assert pool.lookup(digest(1), (1,)) == a
+
+
+def test_rollback_after_releasing_blocks_restores_order_refs_and_hashes():
+    pool = BlockPool(6)
+    a, b, c, d = hold(pool, 4)
+    pool.register(a, digest(1), (1,))
+    pool.incref(d)
+    before = snapshot(pool)
+    pool.journal = Journal()
+    pool.decref(b)
+    pool.decref(a)
+    pool.decref(d)
+    pool.decref(d)
+    pool.register(c, digest(2), (2,))
+    pool.decref(c)
+    pool.journal.rollback()
+    assert snapshot(pool) == before
+
+
+@settings(max_examples=300)
+@given(pool_ops, pool_ops)
+@example(setup=[], ops=[("allocate", 0), ("register", 0), ("decref", 0)])
+@example(setup=[("allocate", 0), ("register", 1)],
+         ops=[("allocate", 0), ("register", 3), ("decref", 0), ("decref", 0)])
+def test_rollback_restores_the_pool_after_any_mix_of_operations(setup, ops):
+    before, after = journaled_roundtrip(setup, ops)
+    assert after == before
+
+
+# The two below were bugs: undo relinked a block next to the neighbours it had on
+# re-entering the queue, not those it had when it left.
+
+
+def test_rollback_puts_an_allocated_then_cached_and_freed_block_back_at_the_front():
+    pool = BlockPool(3)
+    pool.journal = Journal()
+    block, _ = pool.allocate()                      # block 0, from the front
+    pool.register(block, digest(1), (1,))
+    pool.decref(block)                              # cached: re-enters at the back
+    pool.journal.rollback()
+    assert list(pool.free) == [0, 1, 2]             # not [1, 2, 0]
+
+
+def test_rollback_keeps_every_free_block_in_the_queue():
+    pool = BlockPool(4)
+    (held,) = hold(pool, 1)                         # block 0, cached and held
+    pool.register(held, digest(1), (1,))
+    pool.journal = Journal()
+    taken, _ = pool.allocate()                      # block 1
+    pool.register(taken, digest(2), (2,))
+    pool.decref(held)                               # queue: 2 3 0
+    pool.decref(taken)                              # queue: 2 3 0 1
+    pool.journal.rollback()
+    assert pool.violations() == []                  # block 1 was free but unreachable in the queue
+    assert list(pool.free) == [1, 2, 3]
