@@ -1,0 +1,169 @@
+"""The decoder (Llama, Qwen2, Mistral), reading and writing K/V in memd's pool.
+
+Each pool page is one block of this model: [layers, K/V, block_size,
+kv_heads, head_dim]. A forward pass writes the new tokens' K/V straight into
+their slots, then attends over each sequence's context gathered through its
+block table. Nothing is copied through memd; the pool is mapped here.
+
+One `forward` serves prefill, decode and any mix of the two: the batch is a
+flat run of new tokens, plus per sequence its context length and block table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from inferd.checkpoint import ModelConfig
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one forward pass computes: new tokens of several sequences, back to back."""
+
+    token_ids: torch.Tensor      # [T] long: every sequence's new tokens, in sequence order
+    positions: torch.Tensor      # [T] long: absolute position of each new token
+    slot_blocks: torch.Tensor    # [T] long: pool block receiving each new token's K/V
+    slot_offsets: torch.Tensor   # [T] long: slot within that block
+    query_lens: list[int]        # new tokens per sequence
+    context_lens: list[int]      # tokens per sequence after this pass (cached + new)
+    block_tables: torch.Tensor   # [B, max_blocks] long, padded with any valid block id
+
+
+def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
+                device: torch.device | str = "cpu") -> Batch:
+    """From (new token ids, tokens already in the cache, block table) per sequence."""
+    tokens, positions, blocks, offsets, qlens, clens = [], [], [], [], [], []
+    for new, cached, table in seqs:
+        pos = range(cached, cached + len(new))
+        tokens += new
+        positions += pos
+        blocks += [table[p // block_size] for p in pos]
+        offsets += [p % block_size for p in pos]
+        qlens.append(len(new))
+        clens.append(cached + len(new))
+    width = max(len(t) for _, _, t in seqs)
+    tables = [t + [t[0]] * (width - len(t)) for _, _, t in seqs]
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return Batch(as_long(tokens), as_long(positions), as_long(blocks), as_long(offsets), qlens, clens,
+                 as_long(tables))
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE frequencies, with Llama 3's long-context rescaling when the config asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedDecoder:
+    """Weights plus the pool view; `forward` returns the logits of each sequence's last new token."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor,
+                 device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.kv = kv                                   # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
+        self.block_size = kv.shape[3]
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint lacks {name}")
+            return weights[name].to(self.device)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if config.tie_embeddings or "lm_head.weight" not in weights \
+            else w("lm_head.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_b = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None
+            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            self.layers.append((w(p + "input_layernorm.weight"), qkv_w, qkv_b, w(p + "self_attn.o_proj.weight"),
+                                w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
+        self.inv_freq = rope_inv_freq(config).to(self.device)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return weight * (x.float() * torch.rsqrt(var + self.config.rms_norm_eps)).to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(c.dtype)[:, None, :], emb.sin().to(c.dtype)[:, None, :]
+        mask, gather = self._attention_layout(batch)
+
+        h = self.embed[batch.token_ids]
+        for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
+            x = self._rms_norm(h, ln1)
+            qkv = F.linear(x, qkv_w, qkv_b)
+            q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache = self.kv[:, layer]                                   # [blocks, 2, bs, kv_heads, dim]
+            cache[batch.slot_blocks, 0, batch.slot_offsets] = k
+            cache[batch.slot_blocks, 1, batch.slot_offsets] = v
+            attn = self._attend(q, cache, batch, mask, gather)
+            h = h + F.linear(attn, o_w)
+            x = self._rms_norm(h, ln2)
+            gu = F.linear(x, gate_up)
+            inter = gu.shape[-1] // 2
+            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+        last = torch.tensor([sum(batch.query_lens[:i + 1]) - 1 for i in range(len(batch.query_lens))],
+                            device=self.device)
+        return F.linear(self._rms_norm(h[last], self.norm), self.lm_head).float()
+
+    def _attention_layout(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded [B, max_q] query layout (as indices into the flat tokens) and its causal mask."""
+        qlens = torch.tensor(batch.query_lens, device=self.device)
+        clens = torch.tensor(batch.context_lens, device=self.device)
+        max_q = int(qlens.max())
+        max_ctx = batch.block_tables.shape[1] * self.block_size
+        starts = torch.cumsum(qlens, 0) - qlens
+        qi = torch.arange(max_q, device=self.device)
+        gather = (starts[:, None] + qi[None, :]).clamp(max=int(qlens.sum()) - 1)        # [B, max_q]
+        qpos = clens[:, None] - qlens[:, None] + qi[None, :]                            # absolute positions
+        kpos = torch.arange(max_ctx, device=self.device)
+        mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < clens[:, None, None])
+        mask &= (qi[None, :] < qlens[:, None])[:, :, None] | (kpos[None, None, :] == 0)  # padded rows: any key
+        return mask[:, None], gather
+
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor, batch: Batch, mask: torch.Tensor,
+                gather: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        bsz = gather.shape[0]
+        ctx = cache[batch.block_tables]                     # [B, max_blocks, 2, bs, kv_heads, dim]
+        ctx = ctx.permute(0, 2, 4, 1, 3, 5).reshape(bsz, 2, c.num_kv_heads, -1, c.head_dim)
+        keys, values = ctx[:, 0], ctx[:, 1]                 # [B, kv_heads, max_ctx, dim]
+        queries = q[gather].transpose(1, 2)                 # [B, heads, max_q, dim]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(bsz, -1, c.num_heads * c.head_dim)   # [B, max_q, hidden]
+        valid = torch.arange(gather.shape[1], device=self.device)[None, :] < \
+            torch.tensor(batch.query_lens, device=self.device)[:, None]
+        return out[valid]

@@ -1,0 +1,112 @@
+"""The paged decoder against transformers on the same tiny weights, with pages from a real memd."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferd.checkpoint import CheckpointError, load_weights, read_config
+from inferd.model import PagedDecoder, build_batch
+from inferd.tiny import make_tiny_model
+from shared.client import MemdClient
+from shared.ops import Extend, Open
+
+transformers = pytest.importorskip("transformers")
+
+BS = 4                     # tokens per block: small, so prompts cross many block boundaries
+DECODE_STEPS = 64
+ATOL = 2e-4                # fp32, logits of order 10
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def checkpoint(request, tmp_path_factory) -> Path:
+    # llama with Llama 3 rope scaling (short original context, so the scaling matters here)
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=3,
+                           llama3_rope=request.param == "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+async def worker(memd_factory, checkpoint):
+    config = read_config(checkpoint)
+    page = BS * config.bytes_per_token
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", str(512 * page), "--block-bytes", str(page))
+    client = await MemdClient.attach(memd.address, model=checkpoint.name, block_size=BS,
+                                     bytes_per_token=config.bytes_per_token)
+    model = PagedDecoder(config, load_weights(checkpoint, config.dtype),
+                         client.pool.view(config.dtype, config.page_shape(BS)))
+    yield client, model
+    await client.close()
+
+
+def ref_logits(reference, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(torch.tensor([tokens])).logits[0, -1].float()
+
+
+async def generate_and_compare(client, model, reference, prompts: list[list[int]]) -> None:
+    """Prefill every prompt in one pass, then decode them together, checking each step against transformers."""
+    opened = await client.step(*[Open(p, reserve=DECODE_STEPS) for p in prompts])
+    tables = [r.block_ids for r in opened]
+    histories = [list(p) for p in prompts]
+    cached = [r.num_cached for r in opened]
+    logits = model.forward(build_batch([(p[c:], c, t) for p, c, t in zip(prompts, cached, tables, strict=True)],
+                                       BS))
+    await client.step(*[Extend(r.seq_id, commit_to=len(p)) for r, p in zip(opened, prompts, strict=True)])
+    for step in range(DECODE_STEPS + 1):
+        for i, history in enumerate(histories):
+            expected = ref_logits(reference, history)
+            torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=1e-4,
+                                       msg=lambda m, i=i, step=step: f"sequence {i} after {step} decode steps: {m}")
+            assert int(logits[i].argmax()) == int(expected.argmax())
+        if step == DECODE_STEPS:
+            break
+        chosen = logits.argmax(-1).tolist()
+        batch = build_batch([([tok], len(h), t) for tok, h, t in zip(chosen, histories, tables, strict=True)], BS)
+        for history, tok in zip(histories, chosen, strict=True):
+            history.append(tok)
+        logits = model.forward(batch)
+
+
+async def test_one_sequence_matches_transformers(worker, reference):
+    client, model = worker
+    await generate_and_compare(client, model, reference, [[11, 42, 7, 300, 5, 9, 81, 2, 64, 33, 12]])
+
+
+async def test_a_batch_of_mixed_lengths_matches_transformers(worker, reference):
+    client, model = worker
+    rng = random.Random(5)
+    lengths = [1, 3, 4, 5, 9, 16, 23, 37]                 # within a block, on boundaries, across many
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+    await generate_and_compare(client, model, reference, prompts)
+
+
+async def test_a_cached_prefix_is_reused_not_recomputed(worker, reference):
+    client, model = worker
+    system = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33]       # three full blocks and one token
+    first, = await client.step(Open(system + [40, 41], reserve=1))
+    model.forward(build_batch([(system + [40, 41], 0, first.block_ids)], BS))
+    await client.step(Extend(first.seq_id, commit_to=15))
+
+    prompt = system + [90, 91, 92]
+    second, = await client.step(Open(prompt, reserve=DECODE_STEPS))
+    assert second.num_cached == 12 and second.block_ids[:3] == first.block_ids[:3]
+    logits = model.forward(build_batch([(prompt[12:], 12, second.block_ids)], BS))   # only 4 new tokens
+    torch.testing.assert_close(logits[0], ref_logits(reference, prompt), atol=ATOL, rtol=1e-4)
+
+
+def test_unsupported_checkpoints_are_refused_clearly(tmp_path, checkpoint):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(CheckpointError, match=r"unsupported architecture .*GPT2LMHeadModel"):
+        read_config(tmp_path)
+    with pytest.raises(CheckpointError, match="no such file"):
+        read_config(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
+        load_weights(tmp_path, torch.float32)
