@@ -172,6 +172,8 @@ class KvManager:
 
     def _open(self, txn: _Txn, op: Open) -> OpResult:
         worker = txn.worker
+        if op.continue_session and op.session_id in self.sessions:
+            return self._resume(txn, Resume(session_id=op.session_id, reserve=op.reserve), op.token_ids)
         self._check_session_free(op.session_id)
         self._check_fits(len(op.token_ids) + op.reserve, worker.block_size)
         seq = Sequence(self._next_seq, worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
@@ -195,7 +197,7 @@ class KvManager:
         self._park(seq)
         return _result(seq, len(seq.block_ids))
 
-    def _resume(self, txn: _Txn, op: Resume) -> OpResult:
+    def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = ()) -> OpResult:
         worker = txn.worker
         seq = self._find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING:
@@ -206,8 +208,9 @@ class KvManager:
             raise FailedPrecondition(
                 f"sequence {seq.seq_id} holds KV of model {seq.model!r} (block size {seq.block_size}); "
                 f"this worker serves {worker.model!r} (block size {worker.block_size})")
-        self._check_fits(len(seq.token_ids) + op.reserve, seq.block_size)
+        self._check_fits(len(seq.token_ids) + len(append) + op.reserve, seq.block_size)
         self._save(txn, seq)
+        seq.token_ids.extend(append)
         cached = self._match_prefix(txn, seq) if seq.state is SeqState.DROPPED else seq.num_committed
         seq.state, seq.owner = SeqState.RUNNING, worker.worker_id
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
@@ -215,7 +218,7 @@ class KvManager:
         return _result(seq, 0, cached, history=True)
 
     def _free(self, txn: _Txn, op: Free) -> OpResult:
-        seq = self._find(op.seq_id, None)
+        seq = self._find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING and seq.owner != txn.worker.worker_id:
             raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
         if seq.model != txn.worker.model:

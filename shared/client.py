@@ -86,6 +86,9 @@ class MemdClient:
     async def attach(cls, address: str | None = None, *, model: str = "default", block_size: int = 0,
                      bytes_per_token: int = 0, name: str | None = None, map_memory: bool = True) -> MemdClient:
         """Attach as a worker; returns once memd has granted the lease (and the pool is mapped)."""
+        if map_memory:
+            # Imports torch: seconds that must not count against the lease, which runs from Attach.
+            from shared.poolmap import map_pool
         chan = channel(address)
         stub = pb_grpc.MemdStub(chan)
         try:
@@ -100,16 +103,14 @@ class MemdClient:
             reply.worker_id, g.backend,
             PoolGeometry(g.num_blocks, g.block_bytes, g.block_size, g.bytes_per_token),
             g.generation, reply.lease_timeout_s)
-        pool = None
+        client = cls(chan, attachment, None)
         try:
-            if map_memory:
-                from shared.poolmap import map_pool  # torch: seconds to import, needless for admin tools
-
-                pool = await asyncio.to_thread(map_pool, decode_handle(reply.pool_handle), attachment.geometry)
-            client = cls(chan, attachment, pool)
             await client._start_lease()
+            if map_memory:
+                client.pool = await asyncio.to_thread(map_pool, decode_handle(reply.pool_handle),
+                                                      attachment.geometry)
         except BaseException:
-            await chan.close()
+            await client.close()
             raise
         return client
 
@@ -146,7 +147,8 @@ class MemdClient:
             reply = await self._stub.Step(request)
         except grpc.aio.AioRpcError as err:
             raise MemdError.from_rpc(err) from None
-        return [result_from_proto(r, isinstance(op, Resume | Fork)) for r, op in zip(reply.results, ops, strict=True)]
+        return [result_from_proto(r, isinstance(op, Resume | Fork) or getattr(op, "continue_session", False))
+                for r, op in zip(reply.results, ops, strict=True)]
 
     async def close(self) -> None:
         """Give the lease back: memd parks whatever this worker still runs."""

@@ -17,6 +17,7 @@ class Open:
     token_ids: list[int]
     reserve: int = 0                 # writable slots wanted past the tokens
     session_id: str | None = None
+    continue_session: bool = False   # resume the session's sequence if it has one; token_ids join its history
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,7 +50,8 @@ class Resume:
 
 @dataclass(slots=True, frozen=True)
 class Free:
-    seq_id: int
+    seq_id: int | None = None
+    session_id: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -53,7 +53,7 @@ def op_to_proto(op: ops.Op) -> pb.Op:
     match op:
         case ops.Open():
             return pb.Op(open=pb.OpenOp(session_id=op.session_id or "", token_ids=op.token_ids,
-                                        reserve=op.reserve))
+                                        reserve=op.reserve, continue_session=op.continue_session))
         case ops.Extend():
             return pb.Op(extend=pb.ExtendOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
                                             reserve=op.reserve))
@@ -64,7 +64,9 @@ def op_to_proto(op: ops.Op) -> pb.Op:
                 return pb.Op(resume=pb.ResumeOp(session_id=op.session_id, reserve=op.reserve))
             return pb.Op(resume=pb.ResumeOp(seq_id=op.seq_id or 0, reserve=op.reserve))
         case ops.Free():
-            return pb.Op(free=pb.FreeOp(seq_id=op.seq_id))
+            if op.session_id:
+                return pb.Op(free=pb.FreeOp(session_id=op.session_id))
+            return pb.Op(free=pb.FreeOp(seq_id=op.seq_id or 0))
         case ops.Fork():
             return pb.Op(fork=pb.ForkOp(seq_id=op.seq_id, session_id=op.session_id or ""))
     raise TypeError(f"not a Step operation: {op!r}")
@@ -74,7 +76,7 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
     kind = msg.WhichOneof("kind")
     if kind == "open":
         m = msg.open
-        return ops.Open(list(m.token_ids), m.reserve, m.session_id or None)
+        return ops.Open(list(m.token_ids), m.reserve, m.session_id or None, m.continue_session)
     if kind == "extend":
         m = msg.extend
         return ops.Extend(m.seq_id, list(m.append), m.commit_to, m.reserve)
@@ -85,7 +87,7 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
         m = msg.resume
         return ops.Resume(m.seq_id or None, m.session_id or None, m.reserve)
     if kind == "free":
-        return ops.Free(msg.free.seq_id)
+        return ops.Free(msg.free.seq_id or None, msg.free.session_id or None)
     if kind == "fork":
         return ops.Fork(msg.fork.seq_id, msg.fork.session_id or None)
     raise WireError("empty operation: set one of open, extend, park, resume, free, fork")

@@ -6,7 +6,9 @@ import asyncio
 import signal
 from typing import Any
 
-from shared.client import MemdClient
+import pytest
+
+from shared.client import MemdClient, MemdError
 from shared.ops import Extend, Open, Park
 
 BS = 16   # tokens per block in these tests
@@ -158,3 +160,21 @@ async def test_a_parked_session_moves_to_another_worker_and_grows(memd):
         assert resumed.num_cached == 30 and resumed.token_ids == list(range(31))
         assert resumed.num_blocks == 4                   # 31 known + 20 reserved tokens
         assert resumed.block_ids[:2] == opened.block_ids[:2]
+
+
+async def test_the_next_turn_of_a_chat_opens_or_continues_its_session(memd):
+    from shared.ops import Free, Resume
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        turn1, = await client.step(Open([1, 2, 3, 4, 5], reserve=1, session_id="c", continue_session=True))
+        assert turn1.num_cached == 0 and turn1.token_ids == [1, 2, 3, 4, 5]        # a new chat
+        await client.step(Park(turn1.seq_id, append=[6], commit_to=5))
+        turn2, = await client.step(Open([7, 8], reserve=1, session_id="c", continue_session=True))
+        assert turn2.seq_id == turn1.seq_id and turn2.state == "running"
+        assert turn2.token_ids == [1, 2, 3, 4, 5, 6, 7, 8] and turn2.num_cached == 5
+        await client.step(Park(turn2.seq_id, commit_to=8))
+        await client.step(Free(session_id="c"))
+        with pytest.raises(MemdError) as err:
+            await client.step(Resume(session_id="c"))
+        assert err.value.code.name == "NOT_FOUND"
+    async with memd.admin() as admin:
+        assert (await admin.stats()).used_blocks == 0 and (await admin.check()).ok

@@ -93,14 +93,16 @@ class Op(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., park: _Optional[_Union[ParkOp, _Mapping]] = ..., resume: _Optional[_Union[ResumeOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ...) -> None: ...
 
 class OpenOp(_message.Message):
-    __slots__ = ("session_id", "token_ids", "reserve")
+    __slots__ = ("session_id", "token_ids", "reserve", "continue_session")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_SESSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reserve: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve: _Optional[int] = ...) -> None: ...
+    continue_session: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve: _Optional[int] = ..., continue_session: _Optional[bool] = ...) -> None: ...
 
 class ExtendOp(_message.Message):
     __slots__ = ("seq_id", "append", "commit_to", "reserve")
@@ -135,10 +137,12 @@ class ResumeOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., reserve: _Optional[int] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "session_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
-    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("seq_id", "session_id")
