@@ -182,7 +182,7 @@ class KvManager:
         self._create(txn, seq)
         cached = self._match_prefix(txn, seq)
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
-        return _result(seq, 0, cached)
+        return _result(seq, 0, cached, history=op.continue_session)
 
     def _extend(self, txn: _Txn, op: Extend) -> OpResult:
         seq = self._own(txn, op.seq_id)
