@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
 
 log = structlog.get_logger("memd")
+MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
 
 
 class StartupError(RuntimeError):
@@ -84,15 +86,22 @@ def prepare_socket(target: str) -> Path | None:
     path = addr.unix_path(target)
     if path is None:
         return None
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.exists():
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(str(path))
-            except OSError:
-                path.unlink()        # left by a memd that died
-            else:
-                raise StartupError(f"another memd is already listening on {path}")
+    if len(os.fsencode(f"{path}.fd")) >= MAX_UNIX_PATH:
+        raise StartupError(f"socket path {path} is too long for a Unix socket (with .fd, under {MAX_UNIX_PATH} bytes)")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(str(path))
+                except OSError:
+                    path.unlink()        # left by a memd that died
+                else:
+                    raise StartupError(f"another memd is already listening on {path}")
+    except PermissionError as exc:
+        raise StartupError(f"cannot use {path}: {exc.strerror}") from None
     return path
 
 
@@ -120,11 +129,11 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
         raise StartupError(f"cannot listen on {target}") from None
     if sock_path is None and target.endswith(":0"):
         target = f"{target[:-2]}:{port}"          # report the port the kernel chose
+    if fd_server is not None:
+        await fd_server.start()                   # before the first Attach can name it
     await server.start()
     if sock_path is not None:
         os.chmod(sock_path, 0o660)
-    if fd_server is not None:
-        await fd_server.start()
     reaper = asyncio.create_task(service.reap_expired(), name="reaper")
 
     stop = asyncio.Event()
@@ -144,6 +153,7 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await reaper
     await server.stop(grace=2.0)
+    service.close()
     if fd_server is not None:
         await fd_server.close()
     if sock_path is not None:

@@ -55,7 +55,12 @@ class FdServer:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:          # EMFILE, ECONNABORTED ...: keep serving
+                log.warning("pool socket accept failed", error=str(exc))
+                await asyncio.sleep(0.1)    # back off from a persistent error, do not spin
+                continue
             task = asyncio.create_task(self._hand_over(conn))
             self._handovers.add(task)
             task.add_done_callback(self._handovers.discard)
@@ -64,7 +69,7 @@ class FdServer:
         loop = asyncio.get_running_loop()
         with conn:
             try:
-                token = await asyncio.wait_for(loop.sock_recv(conn, TOKEN_BYTES), 5.0)
+                token = await asyncio.wait_for(self._read_token(conn), 5.0)
             except (TimeoutError, OSError):
                 return
             deadline = self._tokens.pop(token, None)
@@ -76,6 +81,16 @@ class FdServer:
                 socket.send_fds(conn, [b"OK"], [self._fd])
             except OSError as exc:
                 log.warning("pool handle not delivered", error=str(exc))
+
+    @staticmethod
+    async def _read_token(conn: socket.socket) -> bytes:
+        loop, token = asyncio.get_running_loop(), b""
+        while len(token) < TOKEN_BYTES:
+            chunk = await loop.sock_recv(conn, TOKEN_BYTES - len(token))
+            if not chunk:
+                break
+            token += chunk
+        return token
 
     async def close(self) -> None:
         if self._task is not None:

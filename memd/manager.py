@@ -14,6 +14,7 @@ hits, forks), so every slot a RUNNING sequence may write is its own.
 
 from __future__ import annotations
 
+import hmac
 import os
 import time
 from collections import Counter
@@ -47,6 +48,7 @@ class Worker:
     model: str
     block_size: int
     last_seen: float
+    lease: bytes = b""            # the secret its Steps and Session stream must present
     streaming: bool = False
 
 
@@ -92,16 +94,20 @@ class KvManager:
             raise InvalidArgument(
                 f"a block of {block_size} tokens x {bytes_per_token} bytes does not fit "
                 f"a page of {self.geometry.block_bytes} bytes")
-        worker = Worker(self._next_worker, name, pid, model or "default", block_size, time.monotonic())
+        worker = Worker(self._next_worker, name, pid, model or "default", block_size, time.monotonic(),
+                        os.urandom(16))
         self._next_worker += 1
         self.workers[worker.worker_id] = worker
         self.counters["attaches"] += 1
         return worker
 
-    def worker(self, worker_id: int) -> Worker:
+    def worker(self, worker_id: int, lease: bytes | None = None) -> Worker:
+        """The worker holding a live lease; `lease` is checked unless the caller is in-process (None)."""
         worker = self.workers.get(worker_id)
         if worker is None:
             raise FailedPrecondition(f"worker {worker_id} holds no lease (never attached, or reclaimed); attach again")
+        if lease is not None and not hmac.compare_digest(lease, worker.lease):
+            raise PermissionDenied(f"wrong lease secret for worker {worker_id}")
         return worker
 
     def expired_workers(self, now: float, lease_timeout_s: float) -> list[int]:
@@ -128,8 +134,8 @@ class KvManager:
 
     # ---- steps ---------------------------------------------------------
 
-    def step(self, worker_id: int, ops: Iterable[Op]) -> StepOutcome:
-        worker = self.worker(worker_id)
+    def step(self, worker_id: int, ops: Iterable[Op], lease: bytes | None = None) -> StepOutcome:
+        worker = self.worker(worker_id, lease)
         worker.last_seen = time.monotonic()
         txn = _Txn(worker, Journal())
         self.pool.journal = txn.journal
@@ -152,7 +158,9 @@ class KvManager:
         self.counters.update(txn.counters)
         self.counters["steps"] += 1
         self.counters["ops"] += len(results)
-        return StepOutcome(results, txn.effects)
+        # A page this Step took and gave back needs no effect: it is free again, and
+        # zeroed when next handed out. Late effects on a free page could hit its next tenant.
+        return StepOutcome(results, [e for e in txn.effects if self.pool.ref[e[2]] > 0])
 
     def _apply(self, txn: _Txn, op: Op) -> OpResult:
         match op:
@@ -194,6 +202,9 @@ class KvManager:
     def _park_op(self, txn: _Txn, op: Park) -> OpResult:
         seq = self._own(txn, op.seq_id)
         self._commit(txn, seq, op.append, op.commit_to)
+        cut = seq.block_ids[blocks_for(seq.num_committed, seq.block_size):]
+        if cut:
+            txn.journal.record(seq.block_ids.extend, cut)     # undone before _restore's truncation
         self._park(seq)
         return _result(seq, len(seq.block_ids))
 
@@ -362,8 +373,9 @@ class KvManager:
         if seq.seq_id in txn.saved:
             return
         txn.saved.add(seq.seq_id)
-        txn.journal.record(_restore, seq, seq.state, seq.owner, list(seq.block_ids), seq.num_committed,
-                           len(seq.token_ids), list(seq.hashes))
+        # Within a Step the lists only grow (Park journals what it cuts), so lengths restore them.
+        txn.journal.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
+                           len(seq.token_ids), len(seq.hashes))
 
     def _create(self, txn: _Txn, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -455,11 +467,12 @@ class KvManager:
         seq.heat_at = seq.last_access = now
 
 
-def _restore(seq: Sequence, state: SeqState, owner: int | None, block_ids: list[int], num_committed: int,
-             num_tokens: int, hashes: list[bytes]) -> None:
-    seq.state, seq.owner, seq.block_ids, seq.num_committed = state, owner, block_ids, num_committed
+def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,
+             num_tokens: int, num_hashes: int) -> None:
+    seq.state, seq.owner, seq.num_committed = state, owner, num_committed
+    del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
-    seq.hashes = hashes
+    del seq.hashes[num_hashes:]
 
 
 def _check_name(what: str, value: str) -> None:

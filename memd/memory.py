@@ -134,11 +134,14 @@ class CudaMemory:
 
         if not torch.cuda.is_available():
             raise PoolMemoryError(f"device {device!r} asked for, but torch sees no CUDA GPU")
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
         if "expandable_segments:True" in conf.replace(" ", ""):
             raise PoolMemoryError("PYTORCH_CUDA_ALLOC_CONF enables expandable_segments, whose memory "
                                   "CUDA IPC cannot share; unset it for memd")
-        index = torch.device(device).index
+        try:
+            index = torch.device(device).index
+        except RuntimeError:
+            raise PoolMemoryError(f"not a device: {device!r} (use cuda or cuda:N)") from None
         index = torch.cuda.current_device() if index is None else index
         if index >= torch.cuda.device_count():
             raise PoolMemoryError(f"{device}: only {torch.cuda.device_count()} GPU(s) visible")
@@ -160,14 +163,17 @@ class CudaMemory:
         self.uuid = str(props.uuid)
         self.pages = flat.view(num_blocks, block_bytes)
         self._stream = torch.cuda.Stream(index)
-
-    def export(self) -> dict[str, Any]:
+        # Exported once: each _share_cuda_() takes a ref-counter slot and an IPC
+        # event, and memd never frees the pool, so one handle serves every worker.
         (_device, handle, size, offset, ref_handle, ref_offset, event_handle,
          event_sync) = self.pages.untyped_storage()._share_cuda_()
-        return {"backend": "cuda", "uuid": self.uuid, "handle": bytes(handle), "size": int(size),
-                "offset": int(offset), "ref_counter_handle": bytes(ref_handle),
-                "ref_counter_offset": int(ref_offset), "event_handle": bytes(event_handle or b""),
-                "event_sync_required": bool(event_sync)}
+        self._handle = {"backend": "cuda", "uuid": self.uuid, "handle": bytes(handle), "size": int(size),
+                        "offset": int(offset), "ref_counter_handle": bytes(ref_handle),
+                        "ref_counter_offset": int(ref_offset), "event_handle": bytes(event_handle or b""),
+                        "event_sync_required": bool(event_sync)}
+
+    def export(self) -> dict[str, Any]:
+        return dict(self._handle)
 
     def apply(self, effects: list[Effect]) -> None:
         """Zero and copy pages in Step order, batching runs of zeros into one kernel.

@@ -44,9 +44,11 @@ class MemdService(pb_grpc.MemdServicer):
         self.lease_timeout_s = lease_timeout_s
         self.generation = generation
         self.started = time.monotonic()
-        self._sessions: dict[int, asyncio.Task[object]] = {}
-        # One thread: effects of successive Steps land in order.
+        self._revocations: dict[int, asyncio.Event] = {}
+        # One thread, first in first out, and nothing inline while it has work:
+        # the effects of successive Steps land on the pages in Step order.
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-pages")
+        self._queued_effects = 0
 
     # ---- workers -------------------------------------------------------
 
@@ -68,29 +70,35 @@ class MemdService(pb_grpc.MemdServicer):
                                  pool_bytes=g.pool_bytes, block_size=worker.block_size,
                                  bytes_per_token=request.bytes_per_token or g.bytes_per_token,
                                  generation=self.generation),
-            pool_handle=encode_handle(handle), lease_timeout_s=self.lease_timeout_s)
+            pool_handle=encode_handle(handle), lease_timeout_s=self.lease_timeout_s, lease=worker.lease)
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF:
             return
         try:
-            worker = self.manager.worker(first.worker_id)
+            worker = self.manager.worker(first.worker_id, first.lease)
         except KvError as err:
             await _abort(context, err)
         if worker.streaming:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"worker {worker.worker_id} already holds a lease stream")
         worker.streaming = True
-        task = asyncio.current_task()
-        assert task is not None
-        self._sessions[worker.worker_id] = task
+        revoked = self._revocations[worker.worker_id] = asyncio.Event()
+        revoke = asyncio.ensure_future(revoked.wait())
         reason = "stream broken"
         try:
             await context.write(pb.SessionDown(event="granted"))
             log.info("lease granted", worker=worker.worker_id)
             while True:
-                msg = await context.read()
+                read = asyncio.ensure_future(context.read())
+                await asyncio.wait({read, revoke}, return_when=asyncio.FIRST_COMPLETED)
+                if revoke.done():
+                    read.cancel()
+                    reason = "lease expired"
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"lease expired: no heartbeat for {self.lease_timeout_s:g} s; attach again")
+                msg = read.result()
                 if msg is grpc.aio.EOF:
                     break
                 if msg.goodbye:
@@ -98,7 +106,8 @@ class MemdService(pb_grpc.MemdServicer):
                     break
                 worker.last_seen = time.monotonic()
         finally:
-            self._sessions.pop(worker.worker_id, None)
+            revoke.cancel()
+            self._revocations.pop(worker.worker_id, None)
             self.reclaim(worker.worker_id, reason)
 
     def reclaim(self, worker_id: int, reason: str) -> None:
@@ -114,9 +123,9 @@ class MemdService(pb_grpc.MemdServicer):
             await asyncio.sleep(interval)     # a periodic sweep, not a wait for an event
             for worker_id in self.manager.expired_workers(time.monotonic(), self.lease_timeout_s):
                 self.reclaim(worker_id, "lease expired")
-                task = self._sessions.pop(worker_id, None)
-                if task is not None:
-                    task.cancel()
+                revoked = self._revocations.get(worker_id)
+                if revoked is not None:
+                    revoked.set()          # the stream handler ends the stream with a status
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         try:
@@ -126,7 +135,7 @@ class MemdService(pb_grpc.MemdServicer):
                     ops.append(op_from_proto(op))
                 except WireError as exc:
                     raise OpError(index, "decode", InvalidArgument(str(exc))) from None
-            outcome = self.manager.step(request.worker_id, ops)
+            outcome = self.manager.step(request.worker_id, ops, request.lease)
         except KvError as err:
             log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops), error=str(err))
             await _abort(context, err)
@@ -137,10 +146,26 @@ class MemdService(pb_grpc.MemdServicer):
                             free_blocks=self.manager.pool.num_free)
 
     async def _apply(self, effects: list[Effect]) -> None:
-        if len(effects) * self.manager.geometry.block_bytes <= INLINE_EFFECT_BYTES:
+        """Zero and copy pages before the reply; the Step's state change is already made.
+
+        Shielded: a client that cancels or times out must not leave its pages
+        unzeroed, since memd has handed them out all the same.
+        """
+        small = len(effects) * self.manager.geometry.block_bytes <= INLINE_EFFECT_BYTES
+        if small and not self._queued_effects:
             self.memory.apply(effects)
-        else:
-            await asyncio.get_running_loop().run_in_executor(self._copier, self.memory.apply, effects)
+            return
+        self._queued_effects += 1
+        job = asyncio.get_running_loop().run_in_executor(self._copier, self.memory.apply, effects)
+        job.add_done_callback(self._effects_done)
+        await asyncio.shield(job)
+
+    def _effects_done(self, _job: object) -> None:
+        self._queued_effects -= 1
+
+    def close(self) -> None:
+        """Wait for queued page effects: the pool must outlive them."""
+        self._copier.shutdown(wait=True)
 
     # ---- admin ---------------------------------------------------------
 

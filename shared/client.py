@@ -27,7 +27,7 @@ import structlog
 
 from shared import address as addr
 from shared.geometry import PoolGeometry
-from shared.ops import Fork, Op, OpResult, Resume
+from shared.ops import Fork, Free, Op, OpResult, Park, Resume
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.wire import OP_INDEX_KEY, decode_handle, op_to_proto, result_from_proto
@@ -71,16 +71,19 @@ def channel(address: str | None = None) -> grpc.aio.Channel:
 
 
 class MemdClient:
-    def __init__(self, chan: grpc.aio.Channel, attachment: Attachment, pool: MappedPool | None) -> None:
+    def __init__(self, chan: grpc.aio.Channel, attachment: Attachment, pool: MappedPool | None,
+                 lease: bytes = b"") -> None:
         self._channel = chan
         self._stub = pb_grpc.MemdStub(chan)
         self.attachment = attachment
         self.worker_id = attachment.worker_id
+        self._lease = lease
         self.geometry = attachment.geometry
         self.pool = pool
         self.lease_lost = asyncio.Event()
         self._lease_task: asyncio.Task[None] | None = None
         self._session: grpc.aio.StreamStreamCall | None = None
+        self._closing = False
 
     @classmethod
     async def attach(cls, address: str | None = None, *, model: str = "default", block_size: int = 0,
@@ -103,7 +106,7 @@ class MemdClient:
             reply.worker_id, g.backend,
             PoolGeometry(g.num_blocks, g.block_bytes, g.block_size, g.bytes_per_token),
             g.generation, reply.lease_timeout_s)
-        client = cls(chan, attachment, None)
+        client = cls(chan, attachment, None, reply.lease)
         try:
             await client._start_lease()
             if map_memory:
@@ -123,7 +126,7 @@ class MemdClient:
         interval = max(self.attachment.lease_timeout_s / 3, 0.05)
         call = self._session = self._stub.Session()
         try:
-            await call.write(pb.SessionUp(worker_id=self.worker_id))
+            await call.write(pb.SessionUp(worker_id=self.worker_id, lease=self._lease))
             first = await call.read()
             if first is grpc.aio.EOF or first.event != "granted":
                 raise MemdError(grpc.StatusCode.UNAVAILABLE, "memd closed the lease stream")
@@ -132,17 +135,25 @@ class MemdClient:
                 await asyncio.sleep(interval)   # heartbeat period, not synchronisation
                 await call.write(pb.SessionUp(worker_id=self.worker_id))
         except asyncio.CancelledError:
-            call.cancel()
+            if not self._closing:       # a clean close says goodbye on this call first
+                call.cancel()
             raise
-        except (grpc.aio.AioRpcError, MemdError, grpc.aio.UsageError) as err:
+        except Exception as err:    # any end of the stream is the end of the lease
+            if isinstance(err, grpc.aio.AioRpcError):
+                err = MemdError.from_rpc(err)
             if not granted.done():
-                granted.set_exception(MemdError.from_rpc(err) if isinstance(err, grpc.aio.AioRpcError) else err)
+                granted.set_exception(err)
             log.warning("lease lost", worker=self.worker_id, error=str(err))
             self.lease_lost.set()
 
     async def step(self, *ops: Op) -> list[OpResult]:
         """Apply `ops` in order, all or nothing; one result per op."""
-        request = pb.StepRequest(worker_id=self.worker_id, ops=[op_to_proto(op) for op in ops])
+        if self.pool is not None and self.pool.backend == "cuda" and any(isinstance(op, Park | Free | Fork)
+                                                                           for op in ops):
+            # memd zeroes, reuses or copies released pages on its own stream: the
+            # kernels that wrote them here must be finished first.
+            self.pool.synchronize()
+        request = pb.StepRequest(worker_id=self.worker_id, ops=[op_to_proto(op) for op in ops], lease=self._lease)
         try:
             reply = await self._stub.Step(request)
         except grpc.aio.AioRpcError as err:
@@ -152,14 +163,19 @@ class MemdClient:
 
     async def close(self) -> None:
         """Give the lease back: memd parks whatever this worker still runs."""
-        if self._session is not None and not self.lease_lost.is_set():
-            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-                await self._session.write(pb.SessionUp(worker_id=self.worker_id, goodbye=True))
-                await self._session.done_writing()
+        self._closing = True
         if self._lease_task is not None:
             self._lease_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._lease_task
+        session = self._session
+        if session is not None and not self.lease_lost.is_set():
+            try:
+                await session.write(pb.SessionUp(worker_id=self.worker_id, goodbye=True))
+                await session.done_writing()
+                await asyncio.wait_for(session.code(), 5.0)     # memd has read the goodbye
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, TimeoutError):
+                session.cancel()
         if self.pool is not None:
             self.pool.close()
         await self._channel.close()

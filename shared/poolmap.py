@@ -44,6 +44,11 @@ class MappedPool:
             raise PoolMapError(f"a block of {num * itemsize} bytes does not fit a page of {self.pages.shape[1]}")
         return self.pages[:, :num * itemsize].view(dtype).view(self.pages.shape[0], *page_shape)
 
+    def synchronize(self) -> None:
+        """Wait for this process's kernels on the pool's device (no-op on the CPU)."""
+        if self.pages.is_cuda:
+            torch.cuda.synchronize(self.pages.device)
+
     def close(self) -> None:
         self.pages = torch.empty(0, dtype=torch.uint8)
         if isinstance(self._keepalive, mmap.mmap):
@@ -106,8 +111,8 @@ def _map_cuda(handle: dict[str, Any], geometry: PoolGeometry) -> MappedPool:
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             index, handle["handle"], handle["size"], handle["offset"], handle["ref_counter_handle"],
-            handle["ref_counter_offset"], handle["event_handle"] or None, handle["event_sync_required"])
-    except RuntimeError as exc:
+            handle["ref_counter_offset"], handle["event_handle"], handle["event_sync_required"])
+    except (RuntimeError, TypeError) as exc:
         raise PoolMapError(f"cannot open the pool's CUDA IPC handle: {exc} (same host, shared PID and "
                            "IPC namespaces, no MIG)") from None
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage)

@@ -98,12 +98,23 @@ async def test_a_step_from_a_worker_without_lease_is_refused(memd, scene):
     assert await fingerprint(memd) == before
 
 
+async def test_a_step_with_a_wrong_lease_secret_is_refused(memd, scene):
+    before = await fingerprint(memd)
+    async with memd.admin() as admin:
+        stub = pb_grpc.MemdStub(admin._channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:     # worker b's id is no secret; its lease is
+            await stub.Step(pb.StepRequest(worker_id=scene["a"].worker_id, lease=b"0" * 16,
+                                           ops=[pb.Op(free=pb.FreeOp(seq_id=scene["running"]))]))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert await fingerprint(memd) == before
+
+
 async def test_an_empty_operation_is_invalid(memd, scene):
     before = await fingerprint(memd)
     async with memd.admin() as admin:
         stub = pb_grpc.MemdStub(admin._channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Step(pb.StepRequest(worker_id=scene["b"].worker_id, ops=[pb.Op()]))
+            await stub.Step(pb.StepRequest(worker_id=scene["b"].worker_id, lease=scene["b"]._lease, ops=[pb.Op()]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "empty operation" in err.value.details()
     assert await fingerprint(memd) == before

@@ -81,6 +81,10 @@ async def test_a_silent_worker_is_reclaimed_after_the_lease(memd_factory, spawn_
     async with memd.admin() as admin:
         assert seq_rows(await admin.snapshot())[opened["seq_id"]].state == "parked"
         assert (await admin.check()).ok
+    worker.proc.send_signal(signal.SIGCONT)          # it wakes: memd has ended its lease stream
+    assert (await worker.call("lease_lost"))["lost"]
+    error = await worker.step_error({"kind": "extend", "seq_id": opened["seq_id"], "commit_to": 20})
+    assert error["code"] == "FAILED_PRECONDITION" and "attach again" in error["message"]
 
 
 async def test_an_idle_worker_keeps_its_lease(memd_factory):

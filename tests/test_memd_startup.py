@@ -91,3 +91,13 @@ async def test_memd_serves_over_tcp_when_asked(memd_factory, tmp_path):
     async with await MemdClient.attach(address, block_size=16) as client:   # the pool fd comes over a side socket
         assert client.pool is not None and client.pool.pages.shape == (16, 65536)
     assert any((tmp_path / "kvpool").glob("memd-*.fd"))
+
+
+async def test_unusable_socket_paths_are_refused_clearly(tmp_path):
+    long_dir = tmp_path / ("d" * 100)
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", f"unix:{long_dir}/memd.sock")
+    assert rc == 1 and "too long for a Unix socket" in err and "Traceback" not in err
+    (tmp_path / "precious.txt").write_text("not a socket")
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", f"unix:{tmp_path}/precious.txt")
+    assert rc == 1 and "is not a socket; refusing to replace it" in err
+    assert (tmp_path / "precious.txt").read_text() == "not a socket"

@@ -10,6 +10,7 @@ import pytest
 from memd.errors import PositionError
 from memd.sequences import SeqState, Sequence, locate
 from shared.geometry import GeometryError, ModelShape, plan_pool, read_model_shape
+from shared.ops import Extend
 from shared.sizes import format_size, parse_size
 from shared.wire import WireError, decode_handle, encode_handle
 
@@ -82,3 +83,21 @@ def test_pool_handles_round_trip_and_reject_tampering():
         decode_handle(encode_handle({**handle, "token": "text"}))
     with pytest.raises(WireError, match="version"):
         decode_handle(msgpack.packb({"v": 99}))
+
+
+def test_a_page_a_step_takes_and_gives_back_gets_no_effect():
+    from memd.manager import KvManager
+    from shared.geometry import PoolGeometry
+    from shared.ops import Fork, Free, Open, Park
+
+    manager = KvManager(PoolGeometry(num_blocks=16, block_bytes=4096, block_size=4))
+    worker = manager.attach("w", 1, "m", 4, 0)
+    warm = manager.step(worker.worker_id, [Open(list(range(60)))]).results[0]    # dirty every page
+    manager.step(worker.worker_id, [Free(warm.seq_id)])
+    outcome = manager.step(worker.worker_id, [Open(list(range(100, 132)), session_id="x"), Park(2, commit_to=0)])
+    assert outcome.effects == []                                  # all 8 pages free again: nothing to zero
+    parent = manager.step(worker.worker_id, [Open([1, 2, 3, 4, 5, 6], reserve=2)]).results[0]
+    manager.step(worker.worker_id, [Extend(parent.seq_id, commit_to=6)])
+    outcome = manager.step(worker.worker_id, [Fork(parent.seq_id), Free(4)])
+    assert all(kind != "copy" for kind, _, _ in outcome.effects)  # the child went away in the same Step
+    assert manager.violations() == []

@@ -17,6 +17,7 @@ import torch
 
 from shared import ops
 from shared.client import MemdClient, MemdError
+from shared.logs import configure
 
 OPS = {"open": ops.Open, "extend": ops.Extend, "park": ops.Park, "resume": ops.Resume, "free": ops.Free,
        "fork": ops.Fork}
@@ -38,6 +39,9 @@ async def handle(client: MemdClient | None, cmd: dict) -> tuple[MemdClient | Non
         return client, {"worker_id": client.worker_id, "num_blocks": client.geometry.num_blocks,
                         "block_bytes": client.geometry.block_bytes, "backend": client.attachment.backend}
     assert client is not None, "attach first"
+    if kind == "lease_lost":        # waits until memd ends the lease stream
+        await asyncio.wait_for(client.lease_lost.wait(), cmd.get("timeout", 30))
+        return client, {"lost": True}
     if kind == "step":
         try:
             results = await client.step(*[OPS[op.pop("kind")](**op) for op in cmd["ops"]])
@@ -60,6 +64,7 @@ async def handle(client: MemdClient | None, cmd: dict) -> tuple[MemdClient | Non
 
 
 async def main() -> None:
+    configure("warning", "json")       # logs to stderr: stdout carries the replies
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

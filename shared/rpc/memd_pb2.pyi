@@ -39,24 +39,28 @@ class AttachRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("worker_id", "geometry", "pool_handle", "lease_timeout_s")
+    __slots__ = ("worker_id", "geometry", "pool_handle", "lease_timeout_s", "lease")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     geometry: Geometry
     pool_handle: bytes
     lease_timeout_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pool_handle: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pool_handle: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class SessionUp(_message.Message):
-    __slots__ = ("worker_id", "goodbye")
+    __slots__ = ("worker_id", "goodbye", "lease")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     goodbye: bool
-    def __init__(self, worker_id: _Optional[int] = ..., goodbye: _Optional[bool] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., goodbye: _Optional[bool] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class SessionDown(_message.Message):
     __slots__ = ("event", "seq_id", "reason")
@@ -69,12 +73,14 @@ class SessionDown(_message.Message):
     def __init__(self, event: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("worker_id", "ops")
+    __slots__ = ("worker_id", "ops", "lease")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     ops: _containers.RepeatedCompositeFieldContainer[Op]
-    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class Op(_message.Message):
     __slots__ = ("open", "extend", "park", "resume", "free", "fork")
