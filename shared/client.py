@@ -84,6 +84,7 @@ class MemdClient:
         self._lease_task: asyncio.Task[None] | None = None
         self._session: grpc.aio.StreamStreamCall | None = None
         self._closing = False
+        self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
 
     @classmethod
     async def attach(cls, address: str | None = None, *, model: str = "default", block_size: int = 0,
@@ -158,6 +159,7 @@ class MemdClient:
             reply = await self._stub.Step(request)
         except grpc.aio.AioRpcError as err:
             raise MemdError.from_rpc(err) from None
+        self.free_blocks = reply.free_blocks
         return [result_from_proto(r, isinstance(op, Resume | Fork) or getattr(op, "continue_session", False))
                 for r, op in zip(reply.results, ops, strict=True)]
 

@@ -1,0 +1,310 @@
+"""Continuous batching over memd's pool: requests join and leave at every step.
+
+One iteration: (1) one memd Step carrying every page operation the iteration
+needs — park or free what finished, open (or continue) the sessions being
+admitted, extend sequences about to cross a block boundary — made only when
+there is such an operation; (2) one forward pass over every running
+sequence's pending tokens (decodes first, then prefill chunks, within a token
+budget); (3) sampling, stop checks, and events to the requests' queues.
+
+Every way a request ends — finish, stop string, cancel, reset, error — goes
+through `_end`, which queues its Park (a session's turn) or Free for the next
+Step: no path leaves a sequence RUNNING on memd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from inferd.model import PagedDecoder, build_batch
+from inferd.sampling import SamplingParams, sample
+from shared.client import MemdClient, MemdError
+from shared.ops import Extend, Free, Op, Open, OpResult, Park
+
+log = structlog.get_logger("inferd.scheduler")
+
+
+class GenerationError(Exception):
+    """Why a request failed; `code` is the gRPC status name the service returns."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(slots=True)
+class Event:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None       # "stop", "length", "cancelled", "reset"
+    usage: dict[str, float] | None = None
+    error: GenerationError | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    seq_id: int = 0
+    table: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)    # the whole history: memd's, the prompt, the generated
+    computed: int = 0                                  # tokens whose K/V are in the pool
+    told_tokens: int = 0                               # history length memd knows
+    generated: list[int] = field(default_factory=list)
+    emitted_text: str = ""
+    num_prompt: int = 0
+    num_cached: int = 0
+    first_token_at: float = 0.0
+    cancelled: str | None = None                       # "cancelled" or "reset"
+    generator: torch.Generator | None = None
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        self.cancelled = self.cancelled or reason
+
+
+class Scheduler:
+    def __init__(self, client: MemdClient, model: PagedDecoder, tokenizer: Any, *, max_num_seqs: int = 16,
+                 max_batch_tokens: int = 512) -> None:
+        self.client, self.model, self.tokenizer = client, model, tokenizer
+        self.block_size = client.geometry.block_size
+        self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ending: list[Op] = []
+        self._resets: list[tuple[asyncio.Future[None], Op]] = []
+        self._wake = asyncio.Event()
+        self.steps = 0
+
+    # ---- the outside ---------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        request.params.check()
+        limit = self.model.config.max_position
+        if len(request.prompt_ids) + request.params.max_tokens > limit:
+            raise GenerationError("INVALID_ARGUMENT", f"prompt of {len(request.prompt_ids)} tokens plus "
+                                  f"max_tokens {request.params.max_tokens} exceeds the model's {limit} positions")
+        if not request.prompt_ids:
+            raise GenerationError("INVALID_ARGUMENT", "the prompt is empty")
+        if request.params.seed is not None:
+            request.generator = torch.Generator().manual_seed(request.params.seed)
+        self.waiting.append(request)
+        self._wake.set()
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        request.cancel(reason)
+        self._wake.set()
+
+    async def reset(self, session_id: str) -> None:
+        """Forget a session's KV: a turn in flight ends ("reset"), then memd frees the sequence.
+
+        Raises GenerationError NOT_FOUND when memd has no such session.
+        """
+        for request in [*self.waiting, *self.running]:
+            if request.session_id == session_id:
+                request.cancel("reset")
+        done = asyncio.get_running_loop().create_future()
+        self._resets.append((done, Free(session_id=session_id)))
+        self._wake.set()
+        await done
+
+    async def run(self) -> None:
+        """Serve until memd fails as a whole (not one op): then every request fails and the error rises."""
+        while True:
+            if not (self.waiting or self.running or self._ending or self._resets):
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await self.iteration()
+            except MemdError as err:
+                self.fail_all(GenerationError("UNAVAILABLE", f"memd failed: {err.message}"))
+                raise
+
+    def fail_all(self, error: GenerationError) -> None:
+        """memd is gone: no sequence can be parked or freed here; memd reclaims them with the lease."""
+        for request in [*self.waiting, *self.running]:
+            request.events.put_nowait(Event([], "", usage=self.usage(request), error=error))
+        self.waiting.clear()
+        self.running.clear()
+        self._ending.clear()
+        for done, _ in self._resets:
+            if not done.done():
+                done.set_exception(error)
+        self._resets.clear()
+
+    # ---- one iteration -------------------------------------------------
+
+    async def iteration(self) -> None:
+        self._retire_cancelled()
+        ops: list[tuple[str, Any, Op]] = [("end", None, op) for op in self._ending]
+        ops += [("reset", done, op) for done, op in self._resets]
+        self._ending, self._resets = [], []
+        admitted = self._admit(ops)
+        for request in self.running:
+            needed = len(request.tokens)                    # slots this pass writes up to
+            if needed > len(request.table) * self.block_size:
+                ops.append(("grow", request, Extend(request.seq_id, append=request.tokens[request.told_tokens:],
+                                                    commit_to=request.computed, reserve=self.block_size)))
+        stalled = await self._memd_step(ops)
+        self.running += [r for r in admitted if r.seq_id]
+        ready = [r for r in self.running if r not in stalled and len(r.tokens) <= len(r.table) * self.block_size]
+        if ready:
+            await self._forward(ready)
+        elif stalled and not admitted:
+            victim = max(stalled, key=lambda r: r.arrived)   # nothing can move: give up on the newest
+            self._end(victim, error=GenerationError("RESOURCE_EXHAUSTED", "the KV pool is full"))
+        self.steps += 1
+
+    def _retire_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            request.events.put_nowait(Event([], "", finish_reason=request.cancelled, usage=self.usage(request)))
+        for request in [r for r in self.running if r.cancelled]:
+            self._end(request, reason=request.cancelled)
+
+    def _admit(self, ops: list[tuple[str, Any, Op]]) -> list[Request]:
+        admitted: list[Request] = []
+        budget = self.client.free_blocks
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+            request = self.waiting[0]
+            need = math.ceil((len(request.prompt_ids) + 1) / self.block_size)
+            if need > budget:
+                break                                       # wait for pages to free up
+            budget -= need
+            self.waiting.popleft()
+            admitted.append(request)
+            ops.append(("admit", request, Open(request.prompt_ids, reserve=1, session_id=request.session_id,
+                                               continue_session=request.session_id is not None)))
+        return admitted
+
+    async def _memd_step(self, ops: list[tuple[str, Any, Op]]) -> set[Request]:
+        """Run the iteration's page operations as one Step; an op memd refuses is taken out and the rest retried."""
+        stalled: set[Request] = set()
+        while ops:
+            try:
+                results = await self.client.step(*[op for _, _, op in ops])
+            except MemdError as err:
+                if err.op_index is None:
+                    raise
+                kind, request, _ = ops.pop(err.op_index)
+                self._refused(kind, request, err, stalled)
+                continue
+            for (kind, owner, _), result in zip(ops, results, strict=True):
+                if kind == "reset":
+                    owner.set_result(None)
+                elif owner is not None:
+                    self._apply(kind, owner, result)
+            break
+        return stalled
+
+    def _refused(self, kind: str, request: Any, err: MemdError, stalled: set[Request]) -> None:
+        out_of_pages = err.code.name == "RESOURCE_EXHAUSTED"
+        if kind == "reset":
+            request.set_exception(GenerationError(err.code.name, err.message))
+        elif kind == "admit":
+            if out_of_pages:
+                self.waiting.appendleft(request)
+            else:
+                request.events.put_nowait(Event([], "", error=GenerationError(err.code.name, err.message)))
+        elif kind == "grow":
+            if out_of_pages:
+                stalled.add(request)
+            else:
+                self._end(request, error=GenerationError(err.code.name, err.message))
+        else:
+            log.warning("memd refused to release a sequence", error=str(err))
+
+    def _apply(self, kind: str, request: Request, result: OpResult) -> None:
+        if kind == "admit":
+            request.seq_id = result.seq_id
+            request.table = list(result.block_ids)
+            request.tokens = list(result.token_ids) if result.token_ids else list(request.prompt_ids)
+            request.computed = request.num_cached = result.num_committed
+            request.told_tokens = len(request.tokens)
+            request.num_prompt = len(request.tokens)
+        elif kind == "grow":
+            request.table[result.first_block:] = result.block_ids
+            request.told_tokens = len(request.tokens)
+
+    async def _forward(self, ready: list[Request]) -> None:
+        budget = self.max_batch_tokens
+        chunks: list[tuple[Request, list[int]]] = []
+        for request in sorted(ready, key=lambda r: len(r.tokens) - r.computed):   # decodes first
+            pending = request.tokens[request.computed:]
+            take = pending[:max(budget, 1 if not chunks else 0)]
+            if not take:
+                break
+            chunks.append((request, take))
+            budget -= len(take)
+        batch = build_batch([(take, r.computed, r.table) for r, take in chunks], self.block_size,
+                            self.model.device)
+        logits = await asyncio.to_thread(self.model.forward, batch)
+        finishing = []
+        for row, (request, take) in enumerate(chunks):
+            request.computed += len(take)
+            if request.computed == len(request.tokens):     # the whole history is in: a token to sample
+                finishing.append((row, request))
+        if not finishing:
+            return
+        tokens = sample(logits[[row for row, _ in finishing]], [r.params for _, r in finishing],
+                        [r.generator for _, r in finishing])
+        now = time.monotonic()
+        for (_, request), token in zip(finishing, tokens, strict=True):
+            request.first_token_at = request.first_token_at or now
+            request.tokens.append(token)
+            request.generated.append(token)
+            self._emit(request, token)
+
+    def _emit(self, request: Request, token: int) -> None:
+        p, config = request.params, self.model.config
+        eos = token in config.eos_token_ids and not p.ignore_eos
+        text_ids = request.generated[:-1] if eos else request.generated
+        text = self.tokenizer.decode(text_ids)
+        reason = None
+        for stop in p.stop:
+            if (cut := text.find(stop)) >= 0:
+                text, reason = text[:cut], "stop"
+        if eos:
+            reason = "stop"
+        elif reason is None and (len(request.generated) >= p.max_tokens or len(request.tokens) >= config.max_position):
+            reason = "length"
+        hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
+        if reason is None and text.endswith("\ufffd"):
+            hold = max(hold, 1)                              # half a UTF-8 character: wait for the rest
+        visible = text[:len(text) - hold] if hold else text
+        delta = visible[len(request.emitted_text):] if visible.startswith(request.emitted_text) else ""
+        request.emitted_text += delta
+        request.events.put_nowait(Event([token], delta))
+        if reason:
+            self._end(request, reason=reason)
+
+    def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None) -> None:
+        """Leave the batch: queue the sequence's Park (a session keeps its history) or Free."""
+        if request in self.running:
+            self.running.remove(request)
+        if request.seq_id:
+            # A session keeps its turn (a reset's Free follows in the same Step); an error frees.
+            keep = request.session_id is not None and error is None
+            op: Op = (Park(request.seq_id, append=request.tokens[request.told_tokens:], commit_to=request.computed)
+                      if keep else Free(request.seq_id))
+            self._ending.append(op)
+        request.events.put_nowait(Event([], "", finish_reason=reason, usage=self.usage(request), error=error))
+        self._wake.set()
+
+    def usage(self, request: Request) -> dict[str, float]:
+        n = len(request.generated)
+        end = time.monotonic()
+        ttft = (request.first_token_at - request.arrived) * 1000 if request.first_token_at else 0.0
+        tpot = (end - request.first_token_at) * 1000 / (n - 1) if n > 1 else 0.0
+        return {"prompt_tokens": request.num_prompt, "cached_tokens": request.num_cached,
+                "completion_tokens": n, "ttft_ms": ttft, "tpot_ms": tpot}

@@ -1,0 +1,219 @@
+"""Continuous batching on a real memd: outputs, sessions and every way a request ends."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from inferd.checkpoint import load_tokenizer, load_weights, read_config
+from inferd.model import PagedDecoder
+from inferd.sampling import SamplingParams
+from inferd.scheduler import GenerationError, Request, Scheduler
+from inferd.tiny import make_tiny_model
+from shared.client import MemdClient
+
+transformers = pytest.importorskip("transformers")
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+def greedy_reference(reference, tokens: list[int], n: int) -> list[int]:
+    tokens, out = list(tokens), []
+    with torch.inference_mode():
+        for _ in range(n):
+            nxt = int(reference(torch.tensor([tokens])).logits[0, -1].argmax())
+            tokens.append(nxt)
+            out.append(nxt)
+    return out
+
+
+async def start_scheduler(memd_factory, checkpoint, num_blocks: int = 256, **kwargs):
+    config = read_config(checkpoint)
+    page = BS * config.bytes_per_token
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", str(num_blocks * page), "--block-bytes", str(page))
+    client = await MemdClient.attach(memd.address, model="tiny", block_size=BS, bytes_per_token=config.bytes_per_token)
+    model = PagedDecoder(config, load_weights(checkpoint, config.dtype), client.pool.view(config.dtype,
+                                                                                          config.page_shape(BS)))
+    scheduler = Scheduler(client, model, load_tokenizer(checkpoint), **kwargs)
+    task = asyncio.create_task(scheduler.run())
+    return memd, client, scheduler, task
+
+
+@pytest.fixture
+async def served(memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint)
+    yield memd, scheduler
+    task.cancel()
+    await client.close()
+
+
+async def collect(request: Request):
+    tokens, text = [], ""
+    while True:
+        event = await asyncio.wait_for(request.events.get(), 120)
+        tokens += event.token_ids
+        text += event.text
+        if event.finish_reason or event.error:
+            return tokens, text, event
+
+
+async def assert_clean(memd, *, parked: int = 0):
+    async with memd.admin() as admin:
+        stats = await admin.stats()
+        assert stats.sequences["running"] == 0 and stats.sequences["parked"] == parked
+        assert (await admin.check()).ok
+        return stats
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+async def test_concurrent_requests_match_transformers_and_leave_nothing(served, reference):
+    memd, scheduler = served
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 3, 4, 7, 9, 16, 21, 30)]
+    requests = [Request(p, greedy(12)) for p in prompts]
+    for request in requests:
+        scheduler.submit(request)
+    results = await asyncio.gather(*[collect(r) for r in requests])
+    for prompt, (tokens, _, final) in zip(prompts, results, strict=True):
+        assert final.finish_reason == "length" and len(tokens) == 12
+        assert tokens == greedy_reference(reference, prompt, 12)
+        assert final.usage["completion_tokens"] == 12 and final.usage["prompt_tokens"] == len(prompt)
+    stats = await assert_clean(memd)
+    assert stats.used_blocks == 0
+
+
+async def test_a_second_turn_reuses_the_first_and_matches_a_full_recompute(served, reference):
+    memd, scheduler = served
+    turn1 = Request([10, 20, 30, 40, 50, 60, 70], greedy(6), session_id="chat")
+    scheduler.submit(turn1)
+    out1, _, final1 = await collect(turn1)
+    assert final1.usage["cached_tokens"] == 0
+    await assert_clean(memd, parked=1)
+
+    turn2 = Request([80, 90, 100], greedy(6), session_id="chat")
+    scheduler.submit(turn2)
+    out2, _, final2 = await collect(turn2)
+    history = [10, 20, 30, 40, 50, 60, 70] + out1
+    assert final2.usage["cached_tokens"] == len(history) - 1       # the last sampled token was never computed
+    assert final2.usage["prompt_tokens"] == len(history) + 3
+    assert out2 == greedy_reference(reference, history + [80, 90, 100], 6)
+    await assert_clean(memd, parked=1)
+
+
+async def test_a_cancelled_request_frees_its_pages(served):
+    memd, scheduler = served
+    request = Request(list(range(5, 25)), greedy(1000))
+    scheduler.submit(request)
+    first = await asyncio.wait_for(request.events.get(), 60)
+    assert first.token_ids
+    scheduler.cancel(request)
+    _, _, final = await collect(request)
+    assert final.finish_reason == "cancelled"
+    stats = await assert_clean(memd)
+    assert stats.used_blocks == 0
+
+
+async def test_a_cancelled_turn_parks_what_it_computed(served):
+    memd, scheduler = served
+    request = Request(list(range(5, 25)), greedy(1000), session_id="s")
+    scheduler.submit(request)
+    await asyncio.wait_for(request.events.get(), 60)
+    scheduler.cancel(request)
+    _, _, final = await collect(request)
+    assert final.finish_reason == "cancelled"
+    await assert_clean(memd, parked=1)
+
+
+async def test_a_stop_string_ends_the_request_without_showing_it(served):
+    memd, scheduler = served
+    probe = Request([1, 2, 3], greedy(8))
+    scheduler.submit(probe)
+    _, text, _ = await collect(probe)
+    stop = text[3:5]                                    # two characters the model will produce
+    assert stop
+    request = Request([1, 2, 3], greedy(8, stop=(stop,)))
+    scheduler.submit(request)
+    _, shown, final = await collect(request)
+    assert final.finish_reason == "stop" and shown == text[:text.find(stop)]
+    await assert_clean(memd)
+
+
+async def test_reset_forgets_a_session_and_refuses_an_unknown_one(served):
+    memd, scheduler = served
+    request = Request([7, 8, 9, 10, 11], greedy(3), session_id="forget-me")
+    scheduler.submit(request)
+    await collect(request)
+    await assert_clean(memd, parked=1)
+    await scheduler.reset("forget-me")
+    stats = await assert_clean(memd, parked=0)
+    assert stats.used_blocks == 0
+    with pytest.raises(GenerationError) as err:
+        await scheduler.reset("forget-me")
+    assert err.value.code == "NOT_FOUND"
+
+
+async def test_reset_during_a_turn_ends_it_and_frees_the_session(served):
+    memd, scheduler = served
+    request = Request(list(range(30, 50)), greedy(1000), session_id="busy")
+    scheduler.submit(request)
+    await asyncio.wait_for(request.events.get(), 60)
+    await scheduler.reset("busy")
+    _, _, final = await collect(request)
+    assert final.finish_reason == "reset"
+    stats = await assert_clean(memd, parked=0)
+    assert stats.used_blocks == 0
+
+
+async def test_bad_requests_are_refused_before_they_queue(served):
+    _, scheduler = served
+    with pytest.raises(GenerationError, match="empty"):
+        scheduler.submit(Request([], greedy(3)))
+    with pytest.raises(GenerationError, match="exceeds the model's 4096 positions"):
+        scheduler.submit(Request([1] * 4000, greedy(200)))
+    with pytest.raises(ValueError, match="top_p"):
+        scheduler.submit(Request([1], SamplingParams(top_p=0.0)))
+    assert not scheduler.waiting
+
+
+async def test_admission_waits_for_pages_and_everyone_finishes(memd_factory, checkpoint, reference):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=24)
+    try:
+        prompts = [[i + 3] * 9 for i in range(6)]        # 6 x (9 + 10 tokens) needs ~30 blocks; the pool has 24
+        requests = [Request(p, greedy(10)) for p in prompts]
+        for request in requests:
+            scheduler.submit(request)
+        results = await asyncio.gather(*[collect(r) for r in requests])
+        for prompt, (tokens, _, final) in zip(prompts, results, strict=True):
+            assert final.error is None, final.error
+            assert tokens == greedy_reference(reference, prompt, 10)
+        await assert_clean(memd)
+    finally:
+        task.cancel()
+        await client.close()
+
+
+async def test_seeded_sampling_repeats(served):
+    _, scheduler = served
+    outs = []
+    for _ in range(2):
+        request = Request([4, 5, 6], SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=11,
+                                                    ignore_eos=True))
+        scheduler.submit(request)
+        outs.append((await collect(request))[0])
+    assert outs[0] == outs[1] and len(outs[0]) == 8
