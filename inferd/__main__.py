@@ -1,17 +1,46 @@
-"""inferd: the inference worker's command line."""
+"""inferd: the inference worker's command line.
+
+    inferd serve --model DIR --memd ADDR --listen ADDR [--max-num-seqs N]
+    inferd make-tiny-model DIR [--arch llama|qwen2|mistral] [--seed N]
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import os
+import signal
 import sys
 from pathlib import Path
 
+import grpc
+import structlog
+import uvloop
+
+from inferd.checkpoint import CheckpointError
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
+from shared import address as addr
+from shared.logs import configure
+from shared.notify import notify
+
+log = structlog.get_logger("inferd")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inferd", description="kvpool's inference worker.")
     sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over memd's pool")
+    serve.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory")
+    serve.add_argument("--memd", help="memd address (default: $MEMD_ADDRESS, else the per-user socket)")
+    serve.add_argument("--listen", help=f"unix:PATH or HOST:PORT (default: {addr.default_address('inferd')})")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences in one batch (default: 16)")
+    serve.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward pass (default: 512)")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    serve.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--arch", choices=sorted(ARCH_CLASSES), default="llama")
@@ -25,6 +54,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+async def serve(args: argparse.Namespace) -> None:
+    from inferd.service import InferdService, MemdLink
+    from shared.rpc import inferd_pb2_grpc as pb_grpc
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype)
+    target = addr.resolve(args.listen, "inferd")
+    sock_path = addr.unix_path(target)
+    if sock_path is not None:
+        sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()
+    server = grpc.aio.server()
+    pb_grpc.add_InferdServicer_to_server(InferdService(link), server)
+    port = server.add_insecure_port(target)
+    if sock_path is None and target.endswith(":0"):
+        target = f"{target[:-2]}:{port}"
+    linking = asyncio.create_task(link.run(), name="memd-link")
+    await link.attached.wait()
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("inferd ready", listen=target, model=link.namespace, arch=link.config.arch, pid=os.getpid())
+    notify("READY=1", f"STATUS=serving {link.namespace} on {target}")
+    await stop.wait()
+    notify("STOPPING=1")
+    await server.stop(grace=5.0)
+    linking.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await linking
+    if sock_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "make-tiny-model":
@@ -35,6 +104,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"inferd: {exc}", file=sys.stderr)
             return 1
         print(f"wrote a tiny {args.arch} checkpoint to {out}")
+        return 0
+    configure(args.log_level, args.log_format)
+    try:
+        uvloop.run(serve(args))
+    except CheckpointError as exc:
+        print(f"inferd: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

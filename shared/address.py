@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SOCKET_NAME = "memd.sock"
+ENV = {"memd": "MEMD_ADDRESS", "inferd": "INFERD_ADDRESS"}
 
 
 def runtime_dir() -> Path:
@@ -21,13 +21,13 @@ def runtime_dir() -> Path:
     return Path(f"/tmp/kvpool-{os.getuid()}")
 
 
-def default_address() -> str:
-    return f"unix:{runtime_dir() / SOCKET_NAME}"
+def default_address(service: str = "memd") -> str:
+    return f"unix:{runtime_dir() / f'{service}.sock'}"
 
 
-def resolve(address: str | None) -> str:
-    """The gRPC target for an address given by flag, by MEMD_ADDRESS, or neither."""
-    address = address or os.environ.get("MEMD_ADDRESS") or default_address()
+def resolve(address: str | None, service: str = "memd") -> str:
+    """The gRPC target for an address given by flag, by MEMD_ADDRESS (INFERD_ADDRESS), or neither."""
+    address = address or os.environ.get(ENV[service]) or default_address(service)
     if address.startswith("/"):
         return f"unix:{address}"
     return address

@@ -61,7 +61,9 @@ class LogWatch:
         return await asyncio.wait_for(found(), timeout)
 
 
-class MemdProcess:
+class Daemon:
+    """A memd or inferd process, its address and its log events."""
+
     def __init__(self, proc: asyncio.subprocess.Process, address: str, log: LogWatch) -> None:
         self.proc, self.address, self.log = proc, address, log
 
@@ -79,22 +81,27 @@ class MemdProcess:
         await self.proc.wait()
 
 
-async def start_memd(tmp: Path, *args: str, name: str = "memd", env: dict[str, str] | None = None) -> MemdProcess:
+async def start_memd(tmp: Path, *args: str, name: str = "memd", env: dict[str, str] | None = None) -> Daemon:
     """Start memd and return once it said READY=1 on a notify socket of the test's own."""
+    return await start_daemon(tmp, ["memd", *args], name=name, env=env)
+
+
+async def start_daemon(tmp: Path, argv: list[str], *, name: str, env: dict[str, str] | None = None) -> Daemon:
+    """`python -m argv...` with --listen on a socket in `tmp` unless given; returns once READY=1 arrived."""
     sock_path = tmp / f"{name}.sock"
     notify_path = Path(tempfile.mkdtemp(dir=tmp)) / "notify"
     address = f"unix:{sock_path}"
-    if "--listen" in args:
-        address = args[list(args).index("--listen") + 1]
+    if "--listen" in argv:
+        address = argv[argv.index("--listen") + 1]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
     listener.setblocking(False)
     env = {**os.environ, **(env or {}), "NOTIFY_SOCKET": str(notify_path)}
-    flags = list(args)
+    flags = list(argv)
     if "--listen" not in flags:
         flags += ["--listen", address]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "memd", "--log-format", "json", *flags,
+        sys.executable, "-m", *flags, "--log-format", "json",
         env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None
     log = LogWatch(proc.stderr)
@@ -109,11 +116,11 @@ async def start_memd(tmp: Path, *args: str, name: str = "memd", env: dict[str, s
                 proc.kill()
             await proc.wait()
             await asyncio.sleep(0)
-            raise AssertionError(f"memd did not become ready: {log.raw[-5:]}")
+            raise AssertionError(f"{argv[0]} did not become ready: {log.raw[-5:]}")
         exited.cancel()
     finally:
         listener.close()
-    return MemdProcess(proc, address, log)
+    return Daemon(proc, address, log)
 
 
 async def _await_ready(loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
@@ -123,9 +130,9 @@ async def _await_ready(loop: asyncio.AbstractEventLoop, listener: socket.socket)
 
 @pytest.fixture
 async def memd_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    started: list[MemdProcess] = []
+    started: list[Daemon] = []
 
-    async def factory(*args: str, name: str = "memd", env: dict[str, str] | None = None) -> MemdProcess:
+    async def factory(*args: str, name: str = "memd", env: dict[str, str] | None = None) -> Daemon:
         proc = await start_memd(tmp_path, *args, name=name, env=env)
         started.append(proc)
         return proc
@@ -136,7 +143,23 @@ async def memd_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-async def memd(memd_factory: Callable[..., Any]) -> MemdProcess:
+async def inferd_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Start `inferd serve` processes: `await inferd_factory(model_dir, memd.address, *flags)`."""
+    started: list[Daemon] = []
+
+    async def factory(model: Path, memd_address: str, *args: str, name: str = "inferd") -> Daemon:
+        proc = await start_daemon(tmp_path, ["inferd", "serve", "--model", str(model), "--memd", memd_address,
+                                             "--threads", "1", *args], name=name)
+        started.append(proc)
+        return proc
+
+    yield factory
+    for proc in started:
+        await proc.kill()
+
+
+@pytest.fixture
+async def memd(memd_factory: Callable[..., Any]) -> Daemon:
     """A memd on CPU shared memory: 64 pages of 4 KiB, 16 tokens per block by default."""
     return await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB",
                               "--lease-timeout", "30")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOS = ["memd.proto"]
+PROTOS = ["memd.proto", "inferd.proto"]
 
 
 def generate(out_root: Path) -> list[Path]:

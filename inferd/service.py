@@ -1,0 +1,155 @@
+"""inferd's gRPC service, and its tie to memd that survives memd going away.
+
+`MemdLink` attaches to memd, maps the pool, builds the decoder over it and
+runs the scheduler. When memd fails (the lease stream ends, a Step cannot
+reach it) every request in flight fails with UNAVAILABLE and a clear message,
+and the link attaches again with backoff: the worker serves again as soon as
+memd is back, without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import structlog
+
+from inferd.checkpoint import ModelConfig, load_tokenizer, load_weights, read_config
+from inferd.model import PagedDecoder
+from inferd.sampling import BadParams, SamplingParams
+from inferd.scheduler import GenerationError, Request, Scheduler
+from shared.client import MemdClient, MemdError
+from shared.rpc import inferd_pb2 as pb
+from shared.rpc import inferd_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("inferd")
+
+DEFAULT_MAX_TOKENS = 64
+
+
+def model_namespace(model_dir: Path, config: ModelConfig) -> str:
+    """Prefix hashes are only shared between workers serving the very same weights."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    h.update(config.dtype_name.encode())
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with file.open("rb") as f:
+            h.update(file.name.encode() + str(file.stat().st_size).encode() + f.read(1 << 20))
+    return f"{model_dir.name}-{h.hexdigest()[:12]}"
+
+
+class MemdLink:
+    def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
+                 max_batch_tokens: int = 512, dtype: str | None = None) -> None:
+        self.config = read_config(model_dir, dtype)
+        self.weights = load_weights(model_dir, self.config.dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.namespace = model_namespace(model_dir, self.config)
+        self.memd_address = memd_address
+        self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
+        self.scheduler: Scheduler | None = None
+        self.attached = asyncio.Event()
+
+    async def run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                client = await MemdClient.attach(self.memd_address, model=self.namespace, block_size=self.block_size,
+                                                 bytes_per_token=self.config.bytes_per_token,
+                                                 name=f"inferd:{os.getpid()}")
+            except (MemdError, OSError, RuntimeError) as err:
+                log.warning("memd unavailable; retrying", error=str(err), retry_in_s=backoff)
+                await asyncio.sleep(backoff)      # backoff between attempts, not a wait for an event
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.2
+            await self._serve(client)
+
+    async def _serve(self, client: MemdClient) -> None:
+        assert client.pool is not None
+        kv = client.pool.view(self.config.dtype, self.config.page_shape(self.block_size))
+        model = PagedDecoder(self.config, self.weights, kv, device=client.pool.pages.device)
+        scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
+                              max_batch_tokens=self.max_batch_tokens)
+        self.scheduler = scheduler
+        self.attached.set()
+        log.info("attached to memd", worker=client.worker_id, blocks=client.geometry.num_blocks,
+                 block_size=self.block_size, model=self.namespace)
+        running = asyncio.create_task(scheduler.run())
+        lost = asyncio.create_task(client.lease_lost.wait())
+        try:
+            await asyncio.wait({running, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.attached.clear()
+            self.scheduler = None
+            running.cancel()
+            lost.cancel()
+            with contextlib.suppress(asyncio.CancelledError, MemdError):
+                await running
+            scheduler.fail_all(GenerationError("UNAVAILABLE", "memd went away; the worker is reconnecting"))
+            with contextlib.suppress(Exception):
+                await client.close()
+        log.warning("lost memd; reconnecting")
+
+
+class InferdService(pb_grpc.InferdServicer):
+    def __init__(self, link: MemdLink) -> None:
+        self.link = link
+
+    def _scheduler(self) -> Scheduler:
+        if self.link.scheduler is None:
+            raise GenerationError("UNAVAILABLE", "not attached to memd (it is down or restarting); retry shortly")
+        return self.link.scheduler
+
+    def _request(self, msg: pb.GenerateRequest) -> Request:
+        if msg.prompt and msg.prompt_ids:
+            raise GenerationError("INVALID_ARGUMENT", "give a prompt or prompt_ids, not both")
+        ids = list(msg.prompt_ids) or self.link.tokenizer.encode(msg.prompt).ids
+        vocab = self.link.config.vocab_size
+        if any(i >= vocab for i in ids):
+            raise GenerationError("INVALID_ARGUMENT", f"prompt_ids must be below the vocabulary size {vocab}")
+        params = SamplingParams(max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS, temperature=msg.temperature,
+                                top_p=msg.top_p or 1.0, top_k=msg.top_k,
+                                seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
+                                ignore_eos=msg.ignore_eos)
+        return Request(ids, params, msg.session_id or None)
+
+    async def Generate(self, msg: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateReply]:
+        try:
+            scheduler = self._scheduler()
+            request = self._request(msg)
+            scheduler.submit(request)
+        except BadParams as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except GenerationError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), err.message)
+        finished = False
+        try:
+            while True:
+                event = await request.events.get()
+                if event.error is not None:
+                    finished = True
+                    await context.abort(getattr(grpc.StatusCode, event.error.code), event.error.message)
+                if event.finish_reason is not None:
+                    finished = True
+                    yield pb.GenerateReply(token_ids=event.token_ids, text=event.text,
+                                           finish_reason=event.finish_reason, usage=pb.Usage(**event.usage or {}))
+                    return
+                yield pb.GenerateReply(token_ids=event.token_ids, text=event.text)
+        finally:
+            if not finished:       # the client went away (cancel, deadline): the sequence parks or frees
+                scheduler.cancel(request)
+
+    async def Reset(self, msg: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetReply:
+        if not msg.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+        try:
+            await self._scheduler().reset(msg.session_id)
+        except GenerationError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), err.message)
+        return pb.ResetReply()

@@ -1,0 +1,163 @@
+"""inferd as users run it: memd + inferd processes, inferctl and raw gRPC clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inferd.tiny import make_tiny_model
+from shared.rpc import inferd_pb2 as pb
+from shared.rpc import inferd_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
+
+
+@pytest.fixture
+async def stack(memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    inferd = await inferd_factory(model_dir, memd.address)
+    return memd, inferd
+
+
+async def inferctl(address: str, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "inferd.inferctl", "--address", address, *args, cwd=ROOT, env=dict(os.environ),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def wait_until(check, timeout: float = 30.0) -> None:
+    """Poll memd's state (another process: there is no event to await) until `check` holds."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def memd_state(memd) -> tuple[dict[str, int], int, bool]:
+    async with memd.admin() as admin:
+        stats = await admin.stats()
+        return dict(stats.sequences), stats.used_blocks, (await admin.check()).ok
+
+
+async def test_generate_gives_exactly_max_tokens_with_usage(stack):
+    memd, inferd = stack
+    rc, out, err = await inferctl(inferd.address, "generate", "Hello! How are you today?", "--max-tokens", "9",
+                                  "--ignore-eos", "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert len(result["token_ids"]) == 9 and result["finish_reason"] == "length"
+    usage = result["usage"]
+    assert usage["completion_tokens"] == 9 and usage["prompt_tokens"] > 0 and usage["cached_tokens"] == 0
+    assert usage["ttft_ms"] > 0 and usage["tpot_ms"] > 0
+    assert isinstance(result["text"], str)
+    states, used, ok = await memd_state(memd)
+    assert states["running"] == 0 and used == 0 and ok
+
+
+async def test_a_session_reuses_its_history_on_the_next_turn(stack):
+    memd, inferd = stack
+    rc, out, _ = await inferctl(inferd.address, "generate", "Tell me a story about a cat.", "--session", "s1",
+                                "--max-tokens", "20", "--ignore-eos", "--json")
+    first = json.loads(out)
+    assert rc == 0 and first["usage"]["cached_tokens"] == 0
+    rc, out, _ = await inferctl(inferd.address, "generate", "And then?", "--session", "s1", "--max-tokens", "5",
+                                "--ignore-eos", "--json")
+    second = json.loads(out)
+    history = first["usage"]["prompt_tokens"] + 20
+    assert second["usage"]["cached_tokens"] == history - 1
+    assert second["usage"]["prompt_tokens"] > history
+    states, _, ok = await memd_state(memd)
+    assert states == {"running": 0, "parked": 1, "dropped": 0} and ok
+
+    rc, out, _ = await inferctl(inferd.address, "reset", "s1")
+    assert rc == 0 and "reset" in out
+    states, used, ok = await memd_state(memd)
+    assert states["parked"] == 0 and used == 0 and ok
+    rc, _, err = await inferctl(inferd.address, "reset", "s1")
+    assert rc == 1 and err.strip().startswith("inferctl: not found")
+
+
+@pytest.mark.parametrize("session", [None, "cancelled-chat"])
+async def test_a_client_that_goes_away_leaves_nothing_running(stack, session):
+    memd, inferd = stack
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        call = pb_grpc.InferdStub(channel).Generate(pb.GenerateRequest(
+            prompt="The quick brown fox", max_tokens=3000, ignore_eos=True, session_id=session or ""))
+        first = await call.read()
+        assert first.token_ids
+        call.cancel()
+
+    async def settled() -> bool:
+        states, _, _ = await memd_state(memd)
+        return states["running"] == 0
+    await wait_until(settled)
+    states, used, ok = await memd_state(memd)
+    assert ok and states["parked"] == (1 if session else 0) and (used > 0) == bool(session)
+
+
+async def test_a_deadline_ends_the_request_and_parks_nothing_running(stack):
+    memd, inferd = stack
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in pb_grpc.InferdStub(channel).Generate(
+                    pb.GenerateRequest(prompt="Once upon a time", max_tokens=3000, ignore_eos=True), timeout=1.0):
+                pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    async def settled() -> bool:
+        states, used, _ = await memd_state(memd)
+        return states["running"] == 0 and used == 0
+    await wait_until(settled)
+    assert (await memd_state(memd))[2]
+
+
+async def test_bad_requests_get_invalid_argument(stack):
+    _, inferd = stack
+    rc, _, err = await inferctl(inferd.address, "generate", "")
+    assert rc == 1 and "invalid argument: the prompt is empty" in err
+    rc, _, err = await inferctl(inferd.address, "generate", "hi", "--top-p", "1.5")
+    assert rc == 1 and "top_p" in err and "Traceback" not in err
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in pb_grpc.InferdStub(channel).Generate(pb.GenerateRequest(prompt_ids=[1, 99999])):
+                pass
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in e.value.details()
+
+
+async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, model_dir, tmp_path):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    inferd = await inferd_factory(model_dir, memd.address)
+    await memd.kill()                                     # kill -9: the pool and the lease are gone
+    await inferd.log.wait_for("lost memd; reconnecting")
+    rc, _, err = await inferctl(inferd.address, "generate", "hello", "--max-tokens", "3")
+    assert rc == 2 and "not attached to memd" in err
+
+    again = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                               "--block-size", "16", "--listen", memd.address)
+    attached = [e for e in inferd.log.events if e.get("event") == "attached to memd"]
+    assert len(attached) == 1
+
+    async def reattached() -> bool:
+        return sum(e.get("event") == "attached to memd" for e in inferd.log.events) == 2
+    await wait_until(reattached)
+    rc, out, err = await inferctl(inferd.address, "generate", "hello", "--max-tokens", "3", "--ignore-eos", "--json")
+    assert rc == 0, err
+    assert len(json.loads(out)["token_ids"]) == 3
+    states, _, ok = await memd_state(again)
+    assert states["running"] == 0 and ok
