@@ -38,7 +38,20 @@ def train_tokenizer(vocab_size: int) -> object:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer=trainer)
+    # The short corpus yields a few hundred merges; made-up words fill the rest of
+    # the vocabulary so that every id a random model picks decodes to some text.
+    missing = vocab_size - tokenizer.get_vocab_size()
+    if missing > 0:
+        tokenizer.add_tokens([" " + _pseudo_word(i) for i in range(missing)])
     return tokenizer
+
+
+def _pseudo_word(i: int) -> str:
+    consonants, vowels, word = "bcdfghklmnprstvz", "aeiou", ""
+    for _ in range(3):
+        word += consonants[i % 16] + vowels[(i // 16) % 5]
+        i //= 80
+    return word
 
 
 def make_tiny_model(out: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 64, layers: int = 2,
@@ -53,7 +66,7 @@ def make_tiny_model(out: Path, *, arch: str = "llama", seed: int = 0, hidden: in
         raise ValueError("hidden must divide by heads, and heads by kv_heads")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab)
-    vocab = max(vocab, tokenizer.get_vocab_size())
+    vocab = tokenizer.get_vocab_size()
     tokenizer.save(str(out / "tokenizer.json"))
     head_dim = hidden // heads
     intermediate = intermediate or hidden * 2

@@ -12,8 +12,6 @@ cache), frees everything, and prints `memctl stats` and `memctl check`.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,7 @@ from pathlib import Path
 import torch
 
 from shared.client import MemdClient
+from shared.launch import spawn_ready
 from shared.ops import Extend, Free, Open, Park, Resume
 
 BLOCK_SIZE = 16                      # tokens per block
@@ -29,17 +28,8 @@ PAGE = (2, 2, BLOCK_SIZE, 4, 32)     # a tiny model: layers, K/V, tokens, kv_hea
 
 
 def start_memd(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """memd as a child process; returns once it said READY=1 on our notify socket."""
     address = f"unix:{workdir / 'memd.sock'}"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
-        ready.bind(str(workdir / "notify"))
-        ready.settimeout(60)
-        proc = subprocess.Popen([sys.executable, "-m", "memd", "--device", "cpu", "--listen", address,
-                                 "--log-format", "console"],
-                                env={**os.environ, "NOTIFY_SOCKET": str(workdir / "notify")})
-        while b"READY=1" not in ready.recv(4096).split(b"\n"):
-            pass
-    return proc, address
+    return spawn_ready(["memd", "--device", "cpu", "--listen", address, "--log-format", "console"], workdir), address
 
 
 def memctl(address: str, *args: str) -> None:

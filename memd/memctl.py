@@ -22,6 +22,7 @@ from shared.client import MemdAdmin, MemdError
 from shared.sizes import format_size
 
 SNAPSHOT_COLUMNS = ["block_id", "ref_count", "last_access", "seq_id", "state", "heat", "owner"]
+STATE_ORDER = ["running", "parked", "swapped", "dropped"]
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -48,7 +49,8 @@ def stats_dict(reply: Any) -> dict[str, Any]:
     for key in ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes",
                 "generation", "bytes_per_token"):
         data[key] = int(data[key])      # protobuf's JSON form writes 64-bit ints as strings
-    data["sequences"] = {k: int(v) for k, v in data["sequences"].items()}
+    order = {state: i for i, state in enumerate(STATE_ORDER)}
+    data["sequences"] = {k: int(v) for k, v in sorted(data["sequences"].items(), key=lambda kv: order.get(kv[0], 99))}
     data["counters"] = {k: int(v) for k, v in sorted(data["counters"].items())}
     return data
 

@@ -1,0 +1,38 @@
+"""Start a kvpool daemon as a child process and wait for its READY=1.
+
+For demos and benchmarks: the child gets a NOTIFY_SOCKET of ours, exactly as
+systemd would give it, so "ready" means what it means in production.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """The daemon exited or stayed silent instead of becoming ready."""
+
+
+def spawn_ready(argv: list[str], workdir: Path, *, timeout_s: float = 120.0,
+                stderr: int | None = None) -> subprocess.Popen[bytes]:
+    """`python -m argv...`; returns once it sent READY=1 on a notify socket in `workdir`."""
+    notify_path = workdir / f"notify-{argv[0]}-{len(list(workdir.glob('notify-*')))}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
+        ready.bind(str(notify_path))
+        ready.settimeout(1.0)
+        proc = subprocess.Popen([sys.executable, "-m", *argv], stderr=stderr,
+                                env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
+        waited = 0.0
+        while True:
+            try:
+                if b"READY=1" in ready.recv(4096).split(b"\n"):
+                    return proc
+            except TimeoutError:
+                waited += 1.0           # the receive timeout only lets us notice an exit
+                if proc.poll() is not None or waited >= timeout_s:
+                    proc.kill()
+                    raise LaunchError(f"{argv[0]} did not become ready (exit code {proc.poll()})") from None
