@@ -20,8 +20,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1                    # completions of one prompt; the prompt's KV is forked, not recomputed
 
     def check(self) -> None:
+        if not 1 <= self.n <= 16:
+            raise BadParams(f"n must be in [1, 16], not {self.n}")
         if self.max_tokens < 1:
             raise BadParams(f"max_tokens must be at least 1, not {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -18,7 +18,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -27,7 +27,7 @@ import torch
 from inferd.model import PagedDecoder, build_batch
 from inferd.sampling import SamplingParams, sample
 from shared.client import MemdClient, MemdError
-from shared.ops import Extend, Free, Op, Open, OpResult, Park
+from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park
 
 log = structlog.get_logger("inferd.scheduler")
 
@@ -47,6 +47,7 @@ class Event:
     finish_reason: str | None = None       # "stop", "length", "cancelled", "reset"
     usage: dict[str, float] | None = None
     error: GenerationError | None = None
+    index: int = 0                         # which of the request's n completions
 
 
 @dataclass(eq=False)
@@ -68,9 +69,14 @@ class Request:
     first_token_at: float = 0.0
     cancelled: str | None = None                       # "cancelled" or "reset"
     generator: torch.Generator | None = None
+    index: int = 0                                     # completion number, for n > 1
+    children: list[Request] = field(default_factory=list)
+    done: bool = False
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.cancelled = self.cancelled or reason
+        for child in self.children:
+            child.cancel(reason)
 
 
 class Scheduler:
@@ -81,7 +87,9 @@ class Scheduler:
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._ending: list[Op] = []
+        # Park/Free of ended requests, each with the final event it releases once memd has applied it.
+        self._ending: list[tuple[Op, Request, Event]] = []
+        self._forks: list[tuple[Request, Extend, list[Request]]] = []
         self._resets: list[tuple[asyncio.Future[None], Op]] = []
         self._wake = asyncio.Event()
         self.steps = 0
@@ -96,6 +104,9 @@ class Scheduler:
                                   f"max_tokens {request.params.max_tokens} exceeds the model's {limit} positions")
         if not request.prompt_ids:
             raise GenerationError("INVALID_ARGUMENT", "the prompt is empty")
+        if request.params.n > 1 and request.session_id:
+            raise GenerationError("INVALID_ARGUMENT", "n > 1 cannot continue a session: which completion "
+                                  "would be its history?")
         if request.params.seed is not None:
             request.generator = torch.Generator().manual_seed(request.params.seed)
         self.waiting.append(request)
@@ -132,8 +143,9 @@ class Scheduler:
 
     def fail_all(self, error: GenerationError) -> None:
         """memd is gone: no sequence can be parked or freed here; memd reclaims them with the lease."""
-        for request in [*self.waiting, *self.running]:
-            request.events.put_nowait(Event([], "", usage=self.usage(request), error=error))
+        pending = [request for _, request, _ in self._ending]
+        for request in [*self.waiting, *self.running, *pending]:
+            request.events.put_nowait(Event([], "", usage=self.usage(request), error=error, index=request.index))
         self.waiting.clear()
         self.running.clear()
         self._ending.clear()
@@ -146,7 +158,8 @@ class Scheduler:
 
     async def iteration(self) -> None:
         self._retire_cancelled()
-        ops: list[tuple[str, Any, Op]] = [("end", None, op) for op in self._ending]
+        ops, forks = self._fork_ops()
+        ops += [("end", (request, event), op) for op, request, event in self._ending]
         ops += [("reset", done, op) for done, op in self._resets]
         self._ending, self._resets = [], []
         admitted = self._admit(ops)
@@ -155,8 +168,9 @@ class Scheduler:
             if needed > len(request.table) * self.block_size:
                 ops.append(("grow", request, Extend(request.seq_id, append=request.tokens[request.told_tokens:],
                                                     commit_to=request.computed, reserve=self.block_size)))
+                request.told_tokens = len(request.tokens)   # undone in _refused if memd says no
         stalled = await self._memd_step(ops)
-        self.running += [r for r in admitted if r.seq_id]
+        self.running += [r for r in admitted + forks if r.seq_id and not r.done]
         ready = [r for r in self.running if r not in stalled and len(r.tokens) <= len(r.table) * self.block_size]
         if ready:
             await self._forward(ready)
@@ -164,6 +178,22 @@ class Scheduler:
             victim = max(stalled, key=lambda r: r.arrived)   # nothing can move: give up on the newest
             self._end(victim, error=GenerationError("RESOURCE_EXHAUSTED", "the KV pool is full"))
         self.steps += 1
+
+    def _fork_ops(self) -> tuple[list[tuple[str, Any, Op]], list[Request]]:
+        """Forks of n > 1 requests go first in the Step, before anything frees their parent."""
+        ops: list[tuple[str, Any, Op]] = []
+        children: list[Request] = []
+        for parent, commit, group in self._forks:
+            for child in group:
+                if child.cancelled and not child.done:
+                    self._end(child, reason=child.cancelled)
+            live = [c for c in group if not c.done]
+            if live:
+                ops.append(("commit", parent, commit))
+                ops += [("fork", child, Fork(parent.seq_id)) for child in live]
+                children += live
+        self._forks = []
+        return ops, children
 
     def _retire_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
@@ -196,31 +226,40 @@ class Scheduler:
             except MemdError as err:
                 if err.op_index is None:
                     raise
-                kind, request, _ = ops.pop(err.op_index)
-                self._refused(kind, request, err, stalled)
+                kind, request, op = ops.pop(err.op_index)
+                self._refused(kind, request, err, stalled, op)
                 continue
             for (kind, owner, _), result in zip(ops, results, strict=True):
                 if kind == "reset":
                     owner.set_result(None)
+                elif kind == "end":
+                    owner[0].events.put_nowait(owner[1])
                 elif owner is not None:
                     self._apply(kind, owner, result)
             break
         return stalled
 
-    def _refused(self, kind: str, request: Any, err: MemdError, stalled: set[Request]) -> None:
+    def _refused(self, kind: str, request: Any, err: MemdError, stalled: set[Request], op: Op) -> None:
         out_of_pages = err.code.name == "RESOURCE_EXHAUSTED"
         if kind == "reset":
             request.set_exception(GenerationError(err.code.name, err.message))
+        elif kind == "end":
+            log.warning("memd refused to release a sequence", error=str(err))
+            request[0].events.put_nowait(request[1])
         elif kind == "admit":
             if out_of_pages:
                 self.waiting.appendleft(request)
             else:
                 request.events.put_nowait(Event([], "", error=GenerationError(err.code.name, err.message)))
         elif kind == "grow":
+            assert isinstance(op, Extend)
+            request.told_tokens -= len(op.append)
             if out_of_pages:
                 stalled.add(request)
             else:
                 self._end(request, error=GenerationError(err.code.name, err.message))
+        elif kind == "fork":
+            self._end(request, error=GenerationError(err.code.name, err.message))
         else:
             log.warning("memd refused to release a sequence", error=str(err))
 
@@ -234,7 +273,9 @@ class Scheduler:
             request.num_prompt = len(request.tokens)
         elif kind == "grow":
             request.table[result.first_block:] = result.block_ids
-            request.told_tokens = len(request.tokens)
+        elif kind == "fork":
+            request.seq_id, request.table = result.seq_id, list(result.block_ids)
+            request.computed = request.told_tokens = result.num_committed
 
     async def _forward(self, ready: list[Request]) -> None:
         budget = self.max_batch_tokens
@@ -259,11 +300,32 @@ class Scheduler:
         tokens = sample(logits[[row for row, _ in finishing]], [r.params for _, r in finishing],
                         [r.generator for _, r in finishing])
         now = time.monotonic()
-        for (_, request), token in zip(finishing, tokens, strict=True):
+        for (row, request), token in zip(finishing, tokens, strict=True):
+            if request.params.n > 1 and not request.generated:
+                self._fork(request, logits[row], now)
             request.first_token_at = request.first_token_at or now
             request.tokens.append(token)
             request.generated.append(token)
             self._emit(request, token)
+
+    def _fork(self, parent: Request, logits: torch.Tensor, now: float) -> None:
+        """n > 1: the prompt is in; n - 1 children share its KV (memd Fork) and sample their own first token."""
+        p = parent.params
+        for index in range(1, p.n):
+            seed = None if p.seed is None else p.seed + index
+            child = Request(parent.prompt_ids, replace(p, n=1, seed=seed), events=parent.events, arrived=parent.arrived,
+                            index=index, num_prompt=parent.num_prompt, num_cached=parent.num_cached,
+                            first_token_at=now,
+                            generator=None if seed is None else torch.Generator().manual_seed(seed))
+            token = sample(logits[None], [child.params], [child.generator])[0]
+            child.tokens = parent.tokens + [token]
+            child.generated = [token]
+            parent.children.append(child)
+            self._emit(child, token)
+        # memd forks what it knows: the prompt, committed, and none of the parent's own sampled tokens.
+        commit = Extend(parent.seq_id, append=parent.tokens[parent.told_tokens:], commit_to=parent.computed)
+        parent.told_tokens = parent.computed
+        self._forks.append((parent, commit, parent.children))
 
     def _emit(self, request: Request, token: int) -> None:
         p, config = request.params, self.model.config
@@ -284,21 +346,24 @@ class Scheduler:
         visible = text[:len(text) - hold] if hold else text
         delta = visible[len(request.emitted_text):] if visible.startswith(request.emitted_text) else ""
         request.emitted_text += delta
-        request.events.put_nowait(Event([token], delta))
+        request.events.put_nowait(Event([token], delta, index=request.index))
         if reason:
             self._end(request, reason=reason)
 
     def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None) -> None:
         """Leave the batch: queue the sequence's Park (a session keeps its history) or Free."""
+        request.done = True
         if request in self.running:
             self.running.remove(request)
+        final = Event([], "", finish_reason=reason, usage=self.usage(request), error=error, index=request.index)
         if request.seq_id:
             # A session keeps its turn (a reset's Free follows in the same Step); an error frees.
             keep = request.session_id is not None and error is None
             op: Op = (Park(request.seq_id, append=request.tokens[request.told_tokens:], commit_to=request.computed)
                       if keep else Free(request.seq_id))
-            self._ending.append(op)
-        request.events.put_nowait(Event([], "", finish_reason=reason, usage=self.usage(request), error=error))
+            self._ending.append((op, request, final))      # the final event waits for memd: then nothing is RUNNING
+        else:
+            request.events.put_nowait(final)
         self._wake.set()
 
     def usage(self, request: Request) -> dict[str, float]:

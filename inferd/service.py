@@ -115,7 +115,7 @@ class InferdService(pb_grpc.InferdServicer):
         params = SamplingParams(max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS, temperature=msg.temperature,
                                 top_p=msg.top_p or 1.0, top_k=msg.top_k,
                                 seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
-                                ignore_eos=msg.ignore_eos)
+                                ignore_eos=msg.ignore_eos, n=msg.n or 1)
         return Request(ids, params, msg.session_id or None)
 
     async def Generate(self, msg: pb.GenerateRequest,
@@ -128,21 +128,21 @@ class InferdService(pb_grpc.InferdServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except GenerationError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), err.message)
-        finished = False
+        remaining = request.params.n
         try:
-            while True:
+            while remaining:
                 event = await request.events.get()
                 if event.error is not None:
-                    finished = True
+                    remaining = 0
                     await context.abort(getattr(grpc.StatusCode, event.error.code), event.error.message)
                 if event.finish_reason is not None:
-                    finished = True
-                    yield pb.GenerateReply(token_ids=event.token_ids, text=event.text,
+                    remaining -= 1
+                    yield pb.GenerateReply(token_ids=event.token_ids, text=event.text, index=event.index,
                                            finish_reason=event.finish_reason, usage=pb.Usage(**event.usage or {}))
-                    return
-                yield pb.GenerateReply(token_ids=event.token_ids, text=event.text)
+                else:
+                    yield pb.GenerateReply(token_ids=event.token_ids, text=event.text, index=event.index)
         finally:
-            if not finished:       # the client went away (cancel, deadline): the sequence parks or frees
+            if remaining:          # the client went away (cancel, deadline): the sequences park or free
                 scheduler.cancel(request)
 
     async def Reset(self, msg: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetReply:

@@ -217,3 +217,45 @@ async def test_seeded_sampling_repeats(served):
         scheduler.submit(request)
         outs.append((await collect(request))[0])
     assert outs[0] == outs[1] and len(outs[0]) == 8
+
+
+async def collect_n(request: Request, n: int) -> dict[int, list[int]]:
+    outputs: dict[int, list[int]] = {i: [] for i in range(n)}
+    finished = 0
+    while finished < n:
+        event = await asyncio.wait_for(request.events.get(), 120)
+        assert event.error is None, event.error
+        outputs[event.index] += event.token_ids
+        finished += event.finish_reason is not None
+    return outputs
+
+
+async def test_n_completions_fork_the_prompt_and_match_single_runs(served):
+    memd, scheduler = served
+    prompt = list(range(40, 58))                          # four full blocks and a partial one to copy
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=100, ignore_eos=True)
+    request = Request(prompt, replace_n(params, 3))
+    scheduler.submit(request)
+    outputs = await collect_n(request, 3)
+    async with memd.admin() as admin:
+        counters = (await admin.stats()).counters
+    assert counters["forks"] == 2
+    for index in range(3):                                # child i samples as a lone request seeded seed + i
+        alone = Request(prompt, replace_n(params, 1, seed=100 + index))
+        scheduler.submit(alone)
+        tokens, _, _ = await collect(alone)
+        assert outputs[index] == tokens and len(tokens) == 10
+    assert len({tuple(v) for v in outputs.values()}) == 3
+    stats = await assert_clean(memd)
+    assert stats.used_blocks == 0
+
+
+def replace_n(params: SamplingParams, n: int, **changes) -> SamplingParams:
+    from dataclasses import replace
+    return replace(params, n=n, **changes)
+
+
+async def test_n_with_a_session_is_refused(served):
+    _, scheduler = served
+    with pytest.raises(GenerationError, match="n > 1 cannot continue a session"):
+        scheduler.submit(Request([1, 2], replace_n(greedy(3), 2), session_id="s"))
