@@ -52,6 +52,15 @@ def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
                  as_long(tables))
 
 
+@dataclass(slots=True)
+class _Layout:
+    mask: torch.Tensor | None        # [B, 1, max_q, keys] boolean, or None when no key must be hidden
+    gather: torch.Tensor | None      # [B, max_q] indices of each sequence's new tokens, None when not padded
+    valid: torch.Tensor | None       # [B, max_q] which padded query rows are real
+    key_len: int | None              # one sequence: its keys cut to this length
+    causal: bool = False
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """RoPE frequencies, with Llama 3's long-context rescaling when the config asks for it."""
     dim = config.head_dim
@@ -115,7 +124,7 @@ class PagedDecoder:
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(c.dtype)[:, None, :], emb.sin().to(c.dtype)[:, None, :]
-        mask, gather = self._attention_layout(batch)
+        layout = self._attention_layout(batch)
 
         h = self.embed[batch.token_ids]
         for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
@@ -129,7 +138,7 @@ class PagedDecoder:
             cache = self.kv[:, layer]                                   # [blocks, 2, bs, kv_heads, dim]
             cache[batch.slot_blocks, 0, batch.slot_offsets] = k
             cache[batch.slot_blocks, 1, batch.slot_offsets] = v
-            attn = self._attend(q, cache, batch, mask, gather)
+            attn = self._attend(q, cache, batch, layout)
             h = h + F.linear(attn, o_w)
             x = self._rms_norm(h, ln2)
             gu = F.linear(x, gate_up)
@@ -139,8 +148,20 @@ class PagedDecoder:
                             device=self.device)
         return F.linear(self._rms_norm(h[last], self.norm), self.lm_head).float()
 
-    def _attention_layout(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The padded [B, max_q] query layout (as indices into the flat tokens) and its causal mask."""
+    def _attention_layout(self, batch: Batch) -> _Layout:
+        """How the flat new tokens become padded [B, max_q] queries, and which keys each may see.
+
+        Two common cases skip the padding and the mask: a decode step (one new
+        token per sequence) needs no query gather, and a single sequence sees
+        exactly its own context, so its keys are cut to length instead of masked.
+        """
+        single, decode = len(batch.query_lens) == 1, max(batch.query_lens) == 1
+        ctx = batch.context_lens[0] if single else None
+        if single and (decode or batch.query_lens[0] == ctx):
+            return _Layout(None, None, None, ctx, causal=not decode)
+        if decode:
+            mask = self._key_mask(batch)[:, None, None, :]
+            return _Layout(mask, None, None, None)
         qlens = torch.tensor(batch.query_lens, device=self.device)
         clens = torch.tensor(batch.context_lens, device=self.device)
         max_q = int(qlens.max())
@@ -151,19 +172,29 @@ class PagedDecoder:
         qpos = clens[:, None] - qlens[:, None] + qi[None, :]                            # absolute positions
         kpos = torch.arange(max_ctx, device=self.device)
         mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < clens[:, None, None])
-        mask &= (qi[None, :] < qlens[:, None])[:, :, None] | (kpos[None, None, :] == 0)  # padded rows: any key
-        return mask[:, None], gather
+        valid = qi[None, :] < qlens[:, None]
+        mask &= valid[:, :, None] | (kpos[None, None, :] == 0)                           # padded rows: any key
+        return _Layout(mask[:, None], gather, valid, None)
 
-    def _attend(self, q: torch.Tensor, cache: torch.Tensor, batch: Batch, mask: torch.Tensor,
-                gather: torch.Tensor) -> torch.Tensor:
+    def _key_mask(self, batch: Batch) -> torch.Tensor:
+        """[B, max_ctx]: which padded key slots hold a sequence's context."""
+        max_ctx = batch.block_tables.shape[1] * self.block_size
+        clens = torch.tensor(batch.context_lens, device=self.device)
+        return torch.arange(max_ctx, device=self.device)[None, :] < clens[:, None]
+
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor, batch: Batch, layout: _Layout) -> torch.Tensor:
         c = self.config
-        bsz = gather.shape[0]
+        bsz = batch.block_tables.shape[0]
         ctx = cache[batch.block_tables]                     # [B, max_blocks, 2, bs, kv_heads, dim]
         ctx = ctx.permute(0, 2, 4, 1, 3, 5).reshape(bsz, 2, c.num_kv_heads, -1, c.head_dim)
         keys, values = ctx[:, 0], ctx[:, 1]                 # [B, kv_heads, max_ctx, dim]
-        queries = q[gather].transpose(1, 2)                 # [B, heads, max_q, dim]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+        if layout.key_len is not None:
+            keys, values = keys[:, :, :layout.key_len], values[:, :, :layout.key_len]
+        if layout.gather is None:                           # one sequence, or one new token per sequence
+            queries = (q[None] if layout.key_len is not None else q[:, None]).transpose(1, 2)
+        else:
+            queries = q[layout.gather].transpose(1, 2)      # [B, heads, max_q, dim]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask, is_causal=layout.causal,
+                                             enable_gqa=True)
         out = out.transpose(1, 2).reshape(bsz, -1, c.num_heads * c.head_dim)   # [B, max_q, hidden]
-        valid = torch.arange(gather.shape[1], device=self.device)[None, :] < \
-            torch.tensor(batch.query_lens, device=self.device)[:, None]
-        return out[valid]
+        return out.reshape(-1, c.num_heads * c.head_dim) if layout.valid is None else out[layout.valid]

@@ -18,6 +18,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -81,10 +82,13 @@ class Request:
 
 class Scheduler:
     def __init__(self, client: MemdClient, model: PagedDecoder, tokenizer: Any, *, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 512) -> None:
+                 max_batch_tokens: int = 512, lookahead_blocks: int = 4) -> None:
         self.client, self.model, self.tokenizer = client, model, tokenizer
         self.block_size = client.geometry.block_size
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
+        # Pages asked for ahead of need: a sequence then calls memd once per this many
+        # blocks instead of at every block boundary (never past its max_tokens).
+        self.lookahead = lookahead_blocks * self.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Park/Free of ended requests, each with the final event it releases once memd has applied it.
@@ -92,6 +96,9 @@ class Scheduler:
         self._forks: list[tuple[Request, Extend, list[Request]]] = []
         self._resets: list[tuple[asyncio.Future[None], Op]] = []
         self._wake = asyncio.Event()
+        # One thread for every forward pass: torch's OpenMP team stays warm in it, and
+        # the event loop stays free for gRPC and memd heartbeats meanwhile.
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
         self.steps = 0
 
     # ---- the outside ---------------------------------------------------
@@ -167,7 +174,7 @@ class Scheduler:
             needed = len(request.tokens)                    # slots this pass writes up to
             if needed > len(request.table) * self.block_size:
                 ops.append(("grow", request, Extend(request.seq_id, append=request.tokens[request.told_tokens:],
-                                                    commit_to=request.computed, reserve=self.block_size)))
+                                                    commit_to=request.computed, reserve=self._reserve(request))))
                 request.told_tokens = len(request.tokens)   # undone in _refused if memd says no
         stalled = await self._memd_step(ops)
         self.running += [r for r in admitted + forks if r.seq_id and not r.done]
@@ -207,15 +214,20 @@ class Scheduler:
         budget = self.client.free_blocks
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             request = self.waiting[0]
-            need = math.ceil((len(request.prompt_ids) + 1) / self.block_size)
+            need = math.ceil((len(request.prompt_ids) + self._reserve(request)) / self.block_size)
             if need > budget:
                 break                                       # wait for pages to free up
             budget -= need
             self.waiting.popleft()
             admitted.append(request)
-            ops.append(("admit", request, Open(request.prompt_ids, reserve=1, session_id=request.session_id,
+            ops.append(("admit", request, Open(request.prompt_ids, reserve=self._reserve(request),
+                                               session_id=request.session_id,
                                                continue_session=request.session_id is not None)))
         return admitted
+
+    def _reserve(self, request: Request) -> int:
+        """Writable slots to ask for past the known tokens: the lookahead, capped by what may still come."""
+        return max(1, min(self.lookahead, request.params.max_tokens - len(request.generated)))
 
     async def _memd_step(self, ops: list[tuple[str, Any, Op]]) -> set[Request]:
         """Run the iteration's page operations as one Step; an op memd refuses is taken out and the rest retried."""
@@ -226,7 +238,11 @@ class Scheduler:
             except MemdError as err:
                 if err.op_index is None:
                     raise
-                kind, request, op = ops.pop(err.op_index)
+                kind, request, op = ops[err.op_index]
+                if kind == "grow" and err.code.name == "RESOURCE_EXHAUSTED" and op.reserve > 1:
+                    ops[err.op_index] = (kind, request, replace(op, reserve=1))    # the lookahead can wait
+                    continue
+                ops.pop(err.op_index)
                 self._refused(kind, request, err, stalled, op)
                 continue
             for (kind, owner, _), result in zip(ops, results, strict=True):
@@ -289,7 +305,7 @@ class Scheduler:
             budget -= len(take)
         batch = build_batch([(take, r.computed, r.table) for r, take in chunks], self.block_size,
                             self.model.device)
-        logits = await asyncio.to_thread(self.model.forward, batch)
+        logits = await asyncio.get_running_loop().run_in_executor(self._compute, self.model.forward, batch)
         finishing = []
         for row, (request, take) in enumerate(chunks):
             request.computed += len(take)

@@ -161,3 +161,19 @@ async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, mode
     assert len(json.loads(out)["token_ids"]) == 3
     states, _, ok = await memd_state(again)
     assert states["running"] == 0 and ok
+
+
+async def test_inferctl_chat_holds_one_session_across_lines(stack):
+    memd, inferd = stack
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "inferd.inferctl", "--address", inferd.address, "chat", "--session", "tty",
+        "--max-tokens", "4", "--ignore-eos", cwd=ROOT, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate(b"Hello there!\nHow are you?\n")
+    assert proc.returncode == 0, err
+    assert out.decode().strip()                           # the replies stream to stdout
+    notes = [line for line in err.decode().splitlines() if "tokens cached" in line]
+    assert len(notes) == 2
+    assert "[4 tokens, 0 of" in notes[0] and "[4 tokens, 0 of" not in notes[1]
+    states, _, ok = await memd_state(memd)
+    assert states["parked"] == 1 and ok
