@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 import uvloop
+from tables import table
 
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
 from inferd.model import PagedDecoder
@@ -359,14 +360,6 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
 
 
 # ---- report --------------------------------------------------------------------
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
 
 def verdict(value: float, target: float, below: bool = False) -> str:
     ok = value < target if below else value >= target

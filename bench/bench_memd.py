@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from tables import table
+
 from memd.manager import KvManager
 from memd.pool import BlockPool
 from shared.geometry import plan_pool
@@ -240,14 +242,6 @@ def bench_reclaim(ctx: mp.context.SpawnContext, memd: Memd, trials: int) -> list
 
 
 # ---- report ------------------------------------------------------------------
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
 
 def report(res: dict) -> str:
     g = res["geometry"]

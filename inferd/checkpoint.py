@@ -8,12 +8,13 @@ one (`rope_parameters`) are understood.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shared.geometry import GeometryError, load_config_json
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,11 +59,9 @@ class ModelConfig:
 def read_config(model_dir: Path, dtype: str | None = None) -> ModelConfig:
     path = model_dir / "config.json"
     try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file (expected a Hugging Face model directory)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        raw = load_config_json(model_dir)
+    except GeometryError as exc:
+        raise CheckpointError(str(exc)) from None
     archs = raw.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DTYPE_BYTES = {
     "float32": 4, "float": 4,
@@ -49,8 +50,8 @@ class ModelShape:
         return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
 
 
-def read_model_shape(model_dir: str | Path, dtype: str | None = None) -> ModelShape:
-    """The KV shape of a Hugging Face checkpoint, from its config.json."""
+def load_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json, or a GeometryError that names the file."""
     path = Path(model_dir) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -58,6 +59,15 @@ def read_model_shape(model_dir: str | Path, dtype: str | None = None) -> ModelSh
         raise GeometryError(f"{path}: no such file (expected a Hugging Face model directory)") from None
     except json.JSONDecodeError as exc:
         raise GeometryError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise GeometryError(f"{path}: not a JSON object")
+    return config
+
+
+def read_model_shape(model_dir: str | Path, dtype: str | None = None) -> ModelShape:
+    """The KV shape of a Hugging Face checkpoint, from its config.json."""
+    path = Path(model_dir) / "config.json"
+    config = load_config_json(model_dir)
     try:
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
