@@ -177,3 +177,22 @@ async def test_inferctl_chat_holds_one_session_across_lines(stack):
     assert "[4 tokens, 0 of" in notes[0] and "[4 tokens, 0 of" not in notes[1]
     states, _, ok = await memd_state(memd)
     assert states["parked"] == 1 and ok
+
+
+async def test_the_next_turn_can_run_on_another_worker(memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    first = await inferd_factory(model_dir, memd.address, name="inferd-a")
+    second = await inferd_factory(model_dir, memd.address, name="inferd-b")
+    rc, out, _ = await inferctl(first.address, "generate", "Tell me a story about a cat.", "--session", "roam",
+                                "--max-tokens", "12", "--ignore-eos", "--json")
+    turn1 = json.loads(out)
+    assert rc == 0
+    rc, out, _ = await inferctl(second.address, "generate", "And then?", "--session", "roam",
+                                "--max-tokens", "4", "--ignore-eos", "--json")
+    turn2 = json.loads(out)
+    assert rc == 0 and turn2["usage"]["cached_tokens"] == turn1["usage"]["prompt_tokens"] + 12 - 1
+    async with memd.admin() as admin:
+        snapshot = await admin.snapshot()
+        assert len(snapshot.workers) == 2 and (await admin.check()).ok
+        assert [s.state for s in snapshot.sequences] == ["parked"]

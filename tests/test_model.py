@@ -110,3 +110,22 @@ def test_unsupported_checkpoints_are_refused_clearly(tmp_path, checkpoint):
         read_config(tmp_path / "missing")
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         load_weights(tmp_path, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_half_precision_checkpoints_run_on_the_pool(memd_factory, tmp_path, dtype):
+    directory = make_tiny_model(tmp_path / dtype, arch="llama", seed=3, dtype=dtype)
+    config = read_config(directory)
+    assert config.dtype == getattr(torch, dtype) and config.bytes_per_token == 2 * 2 * 2 * 16 * 2
+    page = BS * config.bytes_per_token
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", str(64 * page), "--block-bytes", str(page))
+    async with await MemdClient.attach(memd.address, model=dtype, block_size=BS,
+                                       bytes_per_token=config.bytes_per_token) as client:
+        model = PagedDecoder(config, load_weights(directory, config.dtype),
+                             client.pool.view(config.dtype, config.page_shape(BS)))
+        prompt = [11, 42, 7, 300, 5, 9, 81, 2, 64]
+        seq, = await client.step(Open(prompt, reserve=1))
+        logits = model.forward(build_batch([(prompt, 0, seq.block_ids)], BS))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype)).eval()
+    expected = ref_logits(reference, prompt)
+    torch.testing.assert_close(logits[0], expected, atol=0.25, rtol=0.05)    # half precision: ~3 digits

@@ -259,3 +259,20 @@ async def test_n_with_a_session_is_refused(served):
     _, scheduler = served
     with pytest.raises(GenerationError, match="n > 1 cannot continue a session"):
         scheduler.submit(Request([1, 2], replace_n(greedy(3), 2), session_id="s"))
+
+
+async def test_when_nothing_can_move_the_newest_request_fails_and_frees_its_pages(memd_factory, checkpoint):
+    # 12 pages of 4 tokens; two requests that each grow to 9 pages can never both finish.
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=12)
+    try:
+        older, newer = Request([3, 4, 5, 6], greedy(30)), Request([7, 8, 9, 10], greedy(30))
+        scheduler.submit(older)
+        scheduler.submit(newer)
+        (old_tokens, _, old_final), (_, _, new_final) = await asyncio.gather(collect(older), collect(newer))
+        assert new_final.error is not None and new_final.error.code == "RESOURCE_EXHAUSTED"
+        assert old_final.error is None and len(old_tokens) == 30
+        stats = await assert_clean(memd)
+        assert stats.used_blocks == 0
+    finally:
+        task.cancel()
+        await client.close()
