@@ -15,6 +15,7 @@ Step: no path leaves a sequence RUNNING on memd.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from shared.client import MemdClient, MemdError
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park
 
 log = structlog.get_logger("inferd.scheduler")
+
+IDLE_POLL_S = 0.05     # how often waiting requests re-check memd's free pages when nothing else runs
 
 
 class GenerationError(Exception):
@@ -111,6 +114,10 @@ class Scheduler:
                                   f"max_tokens {request.params.max_tokens} exceeds the model's {limit} positions")
         if not request.prompt_ids:
             raise GenerationError("INVALID_ARGUMENT", "the prompt is empty")
+        pool = self.client.geometry.num_blocks
+        if math.ceil((len(request.prompt_ids) + 1) / self.block_size) > pool:
+            raise GenerationError("INVALID_ARGUMENT", f"a prompt of {len(request.prompt_ids)} tokens does not fit "
+                                  f"the KV pool ({pool} blocks of {self.block_size} tokens)")
         if request.params.n > 1 and request.session_id:
             raise GenerationError("INVALID_ARGUMENT", "n > 1 cannot continue a session: which completion "
                                   "would be its history?")
@@ -143,10 +150,18 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
             try:
-                await self.iteration()
+                if not await self.iteration():
+                    await self._idle()
             except MemdError as err:
                 self.fail_all(GenerationError("UNAVAILABLE", f"memd failed: {err.message}"))
                 raise
+
+    async def _idle(self) -> None:
+        """Requests wait for pages that other workers hold: nap until woken, then ask memd how many are free."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+        await self.client.step()           # an empty Step: only the free-page count comes back
 
     def fail_all(self, error: GenerationError) -> None:
         """memd is gone: no sequence can be parked or freed here; memd reclaims them with the lease."""
@@ -163,7 +178,8 @@ class Scheduler:
 
     # ---- one iteration -------------------------------------------------
 
-    async def iteration(self) -> None:
+    async def iteration(self) -> bool:
+        """One scheduler step; False when it could do nothing at all (no memd op, no forward pass)."""
         self._retire_cancelled()
         ops, forks = self._fork_ops()
         ops += [("end", (request, event), op) for op, request, event in self._ending]
@@ -179,12 +195,13 @@ class Scheduler:
         stalled = await self._memd_step(ops)
         self.running += [r for r in admitted + forks if r.seq_id and not r.done]
         ready = [r for r in self.running if r not in stalled and len(r.tokens) <= len(r.table) * self.block_size]
+        self.steps += 1
         if ready:
             await self._forward(ready)
-        elif stalled and not admitted:
+        elif stalled and not any(r.seq_id for r in admitted):
             victim = max(stalled, key=lambda r: r.arrived)   # nothing can move: give up on the newest
             self._end(victim, error=GenerationError("RESOURCE_EXHAUSTED", "the KV pool is full"))
-        self.steps += 1
+        return bool(ops or ready)
 
     def _fork_ops(self) -> tuple[list[tuple[str, Any, Op]], list[Request]]:
         """Forks of n > 1 requests go first in the Step, before anything frees their parent."""

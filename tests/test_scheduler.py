@@ -14,6 +14,7 @@ from inferd.sampling import SamplingParams
 from inferd.scheduler import GenerationError, Request, Scheduler
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
+from shared.ops import Free, Open
 
 transformers = pytest.importorskip("transformers")
 
@@ -273,6 +274,28 @@ async def test_when_nothing_can_move_the_newest_request_fails_and_frees_its_page
         assert old_final.error is None and len(old_tokens) == 30
         stats = await assert_clean(memd)
         assert stats.used_blocks == 0
+    finally:
+        task.cancel()
+        await client.close()
+
+
+async def test_requests_wait_for_pages_another_worker_holds(memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
+    try:
+        with pytest.raises(GenerationError, match="does not fit the KV pool"):
+            scheduler.submit(Request(list(range(3, 80)), greedy(2)))
+        hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+        held, = await hog.step(Open([1] * 60))                   # 15 of the 16 pages
+        await client.step()                                       # the scheduler learns how few are free
+        request = Request([5, 6, 7, 8, 9], greedy(4))
+        scheduler.submit(request)
+        await asyncio.sleep(0.3)       # a stretch of time in which it must wait (not a synchronisation)
+        assert request.events.empty() and not scheduler.running
+        await hog.step(Free(held.seq_id))
+        tokens, _, final = await collect(request)
+        assert final.error is None and len(tokens) == 4
+        await hog.close()
+        await assert_clean(memd)
     finally:
         task.cancel()
         await client.close()
