@@ -89,7 +89,10 @@ def read_config(model_dir: Path, dtype: str | None = None) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
-            max_position=int(raw.get("max_position_embeddings", 4096)),
+            # Attention here is full, so a sliding-window model (Mistral) is served only up to
+            # its window, where full and windowed attention agree.
+            max_position=min(int(raw.get("max_position_embeddings", 4096)),
+                             int(raw.get("sliding_window") or 1 << 62)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             dtype=DTYPES[dtype_name],

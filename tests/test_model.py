@@ -129,3 +129,10 @@ async def test_half_precision_checkpoints_run_on_the_pool(memd_factory, tmp_path
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype)).eval()
     expected = ref_logits(reference, prompt)
     torch.testing.assert_close(logits[0], expected, atol=0.25, rtol=0.05)    # half precision: ~3 digits
+
+
+def test_a_sliding_window_caps_the_positions_served(tmp_path):
+    directory = make_tiny_model(tmp_path / "mistral", arch="mistral", seed=1)
+    config_path = directory / "config.json"
+    config_path.write_text(config_path.read_text().replace('"sliding_window": null', '"sliding_window": 1024'))
+    assert read_config(directory).max_position == 1024
