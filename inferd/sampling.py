@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_SEED = 2**63 - 1        # torch generators take a signed 64-bit seed
+
 
 class BadParams(ValueError):
     """Sampling parameters no request can be served with."""
@@ -35,6 +37,8 @@ class SamplingParams:
             raise BadParams(f"top_k must not be negative, not {self.top_k}")
         if any(not s for s in self.stop):
             raise BadParams("stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED - (self.n - 1):
+            raise BadParams(f"seed must be in [0, {MAX_SEED - (self.n - 1)}] (n completions use seed .. seed + n - 1)")
 
     @property
     def greedy(self) -> bool:

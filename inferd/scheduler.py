@@ -98,6 +98,9 @@ class Scheduler:
         self._ending: list[tuple[Op, Request, Event]] = []
         self._forks: list[tuple[Request, Extend, list[Request]]] = []
         self._resets: list[tuple[asyncio.Future[None], Op]] = []
+        # The Step memd is applying now: its requests are in no other list meanwhile.
+        self._inflight: list[tuple[str, Any, Op]] = []
+        self._forward_job: asyncio.Future[torch.Tensor] | None = None
         self._wake = asyncio.Event()
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
@@ -135,7 +138,7 @@ class Scheduler:
 
         Raises GenerationError NOT_FOUND when memd has no such session.
         """
-        for request in [*self.waiting, *self.running]:
+        for request in [*self.waiting, *self.running, *self._inflight_requests()]:
             if request.session_id == session_id:
                 request.cancel("reset")
         done = asyncio.get_running_loop().create_future()
@@ -143,8 +146,12 @@ class Scheduler:
         self._wake.set()
         await done
 
+    def _inflight_requests(self) -> list[Request]:
+        return [owner for kind, owner, _ in self._inflight if kind in ("admit", "fork", "grow")] + \
+            [owner[0] for kind, owner, _ in self._inflight if kind == "end"]
+
     async def run(self) -> None:
-        """Serve until memd fails as a whole (not one op): then every request fails and the error rises."""
+        """Serve until memd fails as a whole (not one op), or a bug: every request fails, the error rises."""
         while True:
             if not (self.waiting or self.running or self._ending or self._resets):
                 self._wake.clear()
@@ -155,6 +162,10 @@ class Scheduler:
             except MemdError as err:
                 self.fail_all(GenerationError("UNAVAILABLE", f"memd failed: {err.message}"))
                 raise
+            except Exception as err:
+                log.exception("scheduler failed")
+                self.fail_all(GenerationError("INTERNAL", f"the scheduler failed: {err}"))
+                raise
 
     async def _idle(self) -> None:
         """Requests wait for pages that other workers hold: nap until woken, then ask memd how many are free."""
@@ -164,17 +175,32 @@ class Scheduler:
         await self.client.step()           # an empty Step: only the free-page count comes back
 
     def fail_all(self, error: GenerationError) -> None:
-        """memd is gone: no sequence can be parked or freed here; memd reclaims them with the lease."""
-        pending = [request for _, request, _ in self._ending]
+        """memd is gone (or the scheduler broke): every request and reset fails; memd reclaims with the lease."""
+        pending = [request for _, request, _ in self._ending] + self._inflight_requests()
+        pending += [child for _, _, group in self._forks for child in group]
+        failed: set[int] = set()
         for request in [*self.waiting, *self.running, *pending]:
-            request.events.put_nowait(Event([], "", usage=self.usage(request), error=error, index=request.index))
+            if id(request) not in failed:
+                failed.add(id(request))
+                request.done = True
+                request.events.put_nowait(Event([], "", usage=self.usage(request), error=error, index=request.index))
+        resets = [done for done, _ in self._resets] + [o for k, o, _ in self._inflight if k == "reset"]
+        for done in resets:
+            if not done.done():
+                done.set_exception(error)
         self.waiting.clear()
         self.running.clear()
         self._ending.clear()
-        for done, _ in self._resets:
-            if not done.done():
-                done.set_exception(error)
         self._resets.clear()
+        self._forks.clear()
+        self._inflight = []
+
+    async def close(self) -> None:
+        """Let a forward pass in flight finish (it writes into pages memd may hand out next), then stop."""
+        if self._forward_job is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._forward_job)
+        self._compute.shutdown(wait=True)
 
     # ---- one iteration -------------------------------------------------
 
@@ -185,13 +211,16 @@ class Scheduler:
         ops += [("end", (request, event), op) for op, request, event in self._ending]
         ops += [("reset", done, op) for done, op in self._resets]
         self._ending, self._resets = [], []
-        admitted = self._admit(ops)
+        growing = 0                                         # running sequences first, then newcomers
         for request in self.running:
             needed = len(request.tokens)                    # slots this pass writes up to
             if needed > len(request.table) * self.block_size:
-                ops.append(("grow", request, Extend(request.seq_id, append=request.tokens[request.told_tokens:],
-                                                    commit_to=request.computed, reserve=self._reserve(request))))
+                extend = Extend(request.seq_id, append=request.tokens[request.told_tokens:],
+                                commit_to=request.computed, reserve=self._reserve(request))
+                ops.append(("grow", request, extend))
                 request.told_tokens = len(request.tokens)   # undone in _refused if memd says no
+                growing += math.ceil((needed + extend.reserve) / self.block_size) - len(request.table)
+        admitted = self._admit(ops, self.client.free_blocks - growing)
         stalled = await self._memd_step(ops)
         self.running += [r for r in admitted + forks if r.seq_id and not r.done]
         ready = [r for r in self.running if r not in stalled and len(r.tokens) <= len(r.table) * self.block_size]
@@ -226,15 +255,16 @@ class Scheduler:
         for request in [r for r in self.running if r.cancelled]:
             self._end(request, reason=request.cancelled)
 
-    def _admit(self, ops: list[tuple[str, Any, Op]]) -> list[Request]:
+    def _admit(self, ops: list[tuple[str, Any, Op]], budget: int) -> list[Request]:
         admitted: list[Request] = []
-        budget = self.client.free_blocks
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        seats = self.max_num_seqs - len(self.running)
+        while self.waiting and self.waiting[0].params.n <= seats:
             request = self.waiting[0]
             need = math.ceil((len(request.prompt_ids) + self._reserve(request)) / self.block_size)
             if need > budget:
                 break                                       # wait for pages to free up
             budget -= need
+            seats -= request.params.n                       # n > 1: its forks will need seats too
             self.waiting.popleft()
             admitted.append(request)
             ops.append(("admit", request, Open(request.prompt_ids, reserve=self._reserve(request),
@@ -249,6 +279,8 @@ class Scheduler:
     async def _memd_step(self, ops: list[tuple[str, Any, Op]]) -> set[Request]:
         """Run the iteration's page operations as one Step; an op memd refuses is taken out and the rest retried."""
         stalled: set[Request] = set()
+        refused_admits: list[Request] = []
+        self._inflight = ops
         while ops:
             try:
                 results = await self.client.step(*[op for _, _, op in ops])
@@ -260,30 +292,40 @@ class Scheduler:
                     ops[err.op_index] = (kind, request, replace(op, reserve=1))    # the lookahead can wait
                     continue
                 ops.pop(err.op_index)
-                self._refused(kind, request, err, stalled, op)
+                if kind == "admit" and err.code.name == "RESOURCE_EXHAUSTED":
+                    refused_admits.append(request)           # back to the head of the queue, in order
+                elif kind == "commit":                       # no prompt to fork from: its children fail
+                    dropped = [o for o in ops if o[0] == "fork" and o[1] in request.children]
+                    ops[:] = [o for o in ops if o not in dropped]
+                    for _, child, _ in dropped:
+                        self._end(child, error=GenerationError(err.code.name, err.message))
+                else:
+                    self._refused(kind, request, err, stalled, op)
                 continue
             for (kind, owner, _), result in zip(ops, results, strict=True):
                 if kind == "reset":
-                    owner.set_result(None)
+                    if not owner.done():                     # its caller may have gone away
+                        owner.set_result(None)
                 elif kind == "end":
                     owner[0].events.put_nowait(owner[1])
                 elif owner is not None:
                     self._apply(kind, owner, result)
             break
+        self._inflight = []
+        self.waiting.extendleft(reversed(refused_admits))
         return stalled
 
     def _refused(self, kind: str, request: Any, err: MemdError, stalled: set[Request], op: Op) -> None:
         out_of_pages = err.code.name == "RESOURCE_EXHAUSTED"
         if kind == "reset":
-            request.set_exception(GenerationError(err.code.name, err.message))
+            if not request.done():
+                request.set_exception(GenerationError(err.code.name, err.message))
         elif kind == "end":
             log.warning("memd refused to release a sequence", error=str(err))
             request[0].events.put_nowait(request[1])
         elif kind == "admit":
-            if out_of_pages:
-                self.waiting.appendleft(request)
-            else:
-                request.events.put_nowait(Event([], "", error=GenerationError(err.code.name, err.message)))
+            request.done = True
+            request.events.put_nowait(Event([], "", error=GenerationError(err.code.name, err.message)))
         elif kind == "grow":
             assert isinstance(op, Extend)
             request.told_tokens -= len(op.append)
@@ -322,7 +364,9 @@ class Scheduler:
             budget -= len(take)
         batch = build_batch([(take, r.computed, r.table) for r, take in chunks], self.block_size,
                             self.model.device)
-        logits = await asyncio.get_running_loop().run_in_executor(self._compute, self.model.forward, batch)
+        self._forward_job = asyncio.get_running_loop().run_in_executor(self._compute, self.model.forward, batch)
+        logits = await self._forward_job
+        self._forward_job = None
         finishing = []
         for row, (request, take) in enumerate(chunks):
             request.computed += len(take)

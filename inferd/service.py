@@ -67,7 +67,10 @@ class MemdLink:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.2
-            await self._serve(client)
+            try:
+                await self._serve(client)
+            except Exception:          # a bug in serving must not leave the worker dead but attached
+                log.exception("serving failed; reattaching")
 
     async def _serve(self, client: MemdClient) -> None:
         assert client.pool is not None
@@ -88,8 +91,10 @@ class MemdLink:
             self.scheduler = None
             running.cancel()
             lost.cancel()
-            with contextlib.suppress(asyncio.CancelledError, MemdError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await running
+            # The pass in flight still writes pages: finish it before memd can hand them out.
+            await scheduler.close()
             scheduler.fail_all(GenerationError("UNAVAILABLE", "memd went away; the worker is reconnecting"))
             with contextlib.suppress(Exception):
                 await client.close()
@@ -133,6 +138,7 @@ class InferdService(pb_grpc.InferdServicer):
             while remaining:
                 event = await request.events.get()
                 if event.error is not None:
+                    scheduler.cancel(request)       # n > 1: the other completions stop too
                     remaining = 0
                     await context.abort(getattr(grpc.StatusCode, event.error.code), event.error.message)
                 if event.finish_reason is not None:

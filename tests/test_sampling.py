@@ -44,3 +44,11 @@ def test_a_seed_repeats_and_temperature_sharpens():
 def test_nonsense_parameters_are_refused(params, message):
     with pytest.raises(BadParams, match=message):
         params.check()
+
+
+def test_seeds_must_fit_a_torch_generator_for_every_completion():
+    SamplingParams(seed=2**63 - 1).check()
+    with pytest.raises(BadParams, match="seed"):
+        SamplingParams(seed=2**63 - 1, n=2).check()
+    with pytest.raises(BadParams, match="seed"):
+        SamplingParams(seed=-1).check()

@@ -299,3 +299,63 @@ async def test_requests_wait_for_pages_another_worker_holds(memd_factory, checkp
     finally:
         task.cancel()
         await client.close()
+
+
+def on_step(client, hook):
+    """Run `hook(ops)` at the start of each Step the scheduler sends (to land events mid-flight)."""
+    original = client.step
+
+    async def step(*ops):
+        await hook(ops)
+        return await original(*ops)
+    client.step = step
+
+
+async def test_a_reset_during_the_admission_step_still_ends_the_turn(served, reference):
+    memd, scheduler = served
+    fired = []
+
+    async def reset_once(ops):
+        if any(isinstance(op, Open) for op in ops) and not fired:
+            fired.append(asyncio.create_task(scheduler.reset("racy")))
+    on_step(scheduler.client, reset_once)
+    request = Request([11, 12, 13, 14, 15, 16], greedy(50), session_id="racy")
+    scheduler.submit(request)
+    _, _, final = await collect(request)
+    await fired[0]
+    assert final.finish_reason == "reset"
+    stats = await assert_clean(memd)
+    assert stats.used_blocks == 0
+    after = Request([11, 12, 13, 14, 15, 16, 17, 18, 19], greedy(6))     # its pages were not written by a ghost
+    scheduler.submit(after)
+    assert (await collect(after))[0] == greedy_reference(reference, after.prompt_ids, 6)
+
+
+async def test_a_reset_whose_caller_left_does_not_break_the_scheduler(served):
+    memd, scheduler = served
+    first = Request([1, 2, 3], greedy(2), session_id="gone")
+    scheduler.submit(first)
+    await collect(first)
+    caller = asyncio.create_task(scheduler.reset("gone"))
+    await asyncio.sleep(0)                 # let it queue its Free, then leave (a client deadline)
+    caller.cancel()
+    request = Request([4, 5, 6], greedy(3))
+    scheduler.submit(request)
+    tokens, _, final = await collect(request)
+    assert final.error is None and len(tokens) == 3
+    await assert_clean(memd)
+
+
+async def test_memd_failing_mid_step_fails_the_requests_in_it(served):
+    from shared.client import MemdError
+    _, scheduler = served
+    import grpc
+
+    async def fail_opens(ops):
+        if any(isinstance(op, Open) for op in ops):
+            raise MemdError(grpc.StatusCode.UNAVAILABLE, "memd is gone")
+    on_step(scheduler.client, fail_opens)
+    request = Request([7, 8, 9], greedy(3))
+    scheduler.submit(request)
+    _, _, final = await collect(request)
+    assert final.error is not None and final.error.code == "UNAVAILABLE"
