@@ -44,10 +44,7 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -66,6 +63,7 @@ from inferd.scheduler import Request, Scheduler
 from inferd.service import model_namespace
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
+from shared.launch import LaunchError, spawn_ready
 
 MODEL = {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096,
          "dtype": "float32", "seed": 0}
@@ -140,26 +138,15 @@ class Memd:
 
     def __init__(self, tmp: Path, model_dir: Path) -> None:
         self.address = f"unix:{tmp / 'memd.sock'}"
-        notify_path = tmp / "memd.notify"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        listener.bind(str(notify_path))
-        listener.settimeout(0.5)   # a poll period for "did memd exit instead", not a wait
         self.log = tmp / "memd.log"
         with self.log.open("wb") as log:   # a file, not a pipe: nobody has to drain it
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "memd", "--device", "cpu", "--model", str(model_dir), "--block-size",
-                 str(BLOCK_SIZE), "--pool-bytes", POOL, "--listen", self.address, "--log-level", "warning"],
-                env={**os.environ, "NOTIFY_SOCKET": str(notify_path)}, stdout=subprocess.DEVNULL, stderr=log)
-        with listener:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if b"READY=1" in listener.recv(4096).split(b"\n"):
-                        return
-                except TimeoutError:
-                    continue
-        self.kill()
-        raise RuntimeError(f"memd did not become ready: {self.log.read_text().strip()[-2000:]}")
+            try:
+                self.proc = spawn_ready(
+                    ["memd", "--device", "cpu", "--model", str(model_dir), "--block-size", str(BLOCK_SIZE),
+                     "--pool-bytes", POOL, "--listen", self.address, "--log-level", "warning"],
+                    tmp, timeout_s=START_TIMEOUT_S, stderr=log.fileno())
+            except LaunchError as exc:
+                raise RuntimeError(f"{exc}: {self.log.read_text().strip()[-2000:]}") from None
 
     def kill(self) -> None:
         self.proc.kill()

@@ -24,7 +24,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from tables import table
 from memd.manager import KvManager
 from memd.pool import BlockPool
 from shared.geometry import plan_pool
+from shared.launch import spawn_ready
 from shared.ops import Extend, Free, Open
 from shared.sizes import parse_size
 
@@ -187,26 +187,11 @@ class Memd:
 
     def __init__(self, tmp: Path) -> None:
         self.address = f"unix:{tmp / 'memd.sock'}"
-        notify_path = tmp / "memd.notify"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        listener.bind(str(notify_path))
-        listener.settimeout(0.5)   # a poll period for "did memd exit instead", not a wait
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", POOL, "--block-bytes", PAGE,
-             "--listen", self.address, "--log-format", "json"],
-            env={**os.environ, "NOTIFY_SOCKET": str(notify_path)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", POOL, "--block-bytes", PAGE,
+                                 "--listen", self.address, "--log-format", "json"],
+                                tmp, timeout_s=START_TIMEOUT_S, stderr=subprocess.PIPE)
         self.events: queue.Queue[tuple[float, dict]] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        with listener:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if b"READY=1" in listener.recv(4096).split(b"\n"):
-                        return
-                except TimeoutError:
-                    continue
-        self.kill()
-        raise RuntimeError("memd did not become ready")
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
