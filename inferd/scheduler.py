@@ -346,6 +346,11 @@ class Scheduler:
             request.computed = request.num_cached = result.num_committed
             request.told_tokens = len(request.tokens)
             request.num_prompt = len(request.tokens)
+            limit = self.model.config.max_position
+            if len(request.tokens) >= limit:               # a session's history can outgrow the model
+                self._end(request, keep=True, error=GenerationError(
+                    "INVALID_ARGUMENT", f"session {request.session_id!r} holds {len(request.tokens)} tokens with "
+                    f"this message; the model has {limit} positions: reset the session"))
         elif kind == "grow":
             request.table[result.first_block:] = result.block_ids
         elif kind == "fork":
@@ -427,7 +432,8 @@ class Scheduler:
         if reason:
             self._end(request, reason=reason)
 
-    def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None) -> None:
+    def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None,
+             keep: bool = False) -> None:
         """Leave the batch: queue the sequence's Park (a session keeps its history) or Free."""
         request.done = True
         if request in self.running:
@@ -435,7 +441,7 @@ class Scheduler:
         final = Event([], "", finish_reason=reason, usage=self.usage(request), error=error, index=request.index)
         if request.seq_id:
             # A session keeps its turn (a reset's Free follows in the same Step); an error frees.
-            keep = request.session_id is not None and error is None
+            keep = request.session_id is not None and (error is None or keep)
             op: Op = (Park(request.seq_id, append=request.tokens[request.told_tokens:], commit_to=request.computed)
                       if keep else Free(request.seq_id))
             self._ending.append((op, request, final))      # the final event waits for memd: then nothing is RUNNING

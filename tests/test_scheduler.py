@@ -359,3 +359,22 @@ async def test_memd_failing_mid_step_fails_the_requests_in_it(served):
     scheduler.submit(request)
     _, _, final = await collect(request)
     assert final.error is not None and final.error.code == "UNAVAILABLE"
+
+
+async def test_a_session_that_outgrew_the_model_is_refused_and_kept(served):
+    memd, scheduler = served
+    limit = scheduler.model.config.max_position
+    from dataclasses import replace
+    scheduler.model.config = replace(scheduler.model.config, max_position=40)
+    try:
+        first = Request(list(range(3, 33)), greedy(5), session_id="long")
+        scheduler.submit(first)
+        await collect(first)                                   # 35 tokens of history
+        second = Request(list(range(40, 46)), greedy(2), session_id="long")
+        scheduler.submit(second)
+        _, _, final = await collect(second)
+        assert final.error is not None and final.error.code == "INVALID_ARGUMENT"
+        assert "reset the session" in final.error.message
+        await assert_clean(memd, parked=1)                     # the history is still there to reset
+    finally:
+        scheduler.model.config = replace(scheduler.model.config, max_position=limit)
