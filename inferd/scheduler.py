@@ -105,7 +105,6 @@ class Scheduler:
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
-        self.steps = 0
 
     # ---- the outside ---------------------------------------------------
 
@@ -224,7 +223,6 @@ class Scheduler:
         stalled = await self._memd_step(ops)
         self.running += [r for r in admitted + forks if r.seq_id and not r.done]
         ready = [r for r in self.running if r not in stalled and len(r.tokens) <= len(r.table) * self.block_size]
-        self.steps += 1
         if ready:
             await self._forward(ready)
         elif stalled and not any(r.seq_id for r in admitted):
@@ -316,7 +314,6 @@ class Scheduler:
         return stalled
 
     def _refused(self, kind: str, request: Any, err: MemdError, stalled: set[Request], op: Op) -> None:
-        out_of_pages = err.code.name == "RESOURCE_EXHAUSTED"
         if kind == "reset":
             if not request.done():
                 request.set_exception(GenerationError(err.code.name, err.message))
@@ -329,14 +326,12 @@ class Scheduler:
         elif kind == "grow":
             assert isinstance(op, Extend)
             request.told_tokens -= len(op.append)
-            if out_of_pages:
+            if err.code.name == "RESOURCE_EXHAUSTED":
                 stalled.add(request)
             else:
                 self._end(request, error=GenerationError(err.code.name, err.message))
         elif kind == "fork":
             self._end(request, error=GenerationError(err.code.name, err.message))
-        else:
-            log.warning("memd refused to release a sequence", error=str(err))
 
     def _apply(self, kind: str, request: Request, result: OpResult) -> None:
         if kind == "admit":

@@ -114,10 +114,6 @@ class ShmMemory:
             else:
                 ctypes.memmove(base + b * size, base + a * size, size)
 
-    def read(self, block: int) -> bytes:
-        """A copy of one page, for tests and debugging."""
-        return self._map[block * self.block_bytes:(block + 1) * self.block_bytes]
-
     def close(self) -> None:
         del self._anchor
         self._map.close()

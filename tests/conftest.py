@@ -129,33 +129,30 @@ async def _await_ready(loop: asyncio.AbstractEventLoop, listener: socket.socket)
 
 
 @pytest.fixture
-async def memd_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+async def daemons() -> AsyncIterator[list[Daemon]]:
+    """Every daemon a test started, killed when it ends."""
     started: list[Daemon] = []
-
-    async def factory(*args: str, name: str = "memd", env: dict[str, str] | None = None) -> Daemon:
-        proc = await start_memd(tmp_path, *args, name=name, env=env)
-        started.append(proc)
-        return proc
-
-    yield factory
+    yield started
     for proc in started:
         await proc.kill()
 
 
 @pytest.fixture
-async def inferd_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+def memd_factory(tmp_path: Path, daemons: list[Daemon]) -> Callable[..., Any]:
+    async def factory(*args: str, name: str = "memd", env: dict[str, str] | None = None) -> Daemon:
+        daemons.append(await start_memd(tmp_path, *args, name=name, env=env))
+        return daemons[-1]
+    return factory
+
+
+@pytest.fixture
+def inferd_factory(tmp_path: Path, daemons: list[Daemon]) -> Callable[..., Any]:
     """Start `inferd serve` processes: `await inferd_factory(model_dir, memd.address, *flags)`."""
-    started: list[Daemon] = []
-
     async def factory(model: Path, memd_address: str, *args: str, name: str = "inferd") -> Daemon:
-        proc = await start_daemon(tmp_path, ["inferd", "serve", "--model", str(model), "--memd", memd_address,
-                                             "--threads", "1", *args], name=name)
-        started.append(proc)
-        return proc
-
-    yield factory
-    for proc in started:
-        await proc.kill()
+        daemons.append(await start_daemon(tmp_path, ["inferd", "serve", "--model", str(model), "--memd",
+                                                     memd_address, "--threads", "1", *args], name=name))
+        return daemons[-1]
+    return factory
 
 
 @pytest.fixture
