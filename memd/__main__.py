@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from memd.fdpass import FdServer
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
 from memd.service import MemdService
+from memd.swap import allocate_swap
 from shared import address as addr
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
@@ -54,6 +56,20 @@ def positive(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1: {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memd", description="kvpool's KV block pool daemon.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
@@ -69,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without heartbeats before a worker is reclaimed (default: 10)")
     p.add_argument("--heat-decay", type=float, default=0.9, help="heat factor per interval (default: 0.9)")
     p.add_argument("--heat-interval", type=positive, default=10.0, help="seconds per heat decay (default: 10)")
+    p.add_argument("--swap-ratio", type=non_negative, default=0.3,
+                   help="host swap tier as a fraction of the pool, allocated and locked at start-up (default: 0.3)")
+    p.add_argument("--disable-swap", action="store_true", help="no swap tier: evicted sequences are dropped")
+    p.add_argument("--idle-ttl", type=non_negative, default=300.0,
+                   help="drop parked and swapped sequences idle this many seconds; 0 = never (default: 300)")
+    p.add_argument("--free-watermark", type=fraction, default=0.02,
+                   help="keep this fraction of blocks free by evicting cold parked sequences (default: 0.02)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     return p
@@ -109,14 +132,18 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     target = addr.resolve(args.listen)
     sock_path = prepare_socket(target)
     memory = allocate_pool(args.device, geometry.num_blocks, geometry.block_bytes)
-    manager = KvManager(geometry, heat_decay=args.heat_decay, heat_interval_s=args.heat_interval)
+    swap_slots = 0 if args.disable_swap else int(geometry.num_blocks * args.swap_ratio)
+    swap = allocate_swap(memory, swap_slots, geometry.block_bytes) if swap_slots else None
+    manager = KvManager(geometry, heat_decay=args.heat_decay, heat_interval_s=args.heat_interval,
+                        swap_slots=swap_slots, idle_ttl_s=args.idle_ttl,
+                        watermark_blocks=math.ceil(geometry.num_blocks * args.free_watermark))
     fd_server = None
     if memory.backend == "shm":
         fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
         fd_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
     service = MemdService(manager, memory, fd_server, lease_timeout_s=args.lease_timeout,
-                          generation=time.time_ns())
+                          generation=time.time_ns(), swap=swap)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 256 << 20),
@@ -135,6 +162,7 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     if sock_path is not None:
         os.chmod(sock_path, 0o660)
     reaper = asyncio.create_task(service.reap_expired(), name="reaper")
+    police = asyncio.create_task(service.police(), name="eviction-policy")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -143,17 +171,22 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     log.info("memd ready", listen=target, backend=memory.backend, device=memory.device,
              num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes,
              bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
-             pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout)
+             pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
+             swap=format_size(swap_slots * geometry.block_bytes) if swap else "off",
+             swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl)
     notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
                       f"listening on {target}")
     await stop.wait()
     log.info("memd stopping")
     notify("STOPPING=1")
-    reaper.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await reaper
+    for task in (reaper, police):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await server.stop(grace=2.0)
-    service.close()
+    await service.close()
+    if swap is not None:
+        swap.close()
     if fd_server is not None:
         await fd_server.close()
     if sock_path is not None:

@@ -3,13 +3,17 @@
 All state lives on memd's one event loop, so nothing here locks. A Step runs
 its operations in order under a journal; the first error rolls everything
 back, so a rejected Step leaves no trace. Page contents are never touched
-here: a committed Step returns the zeroing and copying it needs as effects,
-which the caller performs before the worker hears back.
+here: a committed Step returns the zeroing, copying and swap-ins it needs as
+effects, which the caller performs before the worker hears back.
 
 Ownership: a RUNNING sequence belongs to one worker, which alone may change
 it. PARKED and DROPPED sequences belong to memd; any worker of the same model
 may resume or free them. Only full committed blocks are ever shared (prefix
 hits, forks), so every slot a RUNNING sequence may write is its own.
+
+Memory pressure (swap-outs, drops, idle TTL, forced evictions) happens
+outside Steps, in `memd.eviction`; a Step only swaps a sequence back in on
+resume, and hands over what a preempting Park asks to be evicted.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from memd.errors import (
     PermissionDenied,
     PoolExhausted,
 )
-from memd.pool import BlockPool, Journal
-from memd.sequences import PrefixHasher, SeqState, Sequence, blocks_for
+from memd.eviction import Evictor
+from memd.invariants import violations
+from memd.pool import BlockPool, Journal, SwapSlots
+from memd.sequences import PrefixHasher, SeqState, Sequence, SwapOut, blocks_for
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
-Effect = tuple[str, int, int]   # ("zero", block, block) or ("copy", src, dst), in order
+Effect = tuple[str, int, int]   # ("zero", block, block), ("copy", src, dst), ("swap_in", slot, dst), in order
 MAX_NAME = 256                  # characters of a session id, model or worker name
 
 
@@ -60,19 +66,30 @@ class _Txn:
     touched: dict[int, Sequence] = field(default_factory=dict)
     effects: list[Effect] = field(default_factory=list)
     counters: Counter[str] = field(default_factory=Counter)
+    read_slots: list[int] = field(default_factory=list)
+    evict_after: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class StepOutcome:
     results: list[OpResult]
     effects: list[Effect]
+    # Swap slots the effects read (swap-ins) or that a freed sequence held: give them
+    # back with `release_slots` once the effects are done.
+    read_slots: list[int] = field(default_factory=list)
+    # Parked by this Step and to be evicted now: (sequence, "swap" | "drop", reason).
+    evict_after: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
 
 
 class KvManager:
     def __init__(self, geometry: PoolGeometry, *, hash_key: bytes | None = None,
-                 heat_decay: float = 0.9, heat_interval_s: float = 10.0) -> None:
+                 heat_decay: float = 0.9, heat_interval_s: float = 10.0, swap_slots: int = 0,
+                 idle_ttl_s: float = 0.0, watermark_blocks: int = 0) -> None:
         self.geometry = geometry
         self.pool = BlockPool(geometry.num_blocks)
+        self.swap = SwapSlots(swap_slots) if swap_slots else None
+        self.swap_jobs: dict[int, SwapOut] = {}        # by sequence id: swap-outs being copied
+        self.revoked: dict[int, str] = {}              # running sequences an operator evicted: mode
         self.seqs: dict[int, Sequence] = {}
         self.sessions: dict[str, int] = {}
         self.workers: dict[int, Worker] = {}
@@ -81,6 +98,7 @@ class KvManager:
         self.heat_decay, self.heat_interval_s = heat_decay, heat_interval_s
         self._next_seq = 1
         self._next_worker = 1
+        self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
 
     # ---- workers -------------------------------------------------------
 
@@ -123,8 +141,8 @@ class KvManager:
         parked = freed = 0
         for seq in [s for s in self.seqs.values() if s.owner == worker_id]:
             if seq.num_committed == 0 and seq.session_id is None:
-                self._release(seq.block_ids)
-                self._forget(seq)
+                self.release_blocks(seq.block_ids)
+                self.forget(seq)
                 freed += 1
             else:
                 self._park(seq)
@@ -158,9 +176,19 @@ class KvManager:
         self.counters.update(txn.counters)
         self.counters["steps"] += 1
         self.counters["ops"] += len(results)
+        if txn.read_slots:
+            assert self.swap is not None
+            self.swap.in_copy.update(txn.read_slots)     # the sequence let go; the copy still reads them
         # A page this Step took and gave back needs no effect: it is free again, and
         # zeroed when next handed out. Late effects on a free page could hit its next tenant.
-        return StepOutcome(results, [e for e in txn.effects if self.pool.ref[e[2]] > 0])
+        return StepOutcome(results, [e for e in txn.effects if self.pool.ref[e[2]] > 0], txn.read_slots,
+                           txn.evict_after)
+
+    def release_slots(self, slots: list[int]) -> None:
+        """The effects of a Step are done: the swap slots it read are free."""
+        if slots:
+            assert self.swap is not None
+            self.swap.give(slots)
 
     def _apply(self, txn: _Txn, op: Op) -> OpResult:
         match op:
@@ -206,11 +234,17 @@ class KvManager:
         if cut:
             txn.journal.record(seq.block_ids.extend, cut)     # undone before _restore's truncation
         self._park(seq)
+        mode = self.revoked.get(seq.seq_id)
+        if op.preempt:
+            txn.counters["preemptions"] += 1
+            txn.evict_after.append((seq, mode or "swap", "forced" if mode else None))
+        elif mode is not None:
+            txn.evict_after.append((seq, mode, "forced"))
         return _result(seq, len(seq.block_ids))
 
     def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = ()) -> OpResult:
         worker = txn.worker
-        seq = self._find(op.seq_id, op.session_id)
+        seq = self.find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING:
             if seq.owner == worker.worker_id:
                 raise FailedPrecondition(f"sequence {seq.seq_id} is already running on this worker")
@@ -221,22 +255,30 @@ class KvManager:
                 f"this worker serves {worker.model!r} (block size {worker.block_size})")
         self._check_fits(len(seq.token_ids) + len(append) + op.reserve, seq.block_size)
         self._save(txn, seq)
+        self._cancel_swap_out(txn, seq)
         seq.token_ids.extend(append)
-        cached = self._match_prefix(txn, seq) if seq.state is SeqState.DROPPED else seq.num_committed
+        if seq.state is SeqState.DROPPED:
+            cached = self._match_prefix(txn, seq)
+        elif seq.state is SeqState.SWAPPED:
+            cached = self._swap_in(txn, seq)
+        else:
+            cached = seq.num_committed
         seq.state, seq.owner = SeqState.RUNNING, worker.worker_id
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         txn.counters["resumes"] += 1
         return _result(seq, 0, cached, history=True)
 
     def _free(self, txn: _Txn, op: Free) -> OpResult:
-        seq = self._find(op.seq_id, op.session_id)
+        seq = self.find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING and seq.owner != txn.worker.worker_id:
             raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
         if seq.model != txn.worker.model:
             raise FailedPrecondition(f"sequence {seq.seq_id} belongs to model {seq.model!r}; "
                                      f"this worker serves {txn.worker.model!r}")
-        self._release(seq.block_ids)
-        self._forget(seq, txn.journal)
+        self._cancel_swap_out(txn, seq)
+        self.release_blocks(seq.block_ids)
+        txn.read_slots += seq.slots
+        self.forget(seq, txn.journal)
         txn.touched.pop(seq.seq_id, None)
         return OpResult(seq.seq_id, "freed", 0, [], 0, 0)
 
@@ -262,63 +304,11 @@ class KvManager:
         txn.counters["forks"] += 1
         return _result(child, 0, history=True)
 
-    # ---- admin ---------------------------------------------------------
-
-    def evict(self, seq_id: int | None, session_id: str | None) -> tuple[list[int], int]:
-        """Drop a parked sequence's pages, keeping its token ids. Returns (seq ids, blocks freed)."""
-        seq = self._find(seq_id, session_id)
-        if seq.state is SeqState.RUNNING:
-            raise FailedPrecondition(
-                f"sequence {seq.seq_id} is running on worker {seq.owner}; only parked sequences can be evicted")
-        freed = self._release(seq.block_ids)
-        seq.block_ids, seq.hashes, seq.num_committed = [], [], 0
-        seq.state = SeqState.DROPPED
-        self.counters["evictions_forced"] += 1
-        return [seq.seq_id], freed
+    # ---- inspection ----------------------------------------------------
 
     def violations(self) -> list[str]:
-        """Every broken invariant of pages, tables and ownership, as sentences."""
-        problems = self.pool.violations()
-        refs = [0] * self.pool.num_blocks
-        for seq in self.seqs.values():
-            problems += self._seq_violations(seq)
-            for block in seq.block_ids:
-                if 0 <= block < len(refs):
-                    refs[block] += 1
-        for block, (counted, actual) in enumerate(zip(refs, self.pool.ref, strict=True)):
-            if counted != actual:
-                problems.append(f"block {block} has ref count {actual} but {counted} table reference(s)")
-        for session, seq_id in self.sessions.items():
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.session_id != session:
-                problems.append(f"session {session!r} maps to sequence {seq_id}, which is not its sequence")
-        return problems
-
-    def _seq_violations(self, seq: Sequence) -> list[str]:
-        out, name = [], f"sequence {seq.seq_id}"
-        running = seq.state is SeqState.RUNNING
-        if running != (seq.owner is not None):
-            out.append(f"{name} is {seq.state} with owner {seq.owner}")
-        if running and seq.owner not in self.workers:
-            out.append(f"{name} runs on worker {seq.owner}, which holds no lease")
-        if not 0 <= seq.num_committed <= min(len(seq.token_ids), seq.capacity):
-            out.append(f"{name} commits {seq.num_committed} of {len(seq.token_ids)} tokens "
-                       f"with {seq.capacity} slots")
-        needed = blocks_for(seq.num_committed, seq.block_size)
-        if seq.state is not SeqState.RUNNING and len(seq.block_ids) != needed:
-            out.append(f"{name} is {seq.state} with {len(seq.block_ids)} blocks for {needed} committed")
-        if len(seq.hashes) != seq.num_full_blocks:
-            out.append(f"{name} has {len(seq.hashes)} block hashes for {seq.num_full_blocks} full blocks")
-        if len(set(seq.block_ids)) != len(seq.block_ids):
-            out.append(f"{name} lists a block twice")
-        for index, block in enumerate(seq.block_ids):
-            if not 0 <= block < self.pool.num_blocks:
-                out.append(f"{name} references block {block}, outside the pool")
-            elif self.pool.ref[block] > 1 and index >= seq.num_full_blocks:
-                out.append(f"{name} shares block {block}, which it may still write")
-        if seq.session_id is not None and self.sessions.get(seq.session_id) != seq.seq_id:
-            out.append(f"{name} names session {seq.session_id!r}, which maps elsewhere")
-        return out
+        """Every broken invariant of pages, swap slots, tables and ownership, as sentences."""
+        return violations(self)
 
     def heat(self, seq: Sequence, now: float) -> float:
         """Touches decayed by `heat_decay` per `heat_interval_s`: no timer per block."""
@@ -332,7 +322,7 @@ class KvManager:
 
     # ---- mechanics -----------------------------------------------------
 
-    def _find(self, seq_id: int | None, session_id: str | None) -> Sequence:
+    def find(self, seq_id: int | None, session_id: str | None) -> Sequence:
         if session_id:
             found = self.sessions.get(session_id)
             if found is None:
@@ -346,7 +336,7 @@ class KvManager:
         return seq
 
     def _own(self, txn: _Txn, seq_id: int) -> Sequence:
-        seq = self._find(seq_id, None)
+        seq = self.find(seq_id, None)
         if seq.state is not SeqState.RUNNING:
             raise FailedPrecondition(f"sequence {seq_id} is {seq.state}; resume it first")
         if seq.owner != txn.worker.worker_id:
@@ -375,7 +365,7 @@ class KvManager:
         txn.saved.add(seq.seq_id)
         # Within a Step the lists only grow (Park journals what it cuts), so lengths restore them.
         txn.journal.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
-                           len(seq.token_ids), len(seq.hashes))
+                           len(seq.token_ids), len(seq.hashes), seq.slots)
 
     def _create(self, txn: _Txn, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -383,9 +373,9 @@ class KvManager:
             self.sessions[seq.session_id] = seq.seq_id
         txn.saved.add(seq.seq_id)
         txn.touched[seq.seq_id] = seq
-        txn.journal.record(self._forget, seq)
+        txn.journal.record(self.forget, seq)
 
-    def _forget(self, seq: Sequence, journal: Journal | None = None) -> None:
+    def forget(self, seq: Sequence, journal: Journal | None = None) -> None:
         del self.seqs[seq.seq_id]
         if seq.session_id:
             del self.sessions[seq.session_id]
@@ -439,6 +429,36 @@ class KvManager:
             self.pool.register(seq.block_ids[i], digest, chunk)
             seq.hashes.append(digest)
 
+    def _swap_in(self, txn: _Txn, seq: Sequence) -> int:
+        """Pages for a SWAPPED sequence: still-cached prefix blocks are shared, the rest copied back."""
+        bs, tokens, hashes = seq.block_size, seq.token_ids, seq.hashes
+        copies = 0
+        for i, slot in enumerate(seq.slots):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs]) if i < len(hashes) else None
+            block = self.pool.lookup(hashes[i], chunk) if chunk is not None else None
+            if block is not None:
+                self.pool.incref(block)
+            else:
+                if not self.pool.num_free:
+                    raise PoolExhausted(len(seq.slots) - i, 0)
+                block, _ = self.pool.allocate()
+                txn.effects.append(("swap_in", slot, block))
+                if chunk is not None:
+                    self.pool.register(block, hashes[i], chunk)
+                copies += 1
+            seq.block_ids.append(block)
+        txn.read_slots += seq.slots
+        seq.slots = []
+        txn.counters["swap_ins"] += 1
+        txn.counters["swap_in_blocks"] += copies
+        return seq.num_committed
+
+    def _cancel_swap_out(self, txn: _Txn, seq: Sequence) -> None:
+        """The sequence is wanted (resume) or gone (free): a swap-out in flight no longer counts."""
+        job = self.swap_jobs.pop(seq.seq_id, None)
+        if job is not None:
+            txn.journal.record(self.swap_jobs.__setitem__, seq.seq_id, job)
+
     def _grow(self, txn: _Txn, seq: Sequence, num_tokens: int) -> None:
         self._check_fits(num_tokens, seq.block_size)
         needed = blocks_for(num_tokens, seq.block_size) - len(seq.block_ids)
@@ -455,11 +475,11 @@ class KvManager:
 
     def _park(self, seq: Sequence) -> None:
         keep = blocks_for(seq.num_committed, seq.block_size)
-        self._release(seq.block_ids[keep:])
+        self.release_blocks(seq.block_ids[keep:])
         del seq.block_ids[keep:]
         seq.state, seq.owner = SeqState.PARKED, None
 
-    def _release(self, blocks: list[int]) -> int:
+    def release_blocks(self, blocks: list[int]) -> int:
         return sum(self.pool.decref(block) for block in blocks)
 
     def _touch(self, seq: Sequence, now: float) -> None:
@@ -468,8 +488,8 @@ class KvManager:
 
 
 def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,
-             num_tokens: int, num_hashes: int) -> None:
-    seq.state, seq.owner, seq.num_committed = state, owner, num_committed
+             num_tokens: int, num_hashes: int, slots: list[int]) -> None:
+    seq.state, seq.owner, seq.num_committed, seq.slots = state, owner, num_committed, slots
     del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
     del seq.hashes[num_hashes:]

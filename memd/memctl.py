@@ -23,6 +23,7 @@ from shared.sizes import format_size
 
 SNAPSHOT_COLUMNS = ["block_id", "ref_count", "last_access", "seq_id", "state", "heat", "owner"]
 STATE_ORDER = ["running", "parked", "swapped", "dropped"]
+EVICTION_REASONS = ("idle", "pressure", "forced")
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -36,10 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     snap = sub.add_parser("snapshot", help="every block: ref count, last access, sequences, state, heat, owner")
     snap.add_argument("--format", choices=["csv", "json"], default="csv")
     snap.add_argument("-o", "--output", help="write to this file instead of stdout")
-    evict = sub.add_parser("evict", help="drop a parked sequence's pages (its token ids stay)")
+    evict = sub.add_parser("evict", help="free pages now: swap out or drop sequences (their token ids stay)",
+                           description="A running sequence is revoked: its worker preempts it, then memd "
+                                       "swaps or drops it and the worker recomputes or swaps it back in later.")
     target = evict.add_mutually_exclusive_group(required=True)
     target.add_argument("--seq", type=int, help="sequence id")
     target.add_argument("--session", help="session id")
+    target.add_argument("--idle", type=float, metavar="SECONDS", help="every parked or swapped sequence idle this long")
+    target.add_argument("--blocks", type=int, metavar="N", help="the coldest parked sequences until N blocks are free")
+    target.add_argument("--worker", type=int, metavar="ID", help="every sequence running on this worker")
+    mode = evict.add_mutually_exclusive_group()
+    mode.add_argument("--swap", dest="mode", action="store_const", const="swap",
+                      help="copy pages to the host swap tier (the default; drops when swap is off or full)")
+    mode.add_argument("--drop", dest="mode", action="store_const", const="drop",
+                      help="release pages outright; a resume recomputes")
     sub.add_parser("check", help="verify the invariants; exit 1 listing violations")
     return p
 
@@ -47,11 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 def stats_dict(reply: Any) -> dict[str, Any]:
     data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     for key in ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes",
-                "generation", "bytes_per_token"):
+                "generation", "bytes_per_token", "swap_total_blocks", "swap_free_blocks", "swapped_blocks"):
         data[key] = int(data[key])      # protobuf's JSON form writes 64-bit ints as strings
     order = {state: i for i, state in enumerate(STATE_ORDER)}
     data["sequences"] = {k: int(v) for k, v in sorted(data["sequences"].items(), key=lambda kv: order.get(kv[0], 99))}
-    data["counters"] = {k: int(v) for k, v in sorted(data["counters"].items())}
+    counters = {k: int(v) for k, v in sorted(data["counters"].items())}
+    for key in ("swap_outs", "swap_ins", "drops", "preemptions"):
+        counters.setdefault(key, 0)
+    counters["evictions"] = {reason: counters.pop(f"evictions_{reason}", 0) for reason in EVICTION_REASONS}
+    data["counters"] = counters
     return data
 
 
@@ -65,8 +80,18 @@ def render_stats(data: dict[str, Any]) -> str:
         f"workers   {data['workers']}",
         "sequences " + ", ".join(f"{k} {v}" for k, v in data["sequences"].items()),
     ]
-    if data["counters"]:
-        lines.append("counters  " + ", ".join(f"{k} {v}" for k, v in data["counters"].items()))
+    c = data["counters"]
+    if data["swap_total_blocks"]:
+        lines.append(f"swap      {data['swapped_blocks']} of {data['swap_total_blocks']} blocks hold swapped "
+                     f"sequences, {data['swap_free_blocks']} free")
+    else:
+        lines.append("swap      off")
+    lines.append(f"pressure  swap-outs {c['swap_outs']}, swap-ins {c['swap_ins']}, drops {c['drops']}, "
+                 f"preemptions {c['preemptions']}; evictions " +
+                 ", ".join(f"{reason} {n}" for reason, n in c["evictions"].items()))
+    rest = {k: v for k, v in c.items() if k not in ("swap_outs", "swap_ins", "drops", "preemptions", "evictions")}
+    if rest:
+        lines.append("counters  " + ", ".join(f"{k} {v}" for k, v in rest.items()))
     return "\n".join(lines)
 
 
@@ -94,6 +119,17 @@ def render_snapshot(reply: Any, fmt: str) -> str:
     return out.getvalue()
 
 
+def render_evicted(reply: Any) -> str:
+    if not reply.seq_ids:
+        return "evicted nothing: no sequence matched (or all were already swapped or dropped)"
+    parts = []
+    for label, ids in (("swapped out", reply.swapped), ("dropped", reply.dropped),
+                       ("revoked (running; their workers give them up)", reply.revoked)):
+        if ids:
+            parts.append(f"{label} {', '.join(map(str, ids))}")
+    return f"{'; '.join(parts)}: {reply.blocks_freed} block(s) freed"
+
+
 async def run(args: argparse.Namespace) -> int:
     async with MemdAdmin(args.address, timeout_s=args.timeout) as admin:
         if args.command == "stats":
@@ -107,8 +143,9 @@ async def run(args: argparse.Namespace) -> int:
             else:
                 sys.stdout.write(text)
         elif args.command == "evict":
-            reply = await admin.evict(seq_id=args.seq, session_id=args.session)
-            print(f"evicted sequence(s) {', '.join(map(str, reply.seq_ids))}: {reply.blocks_freed} block(s) freed")
+            reply = await admin.evict(seq_id=args.seq, session_id=args.session, idle_s=args.idle, blocks=args.blocks,
+                                      worker_id=args.worker, mode=args.mode or "swap")
+            print(render_evicted(reply))
         elif args.command == "check":
             reply = await admin.check()
             if not reply.ok:

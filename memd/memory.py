@@ -103,6 +103,11 @@ class ShmMemory:
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self._base = ctypes.addressof(self._anchor)
 
+    @property
+    def base(self) -> int:
+        """Address of the mapping in this process (for the swap tier's copies)."""
+        return self._base
+
     def export(self) -> dict[str, Any]:
         return {"backend": "shm", "size": self.size}
 

@@ -19,7 +19,7 @@ even if the block re-entered the queue elsewhere in between.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from memd.errors import PoolExhausted
@@ -240,3 +240,41 @@ class BlockPool:
             if self.hash_of[block] != digest:
                 problems.append(f"prefix index maps a hash to block {block}, which carries another")
         return problems
+
+
+class SwapSlots:
+    """Which slots are free: a stack, so a swap-out of k blocks mostly gets k consecutive slots."""
+
+    __slots__ = ("_free", "in_copy", "num_slots")
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        # Owned by a copy, by no sequence: a swap-out's target, or a swap-in's source until read.
+        self.in_copy: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int]:
+        """`count` slots, owned by the caller's copy (in `in_copy`) until `settle` or `give`."""
+        if count > len(self._free):
+            raise ValueError(f"{count} swap slots asked, {len(self._free)} free")
+        if not count:
+            return []
+        taken = self._free[-count:][::-1]
+        del self._free[-count:]
+        self.in_copy.update(taken)
+        return taken
+
+    def settle(self, slots: Iterable[int]) -> None:
+        """A copy is done with these slots; they now belong to a sequence."""
+        self.in_copy.difference_update(slots)
+
+    def give(self, slots: list[int]) -> None:
+        self.in_copy.difference_update(slots)
+        self._free.extend(reversed(slots))
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)

@@ -6,6 +6,11 @@ Token ids are the sequence's history; the first `num_committed` of them have
 their K/V written in the blocks. Tokens past that are known but not yet
 written (a sampled token, or the history of a dropped sequence) and are
 recomputed by whichever worker resumes it.
+
+Under memory pressure a PARKED sequence loses its pages in one of two ways:
+swapped out (its pages copied to slots of the host swap tier: a resume copies
+them back, nothing is recomputed) or dropped (only the token ids stay: a
+resume recomputes, helped by whatever prefix blocks are still cached).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from memd.errors import PositionError
 class SeqState(StrEnum):
     RUNNING = "running"   # owned by one worker, never evicted by policy
     PARKED = "parked"     # between turns: owned by memd, resumable by any worker of its model
+    SWAPPED = "swapped"   # pages copied to the host swap tier; a resume copies them back
     DROPPED = "dropped"   # pages released; token ids kept so a resume recomputes
 
 
@@ -40,6 +46,7 @@ class Sequence:
     last_access: float = 0.0
     heat: float = 0.0
     heat_at: float = 0.0
+    slots: list[int] = field(default_factory=list)      # swap slots of its pages, in block order (SWAPPED)
 
     @property
     def num_full_blocks(self) -> int:
@@ -49,6 +56,22 @@ class Sequence:
     def capacity(self) -> int:
         """Tokens the block table has slots for."""
         return len(self.block_ids) * self.block_size
+
+
+@dataclass(slots=True, eq=False)
+class SwapOut:
+    """A swap-out in flight: the pages still belong to the (PARKED) sequence, the slots to the copy.
+
+    Until the copy is done the pages stay referenced, so nobody is handed a
+    page that is still being read. A resume, free or drop meanwhile cancels
+    the job: the sequence keeps its pages and the copy's slots go back.
+    """
+
+    seq: Sequence
+    blocks: list[int]
+    slots: list[int]
+    reason: str | None                 # eviction reason, None for a worker's preemption
+    blocks_freed: int = 0              # set when the copy is done and the pages are released
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

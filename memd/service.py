@@ -1,54 +1,83 @@
 """gRPC servicer: decode a request, call the manager, encode the reply.
 
-No policy lives here. Errors from the manager are typed (memd.errors); this
-is the one place that maps them to gRPC status codes.
+No policy lives here (that is memd.eviction): this layer runs what the
+manager decides — page effects and swap copies off the event loop, the
+policy's periodic sweep — and is the one place that maps the manager's typed
+errors (memd.errors) to gRPC status codes.
+
+A Step that finds the pool short does not fail at once: memd evicts cold
+PARKED sequences (or waits for swap-outs already in flight) and runs the
+Step again, a few rounds at most. Only when nothing parked can make room
+does the worker hear RESOURCE_EXHAUSTED — then it preempts its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
 
-from memd.errors import InvalidArgument, KvError, OpError
+from memd.errors import InvalidArgument, KvError, OpError, PoolExhausted
+from memd.eviction import Evicted
 from memd.fdpass import FdServer
 from memd.manager import Effect, KvManager
 from memd.memory import PoolMemory
-from memd.sequences import SeqState
+from memd.sequences import SeqState, SwapOut
+from memd.swap import SwapMemory, run_effects
+from shared.ops import Op
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
-from shared.wire import OP_INDEX_KEY, WireError, encode_handle, op_from_proto, result_to_proto
+from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, result_to_proto
 
 log = structlog.get_logger("memd")
 
 # Effects larger than this run off the event loop, so other workers' Steps
 # are answered while a big page copy is in flight.
 INLINE_EFFECT_BYTES = 1 << 20
+# Evict-and-retry rounds of a Step that finds the pool short, before it is refused.
+PRESSURE_ROUNDS = 8
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: KvError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, err: KvError, free_blocks: int | None = None) -> None:
+    metadata = []
     if isinstance(err, OpError):
-        context.set_trailing_metadata(((OP_INDEX_KEY, str(err.index)),))
+        metadata.append((OP_INDEX_KEY, str(err.index)))
+    if free_blocks is not None:
+        metadata.append((FREE_BLOCKS_KEY, str(free_blocks)))
+    if metadata:
+        context.set_trailing_metadata(tuple(metadata))
     await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+
+
+def _revocation(seq_id: int, mode: str) -> pb.SessionDown:
+    return pb.SessionDown(event="revoked", seq_id=seq_id,
+                          reason=f"evicted by an operator (memctl evict, {mode}): give the sequence up")
 
 
 class MemdService(pb_grpc.MemdServicer):
     def __init__(self, manager: KvManager, memory: PoolMemory, fd_server: FdServer | None, *,
-                 lease_timeout_s: float, generation: int) -> None:
+                 lease_timeout_s: float, generation: int, swap: SwapMemory | None = None) -> None:
         self.manager = manager
         self.memory = memory
+        self.swap = swap
         self.fd_server = fd_server
         self.lease_timeout_s = lease_timeout_s
         self.generation = generation
         self.started = time.monotonic()
-        self._revocations: dict[int, asyncio.Event] = {}
+        # Per streaming worker: revocations to send down its Session stream; None ends it (lease expired).
+        self._outbox: dict[int, asyncio.Queue[pb.SessionDown | None]] = {}
         # One thread, first in first out, and nothing inline while it has work:
         # the effects of successive Steps land on the pages in Step order.
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-pages")
         self._queued_effects = 0
+        # Swap-outs: long copies on a thread of their own, so Steps' small effects never queue behind them.
+        self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap")
+        self._swap_tasks: set[asyncio.Task[bool]] = set()
+        self._pressure = asyncio.Event()
 
     # ---- workers -------------------------------------------------------
 
@@ -84,21 +113,28 @@ class MemdService(pb_grpc.MemdServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"worker {worker.worker_id} already holds a lease stream")
         worker.streaming = True
-        revoked = self._revocations[worker.worker_id] = asyncio.Event()
-        revoke = asyncio.ensure_future(revoked.wait())
+        outbox = self._outbox[worker.worker_id] = asyncio.Queue()
+        for seq_id in [s for s, _ in self.manager.revoked.items()
+                       if self.manager.seqs.get(s) is not None and self.manager.seqs[s].owner == worker.worker_id]:
+            outbox.put_nowait(_revocation(seq_id, self.manager.revoked[seq_id]))
         reason = "stream broken"
+        read: asyncio.Future | None = None
         try:
             await context.write(pb.SessionDown(event="granted"))
             log.info("lease granted", worker=worker.worker_id)
             while True:
-                read = asyncio.ensure_future(context.read())
-                await asyncio.wait({read, revoke}, return_when=asyncio.FIRST_COMPLETED)
-                if revoke.done():
-                    read.cancel()
-                    reason = "lease expired"
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"lease expired: no heartbeat for {self.lease_timeout_s:g} s; attach again")
-                msg = read.result()
+                read = read or asyncio.ensure_future(context.read())
+                down = asyncio.ensure_future(outbox.get())
+                await asyncio.wait({read, down}, return_when=asyncio.FIRST_COMPLETED)
+                if down.done():
+                    if (message := down.result()) is None:
+                        reason = "lease expired"
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                            f"lease expired: no heartbeat for {self.lease_timeout_s:g} s; attach again")
+                    await context.write(message)
+                    continue
+                down.cancel()
+                msg, read = read.result(), None
                 if msg is grpc.aio.EOF:
                     break
                 if msg.goodbye:
@@ -106,8 +142,9 @@ class MemdService(pb_grpc.MemdServicer):
                     break
                 worker.last_seen = time.monotonic()
         finally:
-            revoke.cancel()
-            self._revocations.pop(worker.worker_id, None)
+            if read is not None:
+                read.cancel()
+            self._outbox.pop(worker.worker_id, None)
             self.reclaim(worker.worker_id, reason)
 
     def reclaim(self, worker_id: int, reason: str) -> None:
@@ -123,9 +160,9 @@ class MemdService(pb_grpc.MemdServicer):
             await asyncio.sleep(interval)     # a periodic sweep, not a wait for an event
             for worker_id in self.manager.expired_workers(time.monotonic(), self.lease_timeout_s):
                 self.reclaim(worker_id, "lease expired")
-                revoked = self._revocations.get(worker_id)
-                if revoked is not None:
-                    revoked.set()          # the stream handler ends the stream with a status
+                outbox = self._outbox.get(worker_id)
+                if outbox is not None:
+                    outbox.put_nowait(None)     # the stream handler ends the stream with a status
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         try:
@@ -135,15 +172,104 @@ class MemdService(pb_grpc.MemdServicer):
                     ops.append(op_from_proto(op))
                 except WireError as exc:
                     raise OpError(index, "decode", InvalidArgument(str(exc))) from None
-            outcome = self.manager.step(request.worker_id, ops, request.lease)
+            outcome = await self._step_making_room(request.worker_id, ops, request.lease)
         except KvError as err:
             log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops), error=str(err))
-            await _abort(context, err)
+            await _abort(context, err, self.manager.pool.num_free)
         if outcome.effects:
             await self._apply(outcome.effects)
+        self.manager.release_slots(outcome.read_slots)
+        results = [result_to_proto(r) for r in outcome.results]
+        if outcome.evict_after:
+            await self._evict_parked(outcome.evict_after, results)
+        m = self.manager
+        wanted = request.wanted_blocks - m.pool.num_free
+        if wanted > 0:
+            self._start(m.evictions.make_room(wanted, reason="pressure"))
+        if m.pool.num_free < m.evictions.watermark_blocks:
+            self._pressure.set()
         log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops))
-        return pb.StepReply(results=[result_to_proto(r) for r in outcome.results],
-                            free_blocks=self.manager.pool.num_free)
+        return pb.StepReply(results=results, free_blocks=m.pool.num_free)
+
+    async def _step_making_room(self, worker_id: int, ops: list[Op], lease: bytes) -> object:
+        """Run a Step; when the pool is short, evict cold parked sequences and run it again."""
+        for _ in range(PRESSURE_ROUNDS):
+            try:
+                return self.manager.step(worker_id, ops, lease)
+            except OpError as err:
+                if not isinstance(err.cause, PoolExhausted):
+                    raise
+                short, named = err.cause.needed - err.cause.free, self._named(ops)
+                if self.manager.evictions.reclaimable(named) < short:
+                    raise          # evicting would lose cached KV and still not make room
+                evicted = self.manager.evictions.make_room(short, reason="pressure", exclude=named)
+                self._start(evicted)
+                if self._swap_tasks:
+                    await asyncio.wait(set(self._swap_tasks), return_when=asyncio.FIRST_COMPLETED)
+                elif not evicted.blocks_freed:
+                    raise
+        return self.manager.step(worker_id, ops, lease)
+
+    def _named(self, ops: list[Op]) -> frozenset[int]:
+        """Sequences a Step names: pressure must not evict what the Step is about to use."""
+        named = set()
+        for op in ops:
+            if seq_id := getattr(op, "seq_id", None):
+                named.add(seq_id)
+            if (session := getattr(op, "session_id", None)) and session in self.manager.sessions:
+                named.add(self.manager.sessions[session])
+        return frozenset(named)
+
+    async def _evict_parked(self, evict_after: list, results: list[pb.OpResult]) -> None:
+        """Preempted (or operator-revoked) sequences this Step parked: swap or drop them before the reply."""
+        m, tasks = self.manager, []
+        for seq, mode, reason in evict_after:
+            m.revoked.pop(seq.seq_id, None)
+            if m.seqs.get(seq.seq_id) is seq and seq.state is SeqState.PARKED and seq.seq_id not in m.swap_jobs:
+                tasks += self._start(m.evictions.evict(seq, mode, reason))
+        if tasks:
+            await asyncio.shield(asyncio.gather(*tasks))
+        for result in results:
+            seq = m.seqs.get(result.seq_id)
+            if seq is not None and result.state == "parked" and seq.state is not SeqState.PARKED:
+                result.state, result.num_blocks, result.first_block = seq.state.value, 0, 0
+
+    def _start(self, evicted: Evicted) -> list[asyncio.Task[bool]]:
+        """Launch the copies of swap-outs the manager began; drops are already done."""
+        if evicted.dropped:
+            log.info("dropped", seq_ids=evicted.dropped, blocks_freed=evicted.blocks_freed)
+        tasks = []
+        for job in evicted.jobs:
+            task = asyncio.ensure_future(self._swap_out(job))
+            self._swap_tasks.add(task)
+            task.add_done_callback(self._swap_tasks.discard)
+            tasks.append(task)
+        return tasks
+
+    async def _swap_out(self, job: SwapOut) -> bool:
+        assert self.swap is not None
+        pairs = list(zip(job.blocks, job.slots, strict=True))
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._swapper, self.swap.copy_out, pairs)
+        except Exception:
+            log.exception("swap-out failed; the sequence stays parked", seq=job.seq.seq_id)
+            self.manager.evictions.abort_swap_out(job)
+            return False
+        done = self.manager.evictions.finish_swap_out(job)
+        if done:
+            log.info("swapped out", seq=job.seq.seq_id, blocks=len(job.slots), blocks_freed=job.blocks_freed,
+                     reason=job.reason or "preempted")
+        return done
+
+    async def police(self) -> None:
+        """The eviction policy's periodic sweep (idle TTL, revocations, watermark), sooner when woken."""
+        ttl = self.manager.evictions.idle_ttl_s
+        tick = min(1.0, ttl / 4) if ttl else 1.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._pressure.wait(), tick)   # a periodic sweep, or a wake-up
+            self._pressure.clear()
+            self._start(self.manager.evictions.sweep(time.monotonic()))
 
     async def _apply(self, effects: list[Effect]) -> None:
         """Zero and copy pages before the reply; the Step's state change is already made.
@@ -152,19 +278,22 @@ class MemdService(pb_grpc.MemdServicer):
         unzeroed, since memd has handed them out all the same.
         """
         small = len(effects) * self.manager.geometry.block_bytes <= INLINE_EFFECT_BYTES
-        if small and not self._queued_effects:
-            self.memory.apply(effects)
+        if small and not self._queued_effects and (self.swap is None or not self.swap.delay_s):
+            run_effects(self.memory, self.swap, effects)
             return
         self._queued_effects += 1
-        job = asyncio.get_running_loop().run_in_executor(self._copier, self.memory.apply, effects)
+        job = asyncio.get_running_loop().run_in_executor(self._copier, run_effects, self.memory, self.swap, effects)
         job.add_done_callback(self._effects_done)
         await asyncio.shield(job)
 
     def _effects_done(self, _job: object) -> None:
         self._queued_effects -= 1
 
-    def close(self) -> None:
-        """Wait for queued page effects: the pool must outlive them."""
+    async def close(self) -> None:
+        """Wait for queued page effects and swap copies: the pool must outlive them."""
+        if self._swap_tasks:
+            await asyncio.wait(set(self._swap_tasks))
+        self._swapper.shutdown(wait=True)
         self._copier.shutdown(wait=True)
 
     # ---- admin ---------------------------------------------------------
@@ -173,7 +302,10 @@ class MemdService(pb_grpc.MemdServicer):
         log.debug("rpc", method="Stats")
         m, g = self.manager, self.manager.geometry
         free = m.pool.num_free
+        swap = m.swap
         return pb.StatsReply(
+            swap_total_blocks=swap.num_slots if swap else 0, swap_free_blocks=swap.num_free if swap else 0,
+            swapped_blocks=sum(len(s.slots) for s in m.seqs.values()),
             total_blocks=g.num_blocks, free_blocks=free, used_blocks=g.num_blocks - free,
             cached_blocks=m.pool.num_cached, block_bytes=g.block_bytes, pool_bytes=g.pool_bytes,
             workers=len(m.workers), sequences=m.state_counts(), counters=dict(m.counters),
@@ -202,7 +334,8 @@ class MemdService(pb_grpc.MemdServicer):
                 owners=sorted({s.owner for s in seqs if s.state is SeqState.RUNNING and s.owner})))
         sequences = [pb.SeqRow(seq_id=s.seq_id, session_id=s.session_id or "", state=s.state.value,
                                owner=s.owner or 0, num_committed=s.num_committed, num_tokens=len(s.token_ids),
-                               block_ids=s.block_ids, model=s.model, last_access=s.last_access)
+                               block_ids=s.block_ids, model=s.model, last_access=s.last_access,
+                               heat=m.heat(s, now), swapped_blocks=len(s.slots))
                      for s in m.seqs.values()]
         workers = [pb.WorkerRow(worker_id=w.worker_id, name=w.name, pid=w.pid, model=w.model,
                                 block_size=w.block_size, last_seen=w.last_seen,
@@ -214,14 +347,26 @@ class MemdService(pb_grpc.MemdServicer):
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:
         target = request.WhichOneof("target")
         log.debug("rpc", method="Evict", target=target)
+        m = self.manager
         try:
             if target is None:
-                raise InvalidArgument("evict needs a sequence id or a session id")
-            seq_ids, freed = self.manager.evict(request.seq_id or None, request.session_id or None)
+                raise InvalidArgument("evict needs a target: a sequence, a session, --idle, --blocks or --worker")
+            value = getattr(request, target)
+            evicted = m.evictions.force(**{target: value}, mode=request.mode or "swap")
         except KvError as err:
             await _abort(context, err)
-        log.info("evicted", seq_ids=seq_ids, blocks_freed=freed, reason="forced")
-        return pb.EvictReply(seq_ids=seq_ids, blocks_freed=freed)
+        for seq_id, worker_id in evicted.revoked:
+            if (outbox := self._outbox.get(worker_id)) is not None:
+                outbox.put_nowait(_revocation(seq_id, m.revoked[seq_id]))
+        tasks = self._start(evicted)
+        swapped = [job.seq.seq_id for job, ok in zip(evicted.jobs, await asyncio.shield(asyncio.gather(*tasks)),
+                                                     strict=True) if ok]
+        freed = evicted.blocks_freed + sum(job.blocks_freed for job in evicted.jobs)
+        revoked = [seq_id for seq_id, _ in evicted.revoked]
+        log.info("evicted", reason="forced", target=target, swapped=swapped, dropped=evicted.dropped,
+                 revoked=revoked, blocks_freed=freed)
+        return pb.EvictReply(seq_ids=swapped + evicted.dropped + revoked, blocks_freed=freed, swapped=swapped,
+                             dropped=evicted.dropped, revoked=revoked)
 
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckReply:
         violations = self.manager.violations()

@@ -9,7 +9,9 @@
 
 While the client is open it holds a Session stream, memd's proof that the
 worker lives; heartbeats keep it alive even when no request flows. If the
-process dies, memd parks its sequences at once. `MemdAdmin` is the operator
+process dies, memd parks its sequences at once. memd also speaks on that
+stream: a sequence an operator evicts while it runs arrives as a revocation
+(`on_revoke`), which the worker answers by preempting it. `MemdAdmin` is the operator
 side (stats, snapshot, evict, check) that memctl uses.
 """
 
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,7 +33,7 @@ from shared.geometry import PoolGeometry
 from shared.ops import Fork, Free, Op, OpResult, Park, Resume
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
-from shared.wire import OP_INDEX_KEY, decode_handle, op_to_proto, result_from_proto
+from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, decode_handle, op_to_proto, result_from_proto
 
 if TYPE_CHECKING:
     from shared.poolmap import MappedPool
@@ -39,19 +42,25 @@ log = structlog.get_logger("kvpool.client")
 
 
 class MemdError(Exception):
-    """memd refused a call: `code` is the gRPC status, `op_index` the failed op of a Step."""
+    """memd refused a call: `code` is the gRPC status, `op_index` the failed op of a Step.
 
-    def __init__(self, code: grpc.StatusCode, message: str, op_index: int | None = None) -> None:
+    `free_blocks`: the pool's free blocks when memd refused a Step.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, op_index: int | None = None,
+                 free_blocks: int | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
-        self.code, self.message, self.op_index = code, message, op_index
+        self.code, self.message, self.op_index, self.free_blocks = code, message, op_index, free_blocks
 
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> MemdError:
-        index = None
+        index = free = None
         for key, value in err.trailing_metadata() or ():
             if key == OP_INDEX_KEY:
                 index = int(value)
-        return cls(err.code(), err.details() or "", index)
+            elif key == FREE_BLOCKS_KEY:
+                free = int(value)
+        return cls(err.code(), err.details() or "", index, free)
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,9 +91,12 @@ class MemdClient:
         self.pool = pool
         self.lease_lost = asyncio.Event()
         self._lease_task: asyncio.Task[None] | None = None
+        self._beats: asyncio.Task[None] | None = None
         self._session: grpc.aio.StreamStreamCall | None = None
         self._closing = False
         self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
+        # Called with (seq_id, reason) for each sequence memd revokes.
+        self.on_revoke: Callable[[int, str], None] = lambda seq_id, reason: None
 
     @classmethod
     async def attach(cls, address: str | None = None, *, model: str = "default", block_size: int = 0,
@@ -124,6 +136,7 @@ class MemdClient:
         await granted
 
     async def _hold_lease(self, granted: asyncio.Future[None]) -> None:
+        """Hold the Session stream: heartbeats up, revocations down; any end of it is the end of the lease."""
         interval = max(self.attachment.lease_timeout_s / 3, 0.05)
         call = self._session = self._stub.Session()
         try:
@@ -132,33 +145,55 @@ class MemdClient:
             if first is grpc.aio.EOF or first.event != "granted":
                 raise MemdError(grpc.StatusCode.UNAVAILABLE, "memd closed the lease stream")
             granted.set_result(None)
-            while True:
-                await asyncio.sleep(interval)   # heartbeat period, not synchronisation
-                await call.write(pb.SessionUp(worker_id=self.worker_id))
+            self._beats = asyncio.create_task(self._heartbeat(call, interval), name="memd-heartbeat")
+            while (down := await call.read()) is not grpc.aio.EOF:
+                if down.event == "revoked":
+                    log.info("memd revoked a sequence", seq=down.seq_id, reason=down.reason)
+                    self.on_revoke(down.seq_id, down.reason)
+            if self._closing:
+                return                  # memd read our goodbye and ended the stream
+            if self._beats.done() and not self._beats.cancelled():
+                self._beats.result()    # a failed heartbeat is why the stream ended
+            raise MemdError(grpc.StatusCode.UNAVAILABLE, "memd closed the lease stream")
         except asyncio.CancelledError:
-            if not self._closing:       # a clean close says goodbye on this call first
-                call.cancel()
+            call.cancel()
             raise
         except Exception as err:    # any end of the stream is the end of the lease
             if isinstance(err, grpc.aio.AioRpcError):
                 err = MemdError.from_rpc(err)
             if not granted.done():
                 granted.set_exception(err)
-            log.warning("lease lost", worker=self.worker_id, error=str(err))
-            self.lease_lost.set()
+            if not self._closing:
+                log.warning("lease lost", worker=self.worker_id, error=str(err))
+                self.lease_lost.set()
+        finally:
+            if self._beats is not None:
+                self._beats.cancel()
 
-    async def step(self, *ops: Op) -> list[OpResult]:
-        """Apply `ops` in order, all or nothing; one result per op."""
+    async def _heartbeat(self, call: grpc.aio.StreamStreamCall, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)   # heartbeat period, not synchronisation
+            await call.write(pb.SessionUp(worker_id=self.worker_id))
+
+    async def step(self, *ops: Op, wanted_blocks: int = 0) -> list[OpResult]:
+        """Apply `ops` in order, all or nothing; one result per op.
+
+        `wanted_blocks`: free blocks this worker waits for; memd evicts cold parked sequences to make them.
+        """
         if self.pool is not None and self.pool.backend == "cuda" and any(isinstance(op, Park | Free | Fork)
                                                                            for op in ops):
             # memd zeroes, reuses or copies released pages on its own stream: the
             # kernels that wrote them here must be finished first.
             self.pool.synchronize()
-        request = pb.StepRequest(worker_id=self.worker_id, ops=[op_to_proto(op) for op in ops], lease=self._lease)
+        request = pb.StepRequest(worker_id=self.worker_id, ops=[op_to_proto(op) for op in ops], lease=self._lease,
+                                 wanted_blocks=wanted_blocks)
         try:
             reply = await self._stub.Step(request)
         except grpc.aio.AioRpcError as err:
-            raise MemdError.from_rpc(err) from None
+            error = MemdError.from_rpc(err)
+            if error.free_blocks is not None:
+                self.free_blocks = error.free_blocks
+            raise error from None
         self.free_blocks = reply.free_blocks
         return [result_from_proto(r, isinstance(op, Resume | Fork) or getattr(op, "continue_session", False))
                 for r, op in zip(reply.results, ops, strict=True)]
@@ -166,18 +201,22 @@ class MemdClient:
     async def close(self) -> None:
         """Give the lease back: memd parks whatever this worker still runs."""
         self._closing = True
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
-        session = self._session
-        if session is not None and not self.lease_lost.is_set():
+        if self._beats is not None:
+            self._beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await self._beats
+        session, holder = self._session, self._lease_task
+        if session is not None and holder is not None and not holder.done():
             try:
                 await session.write(pb.SessionUp(worker_id=self.worker_id, goodbye=True))
                 await session.done_writing()
-                await asyncio.wait_for(session.code(), 5.0)     # memd has read the goodbye
+                await asyncio.wait_for(asyncio.shield(holder), 5.0)     # memd read the goodbye, ended the stream
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, TimeoutError):
-                session.cancel()
+                pass
+        if holder is not None and not holder.done():
+            holder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await holder
         if self.pool is not None:
             self.pool.close()
         await self._channel.close()
@@ -210,8 +249,13 @@ class MemdAdmin:
     async def snapshot(self) -> pb.SnapshotReply:
         return await self._call("Snapshot", pb.SnapshotRequest())  # type: ignore[return-value]
 
-    async def evict(self, seq_id: int | None = None, session_id: str | None = None) -> pb.EvictReply:
-        request = pb.EvictRequest(session_id=session_id) if session_id else pb.EvictRequest(seq_id=seq_id or 0)
+    async def evict(self, seq_id: int | None = None, session_id: str | None = None, *, idle_s: float | None = None,
+                    blocks: int | None = None, worker_id: int | None = None, mode: str = "swap") -> pb.EvictReply:
+        """Exactly one target; a running target is revoked through its worker."""
+        targets = {"seq_id": seq_id, "session_id": session_id, "idle_s": idle_s, "blocks": blocks,
+                   "worker_id": worker_id}
+        chosen = {k: v for k, v in targets.items() if v is not None}
+        request = pb.EvictRequest(mode=mode, **chosen)
         return await self._call("Evict", request)  # type: ignore[return-value]
 
     async def check(self) -> pb.CheckReply:

@@ -32,16 +32,21 @@ class Extend:
 
 @dataclass(slots=True, frozen=True)
 class Park:
-    """End of turn: commit, release pages past the committed tokens, hand the sequence to memd."""
+    """End of turn: commit, release pages past the committed tokens, hand the sequence to memd.
+
+    `preempt`: the worker gives the sequence up mid-request to make room; memd
+    swaps its pages out (or drops them) before replying.
+    """
 
     seq_id: int
     append: list[int] = field(default_factory=list)
     commit_to: int = 0
+    preempt: bool = False
 
 
 @dataclass(slots=True, frozen=True)
 class Resume:
-    """Take a PARKED or DROPPED sequence, by id or session, back to RUNNING on this worker."""
+    """Take a PARKED, SWAPPED or DROPPED sequence, by id or session, back to RUNNING on this worker."""
 
     seq_id: int | None = None
     session_id: str | None = None

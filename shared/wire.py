@@ -17,6 +17,8 @@ from shared.rpc import memd_pb2 as pb
 HANDLE_VERSION = 1
 # Trailing metadata of a refused Step: the index of the operation that failed.
 OP_INDEX_KEY = "kvpool-op-index"
+# Trailing metadata of a refused Step: the pool's free blocks at that moment.
+FREE_BLOCKS_KEY = "kvpool-free-blocks"
 _HANDLE_FIELDS = {
     "shm": {"size": int, "socket": str, "token": bytes},
     "cuda": {"uuid": str, "handle": bytes, "size": int, "offset": int, "ref_counter_handle": bytes,
@@ -58,7 +60,8 @@ def op_to_proto(op: ops.Op) -> pb.Op:
             return pb.Op(extend=pb.ExtendOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
                                             reserve=op.reserve))
         case ops.Park():
-            return pb.Op(park=pb.ParkOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to))
+            return pb.Op(park=pb.ParkOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
+                                        preempt=op.preempt))
         case ops.Resume():
             if op.session_id:
                 return pb.Op(resume=pb.ResumeOp(session_id=op.session_id, reserve=op.reserve))
@@ -82,7 +85,7 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
         return ops.Extend(m.seq_id, list(m.append), m.commit_to, m.reserve)
     if kind == "park":
         m = msg.park
-        return ops.Park(m.seq_id, list(m.append), m.commit_to)
+        return ops.Park(m.seq_id, list(m.append), m.commit_to, m.preempt)
     if kind == "resume":
         m = msg.resume
         return ops.Resume(m.seq_id or None, m.session_id or None, m.reserve)

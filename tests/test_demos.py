@@ -24,7 +24,7 @@ def test_the_chat_demo_shows_later_turns_reusing_the_conversation():
         prompt = int(line.split("prompt ")[1].split(" tokens")[0])
         reused = int(line.split("of which ")[1].split(" reused")[0])
         assert reused > prompt * 0.9                     # only the new message is computed
-    assert "sequences running 0, parked 1, dropped 0" in out and "check: ok" in out
+    assert "sequences running 0, parked 1, swapped 0, dropped 0" in out and "check: ok" in out
 
 
 def test_the_pool_demo_shares_bytes_between_two_workers():

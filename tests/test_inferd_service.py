@@ -82,7 +82,7 @@ async def test_a_session_reuses_its_history_on_the_next_turn(stack):
     assert second["usage"]["cached_tokens"] == history - 1
     assert second["usage"]["prompt_tokens"] > history
     states, _, ok = await memd_state(memd)
-    assert states == {"running": 0, "parked": 1, "dropped": 0} and ok
+    assert states == {"running": 0, "parked": 1, "swapped": 0, "dropped": 0} and ok
 
     rc, out, _ = await inferctl(inferd.address, "reset", "s1")
     assert rc == 0 and "reset" in out

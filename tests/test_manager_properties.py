@@ -9,9 +9,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from memd.errors import FailedPrecondition, KvError, NotFound, OpError
-from memd.manager import KvManager
-from memd.sequences import SeqState
+from memd.errors import KvError, NotFound, OpError
+from memd.eviction import Evicted
+from memd.manager import KvManager, StepOutcome
+from memd.sequences import SeqState, SwapOut
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, Park, Resume
 
@@ -21,6 +22,7 @@ GEOMETRY = PoolGeometry(num_blocks=NUM_BLOCKS, block_bytes=4096, block_size=BLOC
 MODELS = ("m", "m", "n")                 # worker slots: two share a model, one serves another
 SESSIONS = ("s1", "s2", "s3")
 NO_SUCH_SEQ = 10**6
+SWAP_SLOTS = 6
 
 # Histories built from a few whole blocks plus a short tail: prefix hits are common.
 CHUNKS = ((1, 2, 3, 4), (5, 6, 7, 8), (1, 1, 1, 1))
@@ -35,7 +37,15 @@ sessions = st.sampled_from((None, None, None, *SESSIONS))
 
 
 def new_manager() -> KvManager:
-    return KvManager(GEOMETRY, hash_key=b"k" * 32)
+    return KvManager(GEOMETRY, hash_key=b"k" * 32, swap_slots=SWAP_SLOTS, watermark_blocks=4)
+
+
+def settle(manager: KvManager, outcome: StepOutcome, jobs: list[SwapOut]) -> None:
+    """What memd's service does after a Step: effects done, slots back, preempted sequences evicted."""
+    manager.release_slots(outcome.read_slots)
+    for seq, mode, reason in outcome.evict_after:
+        if seq.state is SeqState.PARKED and seq.seq_id not in manager.swap_jobs:
+            jobs += manager.evictions.evict(seq, mode, reason).jobs
 
 
 def attach(manager: KvManager, model: str) -> int:
@@ -47,8 +57,11 @@ def dump(manager: KvManager) -> dict[str, Any]:
     pool = manager.pool
     return {
         "seqs": {sid: (s.model, s.block_size, s.owner, s.state, tuple(s.block_ids), s.num_committed,
-                       tuple(s.token_ids), tuple(s.hashes), s.session_id)
+                       tuple(s.token_ids), tuple(s.hashes), s.session_id, tuple(s.slots))
                  for sid, s in manager.seqs.items()},
+        "swap_jobs": {sid: id(job) for sid, job in manager.swap_jobs.items()},
+        "swap_free": manager.swap.free_slots() if manager.swap else [],
+        "in_copy": sorted(manager.swap.in_copy) if manager.swap else [],
         "sessions": dict(manager.sessions),
         "ref": list(pool.ref),
         "free": list(pool.free),
@@ -61,18 +74,21 @@ def dump(manager: KvManager) -> dict[str, Any]:
     }
 
 
-def free_everything(manager: KvManager) -> None:
-    """Reclaim every worker, then free what is left through a fresh worker of each model."""
+def free_everything(manager: KvManager, jobs: list[SwapOut] = ()) -> None:
+    """Finish the copies in flight, reclaim every worker, free what is left through a fresh worker of each model."""
+    for job in jobs:
+        manager.evictions.finish_swap_out(job)
     for worker_id in list(manager.workers):
         manager.reclaim(worker_id)
     assert all(s.state is not SeqState.RUNNING for s in manager.seqs.values())
     for model in {s.model for s in manager.seqs.values()}:
         worker = attach(manager, model)
         ids = [sid for sid, s in manager.seqs.items() if s.model == model]
-        manager.step(worker, [Free(sid) for sid in ids])
+        manager.release_slots(manager.step(worker, [Free(sid) for sid in ids]).read_slots)
     assert manager.seqs == {}
     assert manager.sessions == {}
     assert manager.pool.num_free == NUM_BLOCKS
+    assert manager.swap is None or manager.swap.num_free == manager.swap.num_slots
     assert manager.violations() == []
 
 
@@ -89,6 +105,7 @@ class KvManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.manager = new_manager()
         self.slots = [attach(self.manager, model) for model in MODELS]
+        self.jobs: list[SwapOut] = []            # swap-out copies "in flight", cancelled or not
 
     # ---- building ops from the state they will meet ---------------------
 
@@ -130,7 +147,7 @@ class KvManagerMachine(RuleBasedStateMachine):
             return Fork(seq_id, data.draw(sessions))
         append = data.draw(appended)
         if kind == "park":
-            return Park(seq_id, append, self.commit_to(data, seq_id, append))
+            return Park(seq_id, append, self.commit_to(data, seq_id, append), data.draw(st.booleans()))
         return Extend(seq_id, append, self.commit_to(data, seq_id, append), data.draw(reserves))
 
     def run_step(self, slot: int, ops: list[Op]) -> None:
@@ -159,15 +176,19 @@ class KvManagerMachine(RuleBasedStateMachine):
             hit = outcome.results[takes[0]]
             assert hit.num_cached >= BLOCK_SIZE, f"{ops[takes[0]]} missed a cached first block"
         self.check_effects(before, ops, outcome.effects)
+        settle(manager, outcome, self.jobs)
 
     def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[tuple[str, int, int]]) -> None:
         """A page is zeroed only if written before, and a written page is never handed out as it is."""
         pool, targets = self.manager.pool, set()
         releases = any(isinstance(op, Free | Park) for op in ops)
         for effect, src, dst in effects:
-            assert effect in ("zero", "copy")
+            assert effect in ("zero", "copy", "swap_in")
+            if effect == "swap_in":
+                assert src in self.manager.swap.in_copy           # read before anyone may reuse the slot
+                event("resume: swapped back in")
             # A clean page is zeroed only if this Step took it, released it and takes it again.
-            assert before["dirty"][dst] or effect == "copy" or releases
+            assert before["dirty"][dst] or effect != "zero" or releases
             # Only a page released by this very Step may be reused while it was referenced before.
             assert before["ref"][dst] == 0 or releases
             if effect == "zero":
@@ -232,24 +253,75 @@ class KvManagerMachine(RuleBasedStateMachine):
         assert caught.value.index <= len(ops)
         assert dump(self.manager) == before
 
-    @rule(data=st.data())
-    def evict(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), mode=st.sampled_from(("swap", "drop")))
+    def evict(self, data: st.DataObject, mode: str) -> None:
         seq_id = data.draw(self.seq_ids())
         seq = self.manager.seqs.get(seq_id)
         before = dump(self.manager)
         if seq is None:
             with pytest.raises(NotFound):
-                self.manager.evict(seq_id, None)
-        elif seq.state is SeqState.RUNNING:
-            with pytest.raises(FailedPrecondition):
-                self.manager.evict(seq_id, None)
-        else:
-            self.manager.evict(seq_id, None)
-            assert seq.state is SeqState.DROPPED
-            assert (seq.block_ids, seq.num_committed, seq.hashes) == ([], 0, [])
-            assert tuple(seq.token_ids) == before["seqs"][seq_id][6]
+                self.manager.evictions.force(seq_id=seq_id, mode=mode)
+            assert dump(self.manager) == before
             return
-        assert dump(self.manager) == before
+        state = seq.state
+        done = self.manager.evictions.force(seq_id=seq_id, mode=mode)
+        self.jobs += done.jobs
+        if state is SeqState.RUNNING:
+            assert done == Evicted(revoked=[(seq_id, seq.owner)]) and self.manager.revoked[seq_id] == mode
+            assert dump(self.manager) == before
+        elif seq.state is SeqState.DROPPED:
+            assert (seq.block_ids, seq.num_committed, seq.hashes, seq.slots) == ([], 0, [], [])
+            assert tuple(seq.token_ids) == before["seqs"][seq_id][6]
+            event(f"evict {mode}: dropped")
+        else:
+            assert (mode == "swap" and seq.seq_id in self.manager.swap_jobs) or seq.state is SeqState.SWAPPED
+            event(f"evict {mode}: swapping")
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data(), fails=st.booleans())
+    def a_swap_copy_finishes(self, data: st.DataObject, fails: bool) -> None:
+        job = self.jobs.pop(data.draw(st.integers(0, len(self.jobs) - 1)))
+        current = self.manager.swap_jobs.get(job.seq.seq_id) is job
+        if fails:
+            self.manager.evictions.abort_swap_out(job)
+            assert job.seq.state is not SeqState.SWAPPED or not current
+            return
+        assert self.manager.evictions.finish_swap_out(job) == current
+        if current:
+            assert job.seq.state is SeqState.SWAPPED and job.seq.slots == job.slots and not job.seq.block_ids
+            event("swap-out finished")
+
+    @precondition(lambda self: any(s.state is SeqState.PARKED for s in self.manager.seqs.values()))
+    @rule(data=st.data(), finish=st.booleans())
+    def swap_out_a_parked_sequence(self, data: st.DataObject, finish: bool) -> None:
+        parked = sorted(sid for sid, s in self.manager.seqs.items() if s.state is SeqState.PARKED)
+        done = self.manager.evictions.force(seq_id=data.draw(st.sampled_from(parked)), mode="swap")
+        if finish:
+            for job in done.jobs:
+                assert self.manager.evictions.finish_swap_out(job)
+                event("swap-out finished at once")
+        else:
+            self.jobs += done.jobs
+
+    @precondition(lambda self: any(s.state is SeqState.SWAPPED for s in self.manager.seqs.values()))
+    @rule(data=st.data(), reserve=reserves)
+    def resume_a_swapped_sequence(self, data: st.DataObject, reserve: int) -> None:
+        swapped = sorted(sid for sid, s in self.manager.seqs.items() if s.state is SeqState.SWAPPED)
+        seq = self.manager.seqs[data.draw(st.sampled_from(swapped))]
+        committed, tokens = seq.num_committed, list(seq.token_ids)
+        slot = MODELS.index(seq.model)
+        self.run_step(slot, [Resume(seq.seq_id, reserve=reserve)])
+        if seq.state is SeqState.RUNNING:
+            assert (seq.num_committed, seq.token_ids, seq.slots) == (committed, tokens, [])
+
+    @rule(data=st.data())
+    def pressure(self, data: st.DataObject) -> None:
+        """The policy's sweep (watermark of 4 free blocks), or a Step's demand for room."""
+        if data.draw(st.booleans()):
+            self.jobs += self.manager.evictions.sweep(0.0).jobs
+        else:
+            self.jobs += self.manager.evictions.make_room(data.draw(st.integers(1, NUM_BLOCKS)),
+                                                          reason="pressure").jobs
 
     @rule(slot=st.integers(0, len(MODELS) - 1))
     def reclaim_and_reattach(self, slot: int) -> None:
@@ -291,7 +363,7 @@ class KvManagerMachine(RuleBasedStateMachine):
         assert held + self.manager.pool.num_free == NUM_BLOCKS
 
     def teardown(self) -> None:
-        free_everything(self.manager)
+        free_everything(self.manager, self.jobs)
 
 
 KvManagerMachine.TestCase.settings = settings(
@@ -355,7 +427,7 @@ def test_an_evicted_prefix_is_not_found_once_its_pages_are_reused():
     worker = attach(manager, "m")
     seq = open_and_commit(manager, worker, [1, 2, 3, 4, 5])
     manager.step(worker, [Park(seq)])
-    manager.evict(seq, None)
+    manager.evictions.force(seq_id=seq, mode="drop")
     filler = manager.step(worker, [Open([], reserve=NUM_BLOCKS * BLOCK_SIZE)]).results[0]   # takes every page
     manager.step(worker, [Free(filler.seq_id)])
     assert manager.step(worker, [Resume(seq)]).results[0].num_cached == 0
@@ -367,7 +439,7 @@ def test_a_dropped_sequence_resumes_from_its_still_cached_prefix():
     worker = attach(manager, "m")
     seq = open_and_commit(manager, worker, [1, 2, 3, 4, 5, 6, 7, 8, 9], session_id="s1")
     manager.step(worker, [Park(seq)])
-    manager.evict(None, "s1")                                      # pages freed, prefix still cached
+    manager.evictions.force(session_id="s1", mode="drop")          # pages freed, prefix still cached
     assert manager.seqs[seq].state is SeqState.DROPPED
     resumed = manager.step(attach(manager, "m"), [Resume(session_id="s1")]).results[0]
     assert resumed.num_cached == 8

@@ -40,13 +40,19 @@ async def test_stats_json_has_the_contracted_fields(memd):
     assert stats["total_blocks"] == 64 and stats["block_bytes"] == 4096
     assert stats["used_blocks"] == 3 and stats["free_blocks"] == 61
     assert stats["workers"] == 0
-    assert stats["sequences"] == {"running": 0, "parked": 1, "dropped": 0}
+    assert stats["sequences"] == {"running": 0, "parked": 1, "swapped": 0, "dropped": 0}
+    assert stats["swap_total_blocks"] == 19 and stats["swap_free_blocks"] == 19 and stats["swapped_blocks"] == 0
+    counters = stats["counters"]
+    assert {k: counters[k] for k in ("swap_outs", "swap_ins", "drops", "preemptions")} == dict.fromkeys(
+        ("swap_outs", "swap_ins", "drops", "preemptions"), 0)
+    assert counters["evictions"] == {"idle": 0, "pressure": 0, "forced": 0}
 
 
 async def test_stats_reads_well_in_a_terminal(memd):
     rc, out, _ = await memctl("--address", memd.address, "stats")
     assert rc == 0
     assert "64 blocks of 4.0 KiB" in out and "sequences" in out
+    assert "0 of 19 blocks hold swapped sequences" in out and "evictions idle 0, pressure 0, forced 0" in out
 
 
 async def test_snapshot_csv_is_the_debugging_table(memd):
@@ -72,18 +78,44 @@ async def test_snapshot_json_to_a_file(memd, tmp_path):
     assert doc["sequences"][0]["session_id"] == "chat"
 
 
-async def test_evict_by_session_drops_the_pages_and_keeps_the_tokens(memd):
+async def test_evict_drop_releases_the_pages_and_keeps_the_tokens(memd):
     seq_id = await park_a_session(memd)
-    rc, out, _ = await memctl("--address", memd.address, "evict", "--session", "chat")
-    assert rc == 0 and f"evicted sequence(s) {seq_id}: 3 block(s) freed" in out
+    rc, out, _ = await memctl("--address", memd.address, "evict", "--session", "chat", "--drop")
+    assert rc == 0 and out.strip() == f"dropped {seq_id}: 3 block(s) freed"
     rc, out, _ = await memctl("--address", memd.address, "stats", "--json")
     stats = json.loads(out)
     assert stats["used_blocks"] == 0 and stats["sequences"]["dropped"] == 1
+    assert stats["counters"]["drops"] == 1 and stats["counters"]["evictions"] == {"idle": 0, "pressure": 0,
+                                                                                  "forced": 1}
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
         from shared.ops import Resume
         resumed, = await client.step(Resume(session_id="chat"))
         assert resumed.token_ids == list(range(40))      # a resume recomputes from these
         assert resumed.num_cached == 32                   # full blocks still sit in the prefix cache
+    rc, _, _ = await memctl("--address", memd.address, "check")
+    assert rc == 0
+
+
+async def test_evict_swaps_out_by_default_and_a_resume_swaps_back_in(memd):
+    seq_id = await park_a_session(memd)
+    rc, out, _ = await memctl("--address", memd.address, "evict", "--session", "chat")
+    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed"
+    rc, out, _ = await memctl("--address", memd.address, "stats", "--json")
+    stats = json.loads(out)
+    assert stats["sequences"]["swapped"] == 1 and stats["swapped_blocks"] == 3
+    assert stats["swap_total_blocks"] == 19 and stats["swap_free_blocks"] == 16      # 0.3 x 64 blocks
+    assert stats["counters"]["swap_outs"] == 1 and stats["counters"]["evictions"]["forced"] == 1
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        from shared.ops import Resume
+        resumed, = await client.step(Resume(session_id="chat"))
+        assert resumed.num_committed == 40 and resumed.num_cached == 40     # nothing to recompute
+    rc, out, _ = await memctl("--address", memd.address, "stats", "--json")
+    stats = json.loads(out)
+    assert stats["counters"]["swap_ins"] == 1 and stats["swap_free_blocks"] == 19
+    rc, out, _ = await memctl("--address", memd.address, "evict", "--idle", "0")     # parked again at the close
+    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed"
+    rc, out, _ = await memctl("--address", memd.address, "evict", "--idle", "0")
+    assert rc == 0 and out.strip().startswith("evicted nothing")
     rc, _, _ = await memctl("--address", memd.address, "check")
     assert rc == 0
 

@@ -47,7 +47,7 @@ CASES = {
     "resume naming nothing": ("b", lambda s: [Resume()], "INVALID_ARGUMENT"),
     "unknown sequence": ("a", lambda s: [Extend(987654, commit_to=1)], "NOT_FOUND"),
     "unknown session": ("b", lambda s: [Resume(session_id="nobody")], "NOT_FOUND"),
-    "pool full": ("b", lambda s: [Open([1], reserve=60 * BS)], "RESOURCE_EXHAUSTED"),
+    "pool full even after eviction": ("b", lambda s: [Open([1], reserve=62 * BS)], "RESOURCE_EXHAUSTED"),
     "extend another worker's sequence": ("b", lambda s: [Extend(s["running"], append=[5])], "PERMISSION_DENIED"),
     "free another worker's sequence": ("b", lambda s: [Free(s["running"])], "PERMISSION_DENIED"),
     "resume another worker's sequence": ("b", lambda s: [Resume(session_id="a")], "PERMISSION_DENIED"),
@@ -130,13 +130,16 @@ async def test_attach_refuses_a_block_that_does_not_fit_a_page(memd):
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_evicting_a_running_sequence_is_refused(memd, scene):
+async def test_an_evict_without_a_target_or_with_a_bad_mode_is_refused(memd, scene):
     before = await fingerprint(memd)
     async with memd.admin() as admin:
         with pytest.raises(MemdError) as err:
-            await admin.evict(session_id="a")
-        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        with pytest.raises(MemdError) as err:
             await admin.evict()
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(MemdError) as err:
+            await admin.evict(session_id="p", mode="shred")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(MemdError) as err:
+            await admin.evict(worker_id=999)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
     assert await fingerprint(memd) == before

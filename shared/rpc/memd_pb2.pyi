@@ -73,14 +73,16 @@ class SessionDown(_message.Message):
     def __init__(self, event: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("worker_id", "ops", "lease")
+    __slots__ = ("worker_id", "ops", "lease", "wanted_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    WANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     ops: _containers.RepeatedCompositeFieldContainer[Op]
     lease: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ...) -> None: ...
+    wanted_blocks: int
+    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ..., wanted_blocks: _Optional[int] = ...) -> None: ...
 
 class Op(_message.Message):
     __slots__ = ("open", "extend", "park", "resume", "free", "fork")
@@ -123,14 +125,16 @@ class ExtendOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., reserve: _Optional[int] = ...) -> None: ...
 
 class ParkOp(_message.Message):
-    __slots__ = ("seq_id", "append", "commit_to")
+    __slots__ = ("seq_id", "append", "commit_to", "preempt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     append: _containers.RepeatedScalarFieldContainer[int]
     commit_to: int
-    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ...) -> None: ...
+    preempt: bool
+    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., preempt: _Optional[bool] = ...) -> None: ...
 
 class ResumeOp(_message.Message):
     __slots__ = ("seq_id", "session_id", "reserve")
@@ -191,7 +195,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes", "workers", "sequences", "counters", "backend", "device", "generation", "uptime_s", "bytes_per_token", "block_size")
+    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes", "workers", "sequences", "counters", "backend", "device", "generation", "uptime_s", "bytes_per_token", "block_size", "swap_total_blocks", "swap_free_blocks", "swapped_blocks")
     class SequencesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +225,9 @@ class StatsReply(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SWAP_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     used_blocks: int
@@ -236,7 +243,10 @@ class StatsReply(_message.Message):
     uptime_s: float
     bytes_per_token: int
     block_size: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    swap_total_blocks: int
+    swap_free_blocks: int
+    swapped_blocks: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., swapped_blocks: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ()
@@ -261,7 +271,7 @@ class BlockRow(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., ref_count: _Optional[int] = ..., last_access: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., heat: _Optional[float] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SeqRow(_message.Message):
-    __slots__ = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "block_ids", "model", "last_access")
+    __slots__ = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "block_ids", "model", "last_access", "heat", "swapped_blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +281,8 @@ class SeqRow(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    HEAT_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: str
     state: str
@@ -280,7 +292,9 @@ class SeqRow(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     model: str
     last_access: float
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ...) -> None: ...
+    heat: float
+    swapped_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ..., heat: _Optional[float] = ..., swapped_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerRow(_message.Message):
     __slots__ = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running")
@@ -315,20 +329,34 @@ class SnapshotReply(_message.Message):
     def __init__(self, taken_at: _Optional[float] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRow, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[SeqRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("seq_id", "session_id")
+    __slots__ = ("seq_id", "session_id", "idle_s", "blocks", "worker_id", "mode")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: str
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    idle_s: float
+    blocks: int
+    worker_id: int
+    mode: str
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., idle_s: _Optional[float] = ..., blocks: _Optional[int] = ..., worker_id: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class EvictReply(_message.Message):
-    __slots__ = ("seq_ids", "blocks_freed")
+    __slots__ = ("seq_ids", "blocks_freed", "swapped", "dropped", "revoked")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     blocks_freed: int
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., blocks_freed: _Optional[int] = ...) -> None: ...
+    swapped: _containers.RepeatedScalarFieldContainer[int]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    revoked: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., blocks_freed: _Optional[int] = ..., swapped: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., revoked: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,230 @@
+"""Who loses pages when memory runs short, and how (seed §3.4).
+
+Victims are PARKED sequences, coldest first: heat counts touches (+1 per
+Step that names the sequence, per resume, per prefix hit) decayed by
+`heat_decay` per `heat_interval_s`, so a session resumed often outranks one
+touched once, however recently. A block's heat is that of its hottest holder;
+evicting a sequence frees only the blocks no one else holds.
+
+A victim is swapped out when the swap tier has room (making room by dropping
+swapped sequences colder than it), else dropped: its pages go, its token ids
+stay, and a resume recomputes. RUNNING sequences belong to their workers:
+memd never takes their pages; an operator's eviction revokes them through
+the worker's Session stream instead.
+
+Everything here runs on memd's event loop between Steps. A swap-out is two
+calls: `begin_swap_out` reserves slots while the pages stay held, the copy
+runs off the loop, and `finish_swap_out` releases the pages — unless a
+resume, free or drop took the sequence meanwhile, which cancels the job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from memd.errors import InvalidArgument, NotFound
+from memd.sequences import SeqState, Sequence, SwapOut
+
+if TYPE_CHECKING:
+    from memd.manager import KvManager
+
+MODES = ("swap", "drop")
+
+
+@dataclass(slots=True)
+class Evicted:
+    """What one eviction request did; swap-outs in `jobs` are still being copied."""
+
+    jobs: list[SwapOut] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    revoked: list[tuple[int, int]] = field(default_factory=list)     # (seq id, worker id)
+    blocks_freed: int = 0
+
+    def add(self, other: Evicted) -> None:
+        self.jobs += other.jobs
+        self.dropped += other.dropped
+        self.revoked += other.revoked
+        self.blocks_freed += other.blocks_freed
+
+
+class Evictor:
+    def __init__(self, manager: KvManager, *, idle_ttl_s: float = 0.0, watermark_blocks: int = 0) -> None:
+        self.m = manager
+        self.idle_ttl_s = idle_ttl_s                  # 0: never
+        self.watermark_blocks = watermark_blocks
+
+    # ---- choosing ------------------------------------------------------
+
+    def coldest_parked(self, now: float, exclude: frozenset[int] = frozenset()) -> list[Sequence]:
+        m = self.m
+        found = [s for s in m.seqs.values() if s.state is SeqState.PARKED and s.block_ids
+                 and s.seq_id not in m.swap_jobs and s.seq_id not in exclude]
+        found.sort(key=lambda s: m.heat(s, now))
+        return found
+
+    def exclusive_blocks(self, seq: Sequence) -> int:
+        """Blocks that evicting `seq` frees: those no other sequence holds."""
+        ref = self.m.pool.ref
+        return sum(1 for block in seq.block_ids if ref[block] == 1)
+
+    def reclaimable(self, exclude: frozenset[int] = frozenset()) -> int:
+        """Blocks eviction could free: in-flight swap-outs plus every evictable parked sequence."""
+        return self.freeing_soon() + sum(self.exclusive_blocks(s) for s in self.coldest_parked(0.0, exclude))
+
+    def freeing_soon(self) -> int:
+        """Blocks the swap-outs in flight will free when their copies are done."""
+        return sum(self.exclusive_blocks(job.seq) for job in self.m.swap_jobs.values())
+
+    # ---- evicting ------------------------------------------------------
+
+    def evict(self, seq: Sequence, mode: str, reason: str | None) -> Evicted:
+        """Swap a PARKED sequence out (or drop it when swap cannot take it)."""
+        if mode == "swap" and self.m.swap is not None:
+            done = Evicted()
+            job = self.begin_swap_out(seq, reason, done)
+            if job is not None:
+                done.jobs.append(job)
+                return done
+            done.add(self.drop(seq, reason))
+            return done
+        return self.drop(seq, reason)
+
+    def begin_swap_out(self, seq: Sequence, reason: str | None, done: Evicted) -> SwapOut | None:
+        """Reserve swap slots for `seq`, dropping colder swapped sequences for room; None if none can be had."""
+        m, swap, need = self.m, self.m.swap, len(seq.block_ids)
+        if swap is None or need > swap.num_slots:
+            return None
+        if swap.num_free < need:
+            now = time.monotonic()
+            heat = m.heat(seq, now)
+            colder = sorted((s for s in m.seqs.values() if s.state is SeqState.SWAPPED and m.heat(s, now) <= heat),
+                            key=lambda s: m.heat(s, now))
+            if swap.num_free + sum(len(s.slots) for s in colder) < need:
+                return None
+            for victim in colder:
+                if swap.num_free >= need:
+                    break
+                done.add(self.drop(victim, reason))
+        job = SwapOut(seq, list(seq.block_ids), swap.take(need), reason)
+        m.swap_jobs[seq.seq_id] = job
+        return job
+
+    def finish_swap_out(self, job: SwapOut) -> bool:
+        """The copy is done: the sequence is SWAPPED and its pages free; False if it was cancelled."""
+        m, seq = self.m, job.seq
+        assert m.swap is not None
+        if m.swap_jobs.get(seq.seq_id) is not job:
+            m.swap.give(job.slots)
+            return False
+        del m.swap_jobs[seq.seq_id]
+        m.swap.settle(job.slots)
+        seq.slots = job.slots
+        job.blocks_freed = m.release_blocks(seq.block_ids)
+        seq.block_ids = []
+        seq.state = SeqState.SWAPPED
+        m.counters["swap_outs"] += 1
+        m.counters["swap_out_blocks"] += len(job.slots)
+        if job.reason:
+            m.counters[f"evictions_{job.reason}"] += 1
+        return True
+
+    def abort_swap_out(self, job: SwapOut) -> None:
+        """The copy failed: the sequence stays parked with its pages."""
+        m = self.m
+        assert m.swap is not None
+        if m.swap_jobs.get(job.seq.seq_id) is job:
+            del m.swap_jobs[job.seq.seq_id]
+        m.swap.give(job.slots)
+
+    def drop(self, seq: Sequence, reason: str | None) -> Evicted:
+        """Release a PARKED or SWAPPED sequence's pages and slots; its token ids stay for a recompute."""
+        m = self.m
+        m.swap_jobs.pop(seq.seq_id, None)            # a copy in flight gives its slots back when done
+        freed = m.release_blocks(seq.block_ids)
+        if seq.slots:
+            assert m.swap is not None
+            m.swap.give(seq.slots)
+        seq.block_ids, seq.slots, seq.hashes, seq.num_committed = [], [], [], 0
+        seq.state = SeqState.DROPPED
+        m.counters["drops"] += 1
+        if reason:
+            m.counters[f"evictions_{reason}"] += 1
+        return Evicted(dropped=[seq.seq_id], blocks_freed=freed)
+
+    def make_room(self, blocks: int, *, reason: str, mode: str = "swap", exclude: frozenset[int] = frozenset(),
+                  count_in_flight: bool = True) -> Evicted:
+        """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free."""
+        target = blocks - (self.freeing_soon() if count_in_flight else 0)
+        done = Evicted()
+        for seq in self.coldest_parked(time.monotonic(), exclude):
+            if target <= 0:
+                break
+            gain = self.exclusive_blocks(seq)
+            if gain and seq.state is SeqState.PARKED and seq.seq_id not in self.m.swap_jobs:
+                done.add(self.evict(seq, mode, reason))
+                target -= gain
+        return done
+
+    # ---- policy --------------------------------------------------------
+
+    def sweep(self, now: float) -> Evicted:
+        """The periodic pass: idle TTL, revocations whose sequence is parked now, the free-block watermark."""
+        m, done = self.m, Evicted()
+        if self.idle_ttl_s:
+            for seq in list(m.seqs.values()):
+                if now - seq.last_access < self.idle_ttl_s:
+                    continue
+                if seq.state in (SeqState.PARKED, SeqState.SWAPPED):
+                    done.add(self.drop(seq, "idle"))
+                elif seq.state is SeqState.DROPPED and seq.session_id is None:
+                    m.forget(seq)                 # nothing names it but a seq id nobody used for a TTL
+                    m.counters["forgotten"] += 1
+        for seq_id, mode in list(m.revoked.items()):
+            seq = m.seqs.get(seq_id)
+            if seq is None or seq.state is not SeqState.RUNNING:
+                del m.revoked[seq_id]
+            if seq is not None and seq.state is SeqState.PARKED and seq.seq_id not in m.swap_jobs:
+                done.add(self.evict(seq, mode, "forced"))     # its worker died before giving it up
+        short = self.watermark_blocks - m.pool.num_free
+        if short > 0:
+            done.add(self.make_room(short, reason="pressure"))
+        return done
+
+    def force(self, *, seq_id: int | None = None, session_id: str | None = None, idle_s: float | None = None,
+              blocks: int | None = None, worker_id: int | None = None, mode: str = "swap") -> Evicted:
+        """An operator's eviction (`memctl evict`)."""
+        if mode not in MODES:
+            raise InvalidArgument(f"eviction mode {mode!r}: use swap or drop")
+        m, done = self.m, Evicted()
+        if blocks is not None:
+            if blocks <= 0:
+                raise InvalidArgument("evict --blocks needs a positive number")
+            return self.make_room(blocks, reason="forced", mode=mode, count_in_flight=False)
+        if worker_id is not None:
+            if worker_id not in m.workers:
+                raise NotFound(f"no worker {worker_id}")
+            targets = [s for s in m.seqs.values() if s.owner == worker_id]
+        elif idle_s is not None:
+            if idle_s < 0:
+                raise InvalidArgument("evict --idle needs seconds >= 0")
+            now = time.monotonic()
+            targets = [s for s in m.seqs.values() if s.state in (SeqState.PARKED, SeqState.SWAPPED)
+                       and now - s.last_access >= idle_s]
+        else:
+            targets = [m.find(seq_id, session_id)]
+        for seq in targets:
+            done.add(self._force_one(seq, mode))
+        return done
+
+    def _force_one(self, seq: Sequence, mode: str) -> Evicted:
+        if seq.state is SeqState.RUNNING:
+            assert seq.owner is not None
+            self.m.revoked[seq.seq_id] = mode
+            return Evicted(revoked=[(seq.seq_id, seq.owner)])
+        if mode == "drop" and seq.state in (SeqState.PARKED, SeqState.SWAPPED):
+            return self.drop(seq, "forced")
+        if seq.state is SeqState.PARKED and seq.seq_id not in self.m.swap_jobs:
+            return self.evict(seq, mode, "forced")
+        return Evicted()          # already swapped (or being swapped), or dropped

@@ -1,0 +1,176 @@
+"""The swap tier: host memory holding the pages of SWAPPED sequences.
+
+Allocated once at start-up (`--swap-ratio` x the pool), like the pool itself:
+a swap-out never allocates (seed §3.4). On the shm backend it is an anonymous
+mapping, populated and `mlock`ed so the kernel cannot page the swap tier out
+in turn (seed §5.3); on CUDA it is pinned host memory, copied by DMA on a
+stream of its own.
+
+Copies come as (source, destination) index pairs; runs of consecutive pairs
+go as one copy. `SWAP_LATENCY_TEST=seconds` delays each copy (seed §5.2), so
+tests and benchmarks can see what slow swapping does to everyone else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import structlog
+
+from memd.manager import Effect
+from memd.memory import CudaMemory, PoolMemory, PoolMemoryError, ShmMemory, available_host_memory
+from shared.sizes import format_size
+
+log = structlog.get_logger("memd.swap")
+
+
+class SwapMemory(Protocol):
+    num_slots: int
+    delay_s: float
+
+    def copy_out(self, pairs: list[tuple[int, int]]) -> None: ...    # (block, slot)
+    def copy_in(self, pairs: list[tuple[int, int]]) -> None: ...     # (slot, block)
+    def close(self) -> None: ...
+
+
+def latency_test_delay() -> float:
+    raw = os.environ.get("SWAP_LATENCY_TEST", "")
+    try:
+        delay = float(raw) if raw else 0.0
+    except ValueError:
+        raise PoolMemoryError(f"SWAP_LATENCY_TEST={raw!r} is not a number of seconds") from None
+    if delay < 0:
+        raise PoolMemoryError(f"SWAP_LATENCY_TEST={raw!r} is negative")
+    return delay
+
+
+def allocate_swap(pool: PoolMemory, num_slots: int, block_bytes: int) -> SwapMemory:
+    delay = latency_test_delay()
+    if delay:
+        log.warning("SWAP_LATENCY_TEST set: every swap copy is delayed", delay_s=delay)
+    if isinstance(pool, ShmMemory):
+        return HostSwap(pool, num_slots, block_bytes, delay)
+    if isinstance(pool, CudaMemory):
+        return PinnedSwap(pool, num_slots, block_bytes, delay)
+    raise PoolMemoryError(f"no swap tier for the {pool.backend} backend")
+
+
+def runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+    """(source, destination, count) for each run of pairs consecutive on both sides."""
+    i = 0
+    while i < len(pairs):
+        src, dst = pairs[i]
+        n = 1
+        while i + n < len(pairs) and pairs[i + n] == (src + n, dst + n):
+            n += 1
+        yield src, dst, n
+        i += n
+
+
+class HostSwap:
+    """Anonymous host memory, populated and locked at start-up; memmove copies (the GIL is released)."""
+
+    def __init__(self, pool: ShmMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0) -> None:
+        size = num_slots * block_bytes
+        available = available_host_memory()
+        if available is not None and size > available:
+            raise PoolMemoryError(f"swap tier of {format_size(size)} does not fit: {format_size(available)} "
+                                  "of host memory available (lower --swap-ratio or use --disable-swap)")
+        self.num_slots, self.block_bytes, self.delay_s = num_slots, block_bytes, delay_s
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self._base = ctypes.addressof(self._anchor)
+        self._pool_base = pool.base
+        self.locked = _mlock(self._base, size)
+
+    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(pairs, self._pool_base, self._base)
+
+    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(pairs, self._base, self._pool_base)
+
+    def _copy(self, pairs: list[tuple[int, int]], src_base: int, dst_base: int) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        size = self.block_bytes
+        for src, dst, n in runs(pairs):
+            ctypes.memmove(dst_base + dst * size, src_base + src * size, n * size)
+
+    def view(self) -> memoryview:
+        """The raw bytes, for tests and benchmarks."""
+        return memoryview(self._map)
+
+    def close(self) -> None:
+        del self._anchor
+        self._map.close()
+
+
+class PinnedSwap:
+    """Pinned host memory; copies on a CUDA stream of their own, finished before `copy_*` returns."""
+
+    def __init__(self, pool: CudaMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0) -> None:
+        import torch
+
+        self.num_slots, self.delay_s = num_slots, delay_s
+        try:
+            self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            raise PoolMemoryError(f"cannot pin a swap tier of {format_size(num_slots * block_bytes)}: "
+                                  f"{exc}") from None
+        self.pages = pool.pages
+        self.locked = True            # cudaHostAlloc memory is page-locked
+        self._stream = torch.cuda.Stream(pool.index)
+
+    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(pairs, self.pages, self.slots)
+
+    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(pairs, self.slots, self.pages)
+
+    def _copy(self, pairs: list[tuple[int, int]], src: object, dst: object) -> None:
+        import torch
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with torch.cuda.stream(self._stream):
+            for a, b, n in runs(pairs):
+                dst[b:b + n].copy_(src[a:a + n], non_blocking=True)   # type: ignore[index]
+        self._stream.synchronize()
+
+    def close(self) -> None:
+        """Freed with the process."""
+
+
+def _mlock(address: int, size: int) -> bool:
+    """Lock the swap tier in RAM; where the limit forbids it, warn once and go on unlocked."""
+    if not size:
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) == 0:
+        return True
+    err = ctypes.get_errno()
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
+    log.warning(f"swap tier not locked in RAM ({os.strerror(err)}; RLIMIT_MEMLOCK is {limit}): the kernel may "
+                "page it out under host memory pressure; raise LimitMEMLOCK= for memd", swap=format_size(size))
+    return False
+
+
+def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[Effect]) -> None:
+    """A Step's page effects in order: zeroing and copies on the pool, swap-ins from the swap tier."""
+    start = 0
+    for i in range(1, len(effects) + 1):
+        if i == len(effects) or (effects[i][0] == "swap_in") != (effects[start][0] == "swap_in"):
+            run = effects[start:i]
+            if run[0][0] == "swap_in":
+                assert swap is not None
+                swap.copy_in([(slot, block) for _, slot, block in run])
+            else:
+                memory.apply(run)
+            start = i
