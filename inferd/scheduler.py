@@ -10,6 +10,15 @@ budget); (3) sampling, stop checks, and events to the requests' queues.
 Every way a request ends — finish, stop string, cancel, reset, error — goes
 through `_end`, which queues its Park (a session's turn) or Free for the next
 Step: no path leaves a sequence RUNNING on memd.
+
+Memory pressure: memd itself evicts cold PARKED sequences when a Step is
+short of pages, so a refusal (RESOURCE_EXHAUSTED) means the pages are held by
+running sequences. Then the worker preempts its own, latest arrival first, as
+vLLM does: a Park with `preempt` makes memd swap the sequence out (or drop it
+when swap is full, and the worker recomputes), and the request waits at the
+head of the queue to be resumed. An operator's eviction of a running sequence
+arrives as a revocation and is answered the same way. No request fails for
+want of memory that a later step can serve.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import torch
 from inferd.model import PagedDecoder, build_batch
 from inferd.sampling import SamplingParams, sample
 from shared.client import MemdClient, MemdError
-from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park
+from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
 log = structlog.get_logger("inferd.scheduler")
 
@@ -76,6 +85,8 @@ class Request:
     index: int = 0                                     # completion number, for n > 1
     children: list[Request] = field(default_factory=list)
     done: bool = False
+    preempted: bool = False                            # waiting; memd holds its sequence (swapped or dropped)
+    preemptions: int = 0
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.cancelled = self.cancelled or reason
@@ -102,6 +113,10 @@ class Scheduler:
         self._inflight: list[tuple[str, Any, Op]] = []
         self._forward_job: asyncio.Future[torch.Tensor] | None = None
         self._wake = asyncio.Event()
+        self._preempting: list[tuple[Request, Park]] = []
+        self._revoked: set[int] = set()                  # seq ids memd revoked, not yet preempted
+        self._wanted = 0                                 # free blocks the head of the queue waits for
+        client.on_revoke = self._on_revoke
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
@@ -146,8 +161,12 @@ class Scheduler:
         await done
 
     def _inflight_requests(self) -> list[Request]:
-        return [owner for kind, owner, _ in self._inflight if kind in ("admit", "fork", "grow")] + \
+        return [owner for kind, owner, _ in self._inflight if kind in ("admit", "fork", "grow", "preempt")] + \
             [owner[0] for kind, owner, _ in self._inflight if kind == "end"]
+
+    def _on_revoke(self, seq_id: int, reason: str) -> None:
+        self._revoked.add(seq_id)
+        self._wake.set()
 
     async def run(self) -> None:
         """Serve until memd fails as a whole (not one op), or a bug: every request fails, the error rises."""
@@ -171,12 +190,13 @@ class Scheduler:
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
-        await self.client.step()           # an empty Step: only the free-page count comes back
+        await self.client.step(wanted_blocks=self._wanted)   # only the free-page count comes back
 
     def fail_all(self, error: GenerationError) -> None:
         """memd is gone (or the scheduler broke): every request and reset fails; memd reclaims with the lease."""
         pending = [request for _, request, _ in self._ending] + self._inflight_requests()
         pending += [child for _, _, group in self._forks for child in group]
+        pending += [request for request, _ in self._preempting]
         failed: set[int] = set()
         for request in [*self.waiting, *self.running, *pending]:
             if id(request) not in failed:
@@ -192,6 +212,7 @@ class Scheduler:
         self._ending.clear()
         self._resets.clear()
         self._forks.clear()
+        self._preempting.clear()
         self._inflight = []
 
     async def close(self) -> None:
@@ -206,6 +227,11 @@ class Scheduler:
     async def iteration(self) -> bool:
         """One scheduler step; False when it could do nothing at all (no memd op, no forward pass)."""
         self._retire_cancelled()
+        self._take_revocations()
+        preempted = bool(self._preempting)
+        if preempted:
+            await self._memd_step([("preempt", request, op) for request, op in self._preempting])
+            self._preempting = []
         ops, forks = self._fork_ops()
         ops += [("end", (request, event), op) for op, request, event in self._ending]
         ops += [("reset", done, op) for done, op in self._resets]
@@ -220,15 +246,47 @@ class Scheduler:
                 request.told_tokens = len(request.tokens)   # undone in _refused if memd says no
                 growing += math.ceil((needed + extend.reserve) / self.block_size) - len(request.table)
         admitted = self._admit(ops, self.client.free_blocks - growing)
-        stalled = await self._memd_step(ops)
+        stalled = await self._memd_step(ops, self._wanted)
         self.running += [r for r in admitted + forks if r.seq_id and not r.done]
         ready = [r for r in self.running if r not in stalled and len(r.tokens) <= len(r.table) * self.block_size]
         if ready:
             await self._forward(ready)
-        elif stalled and not any(r.seq_id for r in admitted):
-            victim = max(stalled, key=lambda r: r.arrived)   # nothing can move: give up on the newest
-            self._end(victim, error=GenerationError("RESOURCE_EXHAUSTED", "the KV pool is full"))
-        return bool(ops or ready)
+        if stalled:
+            self._preempt_for([r for r in stalled if r in self.running])
+        return bool(ops or ready or preempted or self._preempting)
+
+    def _preempt_for(self, stalled: list[Request]) -> None:
+        """Running sequences cannot get pages: preempt the latest arrivals until the shortfall is covered."""
+        bs = self.block_size
+        need = {id(r): math.ceil((len(r.tokens) + 1) / bs) - len(r.table) for r in stalled}
+        short = sum(need.values()) - self.client.free_blocks
+        forking = {id(parent) for parent, _, _ in self._forks}
+        for victim in sorted(self.running, key=lambda r: r.arrived, reverse=True):
+            if short <= 0:
+                break
+            if id(victim) in forking:
+                continue                                     # its children fork from it in the next Step
+            short -= len(victim.table) + need.get(id(victim), 0)
+            self._preempt(victim)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        request.preempted = True
+        request.preemptions += 1
+        self._preempting.append((request, Park(request.seq_id, append=request.tokens[request.told_tokens:],
+                                               commit_to=request.computed, preempt=True)))
+        request.told_tokens = len(request.tokens)
+        log.info("preempting", seq=request.seq_id, tokens=len(request.tokens), computed=request.computed)
+
+    def _take_revocations(self) -> None:
+        """memd revoked sequences (an operator evicted them): preempt those running here."""
+        if not self._revoked:
+            return
+        busy = {r.seq_id for r in self._inflight_requests()}
+        for request in [r for r in self.running if r.seq_id in self._revoked]:
+            self._revoked.discard(request.seq_id)
+            self._preempt(request)
+        self._revoked &= busy              # in a Step right now: preempted next time; others ended already
 
     def _fork_ops(self) -> tuple[list[tuple[str, Any, Op]], list[Request]]:
         """Forks of n > 1 requests go first in the Step, before anything frees their parent."""
@@ -249,39 +307,54 @@ class Scheduler:
     def _retire_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
-            request.events.put_nowait(Event([], "", finish_reason=request.cancelled, usage=self.usage(request)))
+            final = Event([], "", finish_reason=request.cancelled, usage=self.usage(request), index=request.index)
+            if request.preempted and request.seq_id and request.session_id is None:
+                request.done = True
+                self._ending.append((Free(request.seq_id), request, final))   # memd still holds it
+            else:
+                request.events.put_nowait(final)        # a session's preempted turn stays parked
         for request in [r for r in self.running if r.cancelled]:
             self._end(request, reason=request.cancelled)
 
     def _admit(self, ops: list[tuple[str, Any, Op]], budget: int) -> list[Request]:
         admitted: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
+        self._wanted = 0
         while self.waiting and self.waiting[0].params.n <= seats:
             request = self.waiting[0]
-            need = math.ceil((len(request.prompt_ids) + self._reserve(request)) / self.block_size)
+            need = math.ceil((len(request.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
             if need > budget:
-                break                                       # wait for pages to free up
+                # Wait for pages; memd evicts cold parked sequences to make them.
+                self._wanted = self.client.free_blocks + need - budget
+                break
             budget -= need
             seats -= request.params.n                       # n > 1: its forks will need seats too
             self.waiting.popleft()
             admitted.append(request)
-            ops.append(("admit", request, Open(request.prompt_ids, reserve=self._reserve(request),
-                                               session_id=request.session_id,
-                                               continue_session=request.session_id is not None)))
+            ops.append(("admit", request, self._admission(request)))
         return admitted
+
+    def _admission(self, request: Request) -> Op:
+        reserve = self._reserve(request)
+        if request.preempted and request.seq_id:
+            return Resume(request.seq_id, reserve=reserve)    # swapped back in, or recomputed if dropped
+        if request.preempted:                               # memd forgot it: start over from the history
+            return Open(request.tokens, reserve=reserve)
+        return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
+                    continue_session=request.session_id is not None)
 
     def _reserve(self, request: Request) -> int:
         """Writable slots to ask for past the known tokens: the lookahead, capped by what may still come."""
         return max(1, min(self.lookahead, request.params.max_tokens - len(request.generated)))
 
-    async def _memd_step(self, ops: list[tuple[str, Any, Op]]) -> set[Request]:
+    async def _memd_step(self, ops: list[tuple[str, Any, Op]], wanted_blocks: int = 0) -> set[Request]:
         """Run the iteration's page operations as one Step; an op memd refuses is taken out and the rest retried."""
         stalled: set[Request] = set()
         refused_admits: list[Request] = []
         self._inflight = ops
         while ops:
             try:
-                results = await self.client.step(*[op for _, _, op in ops])
+                results = await self.client.step(*[op for _, _, op in ops], wanted_blocks=wanted_blocks)
             except MemdError as err:
                 if err.op_index is None:
                     raise
@@ -292,6 +365,10 @@ class Scheduler:
                 ops.pop(err.op_index)
                 if kind == "admit" and err.code.name == "RESOURCE_EXHAUSTED":
                     refused_admits.append(request)           # back to the head of the queue, in order
+                elif kind == "admit" and request.preempted and err.code.name == "NOT_FOUND" \
+                        and request.session_id is None:
+                    request.seq_id = 0                       # forgotten while it waited: recompute it all
+                    refused_admits.append(request)
                 elif kind == "commit":                       # no prompt to fork from: its children fail
                     dropped = [o for o in ops if o[0] == "fork" and o[1] in request.children]
                     ops[:] = [o for o in ops if o not in dropped]
@@ -332,9 +409,22 @@ class Scheduler:
                 self._end(request, error=GenerationError(err.code.name, err.message))
         elif kind == "fork":
             self._end(request, error=GenerationError(err.code.name, err.message))
+        elif kind == "preempt":
+            request.preempted = False
+            self._end(request, error=GenerationError(err.code.name, f"preemption failed: {err.message}"))
 
     def _apply(self, kind: str, request: Request, result: OpResult) -> None:
-        if kind == "admit":
+        if kind == "preempt":
+            request.table = []
+            self._requeue(request)
+        elif kind == "admit" and request.preempted:
+            request.preempted = False
+            request.seq_id = result.seq_id
+            request.table = list(result.block_ids)
+            request.tokens = list(result.token_ids) if result.token_ids else request.tokens
+            request.computed = result.num_committed          # the rest is recomputed
+            request.told_tokens = len(request.tokens)
+        elif kind == "admit":
             request.seq_id = result.seq_id
             request.table = list(result.block_ids)
             request.tokens = list(result.token_ids) if result.token_ids else list(request.prompt_ids)
@@ -351,6 +441,14 @@ class Scheduler:
         elif kind == "fork":
             request.seq_id, request.table = result.seq_id, list(result.block_ids)
             request.computed = request.told_tokens = result.num_committed
+
+    def _requeue(self, request: Request) -> None:
+        """A preempted request waits ahead of every later arrival (a cancel meanwhile is retired from there)."""
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].arrived <= request.arrived:
+            index += 1
+        self.waiting.insert(index, request)
+        self._wake.set()
 
     async def _forward(self, ready: list[Request]) -> None:
         budget = self.max_batch_tokens

@@ -7,18 +7,15 @@ import random
 
 import pytest
 import torch
+from scheduling import BS, assert_clean, collect, greedy, greedy_reference, start_scheduler
 
-from inferd.checkpoint import load_tokenizer, load_weights, read_config
-from inferd.model import PagedDecoder
 from inferd.sampling import SamplingParams
-from inferd.scheduler import GenerationError, Request, Scheduler
+from inferd.scheduler import GenerationError, Request
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
 from shared.ops import Free, Open
 
 transformers = pytest.importorskip("transformers")
-
-BS = 4
 
 
 @pytest.fixture(scope="module")
@@ -31,56 +28,12 @@ def reference(checkpoint):
     return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
-def greedy_reference(reference, tokens: list[int], n: int) -> list[int]:
-    tokens, out = list(tokens), []
-    with torch.inference_mode():
-        for _ in range(n):
-            nxt = int(reference(torch.tensor([tokens])).logits[0, -1].argmax())
-            tokens.append(nxt)
-            out.append(nxt)
-    return out
-
-
-async def start_scheduler(memd_factory, checkpoint, num_blocks: int = 256, **kwargs):
-    config = read_config(checkpoint)
-    page = BS * config.bytes_per_token
-    memd = await memd_factory("--device", "cpu", "--pool-bytes", str(num_blocks * page), "--block-bytes", str(page))
-    client = await MemdClient.attach(memd.address, model="tiny", block_size=BS, bytes_per_token=config.bytes_per_token)
-    model = PagedDecoder(config, load_weights(checkpoint, config.dtype), client.pool.view(config.dtype,
-                                                                                          config.page_shape(BS)))
-    scheduler = Scheduler(client, model, load_tokenizer(checkpoint), **kwargs)
-    task = asyncio.create_task(scheduler.run())
-    return memd, client, scheduler, task
-
-
 @pytest.fixture
 async def served(memd_factory, checkpoint):
     memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint)
     yield memd, scheduler
     task.cancel()
     await client.close()
-
-
-async def collect(request: Request):
-    tokens, text = [], ""
-    while True:
-        event = await asyncio.wait_for(request.events.get(), 120)
-        tokens += event.token_ids
-        text += event.text
-        if event.finish_reason or event.error:
-            return tokens, text, event
-
-
-async def assert_clean(memd, *, parked: int = 0):
-    async with memd.admin() as admin:
-        stats = await admin.stats()
-        assert stats.sequences["running"] == 0 and stats.sequences["parked"] == parked
-        assert (await admin.check()).ok
-        return stats
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
 
 
 async def test_concurrent_requests_match_transformers_and_leave_nothing(served, reference):
@@ -262,18 +215,24 @@ async def test_n_with_a_session_is_refused(served):
         scheduler.submit(Request([1, 2], replace_n(greedy(3), 2), session_id="s"))
 
 
-async def test_when_nothing_can_move_the_newest_request_fails_and_frees_its_pages(memd_factory, checkpoint):
-    # 12 pages of 4 tokens; two requests that each grow to 9 pages can never both finish.
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=12)
+@pytest.mark.parametrize("memd_args, how", [(("--swap-ratio", "0.9"), "swap_outs"),
+                                             (("--disable-swap",), "drops")], ids=["swapped", "recomputed"])
+async def test_when_two_cannot_both_grow_the_newest_is_preempted_and_both_finish(memd_factory, checkpoint,
+                                                                                 reference, memd_args, how):
+    # 12 pages of 4 tokens; two requests that each grow to 9 pages cannot run side by side.
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=12,
+                                                          memd_args=memd_args)
     try:
         older, newer = Request([3, 4, 5, 6], greedy(30)), Request([7, 8, 9, 10], greedy(30))
         scheduler.submit(older)
         scheduler.submit(newer)
-        (old_tokens, _, old_final), (_, _, new_final) = await asyncio.gather(collect(older), collect(newer))
-        assert new_final.error is not None and new_final.error.code == "RESOURCE_EXHAUSTED"
-        assert old_final.error is None and len(old_tokens) == 30
+        (old_tokens, _, old_final), (new_tokens, _, new_final) = await asyncio.gather(collect(older), collect(newer))
+        assert old_final.error is None and new_final.error is None
+        assert old_tokens == greedy_reference(reference, older.prompt_ids, 30)
+        assert new_tokens == greedy_reference(reference, newer.prompt_ids, 30)
+        assert newer.preemptions >= 1 and older.preemptions == 0      # the latest arrival gives way
         stats = await assert_clean(memd)
-        assert stats.used_blocks == 0
+        assert stats.used_blocks == 0 and stats.counters["preemptions"] >= 1 and stats.counters[how] >= 1
     finally:
         task.cancel()
         await client.close()
@@ -305,9 +264,9 @@ def on_step(client, hook):
     """Run `hook(ops)` at the start of each Step the scheduler sends (to land events mid-flight)."""
     original = client.step
 
-    async def step(*ops):
+    async def step(*ops, **kwargs):
         await hook(ops)
-        return await original(*ops)
+        return await original(*ops, **kwargs)
     client.step = step
 
 

@@ -1,0 +1,61 @@
+"""Helpers for tests that run the scheduler on a real memd: start it, collect a request, check for leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from inferd.checkpoint import load_tokenizer, load_weights, read_config
+from inferd.model import PagedDecoder
+from inferd.sampling import SamplingParams
+from inferd.scheduler import Request, Scheduler
+from shared.client import MemdClient
+
+BS = 4
+
+
+def greedy_reference(reference, tokens: list[int], n: int) -> list[int]:
+    tokens, out = list(tokens), []
+    with torch.inference_mode():
+        for _ in range(n):
+            nxt = int(reference(torch.tensor([tokens])).logits[0, -1].argmax())
+            tokens.append(nxt)
+            out.append(nxt)
+    return out
+
+
+async def start_scheduler(memd_factory, checkpoint, num_blocks: int = 256, memd_args: tuple[str, ...] = (),
+                          name: str = "memd", **kwargs):
+    config = read_config(checkpoint)
+    page = BS * config.bytes_per_token
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", str(num_blocks * page), "--block-bytes", str(page),
+                              *memd_args, name=name)
+    client = await MemdClient.attach(memd.address, model="tiny", block_size=BS, bytes_per_token=config.bytes_per_token)
+    model = PagedDecoder(config, load_weights(checkpoint, config.dtype), client.pool.view(config.dtype,
+                                                                                          config.page_shape(BS)))
+    scheduler = Scheduler(client, model, load_tokenizer(checkpoint), **kwargs)
+    task = asyncio.create_task(scheduler.run())
+    return memd, client, scheduler, task
+
+
+async def collect(request: Request):
+    tokens, text = [], ""
+    while True:
+        event = await asyncio.wait_for(request.events.get(), 120)
+        tokens += event.token_ids
+        text += event.text
+        if event.finish_reason or event.error:
+            return tokens, text, event
+
+
+async def assert_clean(memd, *, parked: int = 0):
+    async with memd.admin() as admin:
+        stats = await admin.stats()
+        assert stats.sequences["running"] == 0 and stats.sequences["parked"] == parked
+        assert (await admin.check()).ok
+        return stats
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
