@@ -23,6 +23,9 @@ OPS = {"open": ops.Open, "extend": ops.Extend, "park": ops.Park, "resume": ops.R
        "fork": ops.Fork}
 
 
+REVOKED: asyncio.Queue[list] = asyncio.Queue()
+
+
 def pattern(seed: int, size: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
@@ -36,12 +39,16 @@ async def handle(client: MemdClient | None, cmd: dict) -> tuple[MemdClient | Non
     kind = cmd.pop("cmd")
     if kind == "attach":
         client = await MemdClient.attach(cmd.pop("address"), **cmd)
+        client.on_revoke = lambda seq_id, reason: REVOKED.put_nowait([seq_id, reason])
         return client, {"worker_id": client.worker_id, "num_blocks": client.geometry.num_blocks,
                         "block_bytes": client.geometry.block_bytes, "backend": client.attachment.backend}
     assert client is not None, "attach first"
     if kind == "lease_lost":        # waits until memd ends the lease stream
         await asyncio.wait_for(client.lease_lost.wait(), cmd.get("timeout", 30))
         return client, {"lost": True}
+    if kind == "revoked":           # waits for the next revocation memd sends
+        seq_id, reason = await asyncio.wait_for(REVOKED.get(), cmd.get("timeout", 30))
+        return client, {"seq_id": seq_id, "reason": reason}
     if kind == "step":
         try:
             results = await client.step(*[OPS[op.pop("kind")](**op) for op in cmd["ops"]])
