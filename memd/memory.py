@@ -108,6 +108,10 @@ class ShmMemory:
         """Address of the mapping in this process (for the swap tier's copies)."""
         return self._base
 
+    def view(self) -> memoryview:
+        """The raw bytes, for tests and benchmarks."""
+        return memoryview(self._map)
+
     def export(self) -> dict[str, Any]:
         return {"backend": "shm", "size": self.size}
 

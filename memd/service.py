@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -73,7 +74,7 @@ class MemdService(pb_grpc.MemdServicer):
         # One thread, first in first out, and nothing inline while it has work:
         # the effects of successive Steps land on the pages in Step order.
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-pages")
-        self._queued_effects = 0
+        self._busy_pages: Counter[int] = Counter()      # pages that queued effects still touch
         # Swap-outs: long copies on a thread of their own, so Steps' small effects never queue behind them.
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap")
         self._swap_tasks: set[asyncio.Task[bool]] = set()
@@ -272,22 +273,31 @@ class MemdService(pb_grpc.MemdServicer):
             self._start(self.manager.evictions.sweep(time.monotonic()))
 
     async def _apply(self, effects: list[Effect]) -> None:
-        """Zero and copy pages before the reply; the Step's state change is already made.
+        """Zero, copy and swap in pages before the reply; the Step's state change is already made.
 
-        Shielded: a client that cancels or times out must not leave its pages
-        unzeroed, since memd has handed them out all the same.
+        Effects on the same pages must land in Step order, so a Step whose pages
+        a queued effect still touches queues behind it (one FIFO thread). A
+        small Step on other pages runs inline: it need not wait behind another
+        worker's large swap-in. Shielded: a client that cancels or times out
+        must not leave its pages unzeroed, since memd has handed them out all the same.
         """
-        small = len(effects) * self.manager.geometry.block_bytes <= INLINE_EFFECT_BYTES
-        if small and not self._queued_effects and (self.swap is None or not self.swap.delay_s):
+        pages = [page for kind, a, b in effects for page in ((b,) if kind == "swap_in" else (a, b))]
+        small = len(effects) * self.manager.geometry.block_bytes <= INLINE_EFFECT_BYTES and \
+            not any(kind == "swap_in" for kind, _, _ in effects)
+        if small and self._busy_pages.keys().isdisjoint(pages):
             run_effects(self.memory, self.swap, effects)
             return
-        self._queued_effects += 1
+        self._busy_pages.update(pages)
         job = asyncio.get_running_loop().run_in_executor(self._copier, run_effects, self.memory, self.swap, effects)
-        job.add_done_callback(self._effects_done)
+        job.add_done_callback(lambda _job: self._settle_pages(pages))
         await asyncio.shield(job)
 
-    def _effects_done(self, _job: object) -> None:
-        self._queued_effects -= 1
+    def _settle_pages(self, pages: list[int]) -> None:
+        busy = self._busy_pages
+        busy.subtract(pages)
+        for page in pages:
+            if busy.get(page, 0) <= 0:
+                busy.pop(page, None)
 
     async def close(self) -> None:
         """Wait for queued page effects and swap copies: the pool must outlive them."""

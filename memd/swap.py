@@ -7,7 +7,9 @@ in turn (seed §5.3); on CUDA it is pinned host memory, copied by DMA on a
 stream of its own.
 
 Copies come as (source, destination) index pairs; runs of consecutive pairs
-go as one copy. `SWAP_LATENCY_TEST=seconds` delays each copy (seed §5.2), so
+go as one copy, and a large copy is split over a few threads (memmove
+releases the GIL), as torch's own `copy_` does: one thread of memmove on
+scattered pages reaches only about 60% of the bandwidth. `SWAP_LATENCY_TEST=seconds` delays each copy (seed §5.2), so
 tests and benchmarks can see what slow swapping does to everyone else.
 """
 
@@ -19,6 +21,7 @@ import os
 import resource
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import structlog
@@ -28,6 +31,9 @@ from memd.memory import CudaMemory, PoolMemory, PoolMemoryError, ShmMemory, avai
 from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
+
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+PARALLEL_BYTES = 4 << 20         # smaller copies are not worth a hand-off to the threads
 
 
 class SwapMemory(Protocol):
@@ -88,6 +94,8 @@ class HostSwap:
         self._base = ctypes.addressof(self._anchor)
         self._pool_base = pool.base
         self.locked = _mlock(self._base, size)
+        self._threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="memd-swap-copy") \
+            if COPY_THREADS > 1 else None
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(pairs, self._pool_base, self._base)
@@ -99,16 +107,43 @@ class HostSwap:
         if self.delay_s:
             time.sleep(self.delay_s)
         size = self.block_bytes
-        for src, dst, n in runs(pairs):
-            ctypes.memmove(dst_base + dst * size, src_base + src * size, n * size)
+        moves = [(dst_base + dst * size, src_base + src * size, n * size) for src, dst, n in runs(pairs)]
+        total = sum(n for _, _, n in moves)
+        if self._threads is None or total < PARALLEL_BYTES:
+            _memmove_all(moves)
+        else:
+            list(self._threads.map(_memmove_all, split_moves(moves, total, COPY_THREADS)))
 
     def view(self) -> memoryview:
         """The raw bytes, for tests and benchmarks."""
         return memoryview(self._map)
 
     def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
         del self._anchor
         self._map.close()
+
+
+def _memmove_all(moves: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in moves:
+        ctypes.memmove(dst, src, n)
+
+
+def split_moves(moves: list[tuple[int, int, int]], total: int, parts: int) -> list[list[tuple[int, int, int]]]:
+    """(dst, src, bytes) moves cut into `parts` shares of about equal bytes; a long move is cut too."""
+    share = -(-total // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for dst, src, n in moves:
+        while n:
+            if not room:
+                out.append([])
+                room = share
+            take = min(n, room)
+            out[-1].append((dst, src, take))
+            dst, src, n, room = dst + take, src + take, n - take, room - take
+    return out
 
 
 class PinnedSwap:

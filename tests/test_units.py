@@ -101,3 +101,21 @@ def test_a_page_a_step_takes_and_gives_back_gets_no_effect():
     outcome = manager.step(worker.worker_id, [Fork(parent.seq_id), Free(4)])
     assert all(kind != "copy" for kind, _, _ in outcome.effects)  # the child went away in the same Step
     assert manager.violations() == []
+
+
+def test_swap_copies_coalesce_runs_consecutive_on_both_sides():
+    from memd.swap import runs
+    pairs = [(4, 0), (5, 1), (6, 2), (9, 3), (10, 4), (2, 5), (3, 7)]
+    assert list(runs(pairs)) == [(4, 0, 3), (9, 3, 2), (2, 5, 1), (3, 7, 1)]
+    assert list(runs([])) == []
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_a_split_swap_copy_moves_every_byte_once(parts):
+    from memd.swap import split_moves
+    moves = [(1000, 0, 7), (2000, 100, 1), (3000, 200, 30)]
+    shares = split_moves(moves, 38, parts)
+    assert len(shares) <= parts
+    covered = sorted((dst + i, src + i) for share in shares for dst, src, n in share for i in range(n))
+    assert covered == sorted((dst + i, src + i) for dst, src, n in moves for i in range(n))
+    assert max(sum(n for _, _, n in share) for share in shares) <= -(-38 // parts)

@@ -1,0 +1,220 @@
+"""How fast memd swaps, and what a swap storm does to everyone else's Steps.
+
+    .venv/bin/python bench/bench_swap.py [--seconds 5] [--json]
+
+1. Bandwidth: memd's swap-out and swap-in copies (memd.swap, the code memd
+   runs) of a sequence's pages, against one plain `copy_` of the same bytes
+   between the same two buffers. The sequence's pages are scattered over the
+   pool (every other page), as they are after a while of serving; contiguous
+   pages are reported too.
+2. Step latency: a probe client sends small Steps (allocate one page, free
+   one) to a real memd, first on a quiet memd, then while another process
+   swaps 16 sequences out and back in without pause (forced evictions and
+   resumes). p50 and p99 of the probe's Steps, and the ratio.
+
+Targets (issue "memory pressure"): swap >= 80% of the raw copy; Step p99
+during swapping <= 2x quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tables import table
+
+from memd.memory import ShmMemory
+from memd.swap import HostSwap
+from shared.launch import spawn_ready
+from shared.ops import Free, Open, Park, Resume
+from shared.sizes import format_size, parse_size
+
+BLOCK_SIZE = 16
+STORM_SEQS, STORM_BLOCKS = 16, 64          # the storm's sequences, pages each
+PAGE_FOR_STEPS = "64KiB"
+
+
+# ---- 1. bandwidth -------------------------------------------------------------
+
+def timed(fn, repeats: int) -> float:
+    """Best of `repeats` (after one warm-up): the copy, not the noise of a shared machine."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_bandwidth(block_bytes: int, moved_bytes: int, repeats: int) -> dict:
+    count = moved_bytes // block_bytes
+    pool = ShmMemory(2 * count, block_bytes)
+    swap = HostSwap(pool, count, block_bytes)
+    try:
+        return measure(pool, swap, count, block_bytes, repeats)
+    finally:
+        swap.close()
+        pool.close()
+
+
+def measure(pool: ShmMemory, swap: HostSwap, count: int, block_bytes: int, repeats: int) -> dict:
+    moved = count * block_bytes
+    raw_pool = torch.frombuffer(pool.view(), dtype=torch.uint8)[:moved]
+    raw_swap = torch.frombuffer(swap.view(), dtype=torch.uint8)[:moved]
+    scattered = [(2 * i, i) for i in range(count)]
+    back = [(slot, block) for block, slot in scattered]
+    raw_out = timed(lambda: raw_swap.copy_(raw_pool), repeats)
+    raw_in = timed(lambda: raw_pool.copy_(raw_swap), repeats)
+    swap_out = timed(lambda: swap.copy_out(scattered), repeats)
+    swap_in = timed(lambda: swap.copy_in(back), repeats)
+    contiguous = timed(lambda: swap.copy_out([(i, i) for i in range(count)]), repeats)
+    gib = moved / (1 << 30)
+    return {"block_bytes": block_bytes, "moved_bytes": moved, "locked": swap.locked,
+            "raw_out_gib_s": gib / raw_out, "raw_in_gib_s": gib / raw_in,
+            "swap_out_gib_s": gib / swap_out, "swap_in_gib_s": gib / swap_in,
+            "swap_out_contiguous_gib_s": gib / contiguous,
+            "out_ratio": raw_out / swap_out, "in_ratio": raw_in / swap_in}
+
+
+# ---- 2. Step latency during a swap storm ---------------------------------------
+
+async def probe(address: str, seconds: float) -> list[float]:
+    """Small Steps back to back: each allocates one page and frees the previous one."""
+    from shared.client import MemdClient
+
+    client = await MemdClient.attach(address, name="probe", block_size=BLOCK_SIZE, map_memory=False)
+    latencies, previous = [], None
+    deadline = time.perf_counter() + seconds
+    try:
+        while (now := time.perf_counter()) < deadline:
+            ops = [Open([], reserve=BLOCK_SIZE)] + ([Free(previous)] if previous else [])
+            opened = (await client.step(*ops))[0]
+            latencies.append(time.perf_counter() - now)
+            previous = opened.seq_id
+        if previous:
+            await client.step(Free(previous))
+    finally:
+        await client.close()
+    return latencies
+
+
+async def storm(address: str) -> None:
+    """Swap STORM_SEQS sequences out and back in, round and round, until killed."""
+    from shared.client import MemdAdmin, MemdClient
+
+    client = await MemdClient.attach(address, name="storm", block_size=BLOCK_SIZE, map_memory=False)
+    tokens = STORM_BLOCKS * BLOCK_SIZE
+    sessions = [f"storm-{i}" for i in range(STORM_SEQS)]
+    for i, session in enumerate(sessions):
+        opened, = await client.step(Open([(i << 20) + t for t in range(tokens)], session_id=session))
+        await client.step(Park(opened.seq_id, commit_to=tokens))
+    print("storming", flush=True)
+    async with MemdAdmin(address) as admin:
+        while True:
+            for session in sessions:
+                await admin.evict(session_id=session, mode="swap")
+                resumed, = await client.step(Resume(session_id=session))
+                await client.step(Park(resumed.seq_id))
+
+
+def percentiles(latencies: list[float]) -> dict:
+    qs = statistics.quantiles(latencies, n=100)
+    return {"steps": len(latencies), "p50_ms": qs[49] * 1e3, "p99_ms": qs[98] * 1e3}
+
+
+def bench_steps(seconds: float) -> dict:
+    page = parse_size(PAGE_FOR_STEPS)
+    pool = 4 * STORM_SEQS * STORM_BLOCKS * page                  # room for the storm and the probe
+    with tempfile.TemporaryDirectory(prefix="swap-bench-") as tmp:
+        address = f"unix:{tmp}/memd.sock"
+        memd = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", str(pool), "--block-bytes", str(page),
+                            "--swap-ratio", "0.5", "--free-watermark", "0", "--listen", address,
+                            "--log-level", "warning"], Path(tmp))
+        storm_proc = None
+        try:
+            quiet = asyncio.run(probe(address, seconds))
+            storm_proc = subprocess.Popen([sys.executable, __file__, "--storm", address], stdout=subprocess.PIPE,
+                                          text=True)
+            assert storm_proc.stdout is not None
+            if storm_proc.stdout.readline().strip() != "storming":    # its sequences are in place
+                raise RuntimeError("the storm process failed to start")
+            stormy = asyncio.run(probe(address, seconds))
+            swaps = asyncio.run(swap_counters(address))
+        finally:
+            if storm_proc is not None:
+                storm_proc.kill()
+                storm_proc.wait()
+            memd.terminate()
+            memd.wait()
+    q, s = percentiles(quiet), percentiles(stormy)
+    return {"page_bytes": page, "quiet": q, "storm": s, "storm_swaps": swaps,
+            "p50_ratio": s["p50_ms"] / q["p50_ms"], "p99_ratio": s["p99_ms"] / q["p99_ms"]}
+
+
+async def swap_counters(address: str) -> dict:
+    from shared.client import MemdAdmin
+
+    async with MemdAdmin(address) as admin:
+        c = (await admin.stats()).counters
+    return {"swap_outs": c["swap_outs"], "swap_ins": c["swap_ins"], "swap_out_blocks": c["swap_out_blocks"]}
+
+
+# ---- report ---------------------------------------------------------------------
+
+def report(res: dict) -> str:
+    rows = [["page", "raw copy_ out", "memd swap-out", "ratio", "raw copy_ in", "memd swap-in", "ratio",
+             "swap-out (contiguous)"]]
+    for b in res["bandwidth"]:
+        rows.append([format_size(b["block_bytes"]), f"{b['raw_out_gib_s']:.2f} GiB/s",
+                     f"{b['swap_out_gib_s']:.2f} GiB/s", f"{b['out_ratio']:.0%}", f"{b['raw_in_gib_s']:.2f} GiB/s",
+                     f"{b['swap_in_gib_s']:.2f} GiB/s", f"{b['in_ratio']:.0%}",
+                     f"{b['swap_out_contiguous_gib_s']:.2f} GiB/s"])
+    s = res["steps"]
+    steps = [["probe Steps", "count", "p50", "p99"],
+             ["quiet memd", str(s["quiet"]["steps"]), f"{s['quiet']['p50_ms']:.3f} ms",
+              f"{s['quiet']['p99_ms']:.3f} ms"],
+             ["during a swap storm", str(s["storm"]["steps"]), f"{s['storm']['p50_ms']:.3f} ms",
+              f"{s['storm']['p99_ms']:.3f} ms"],
+             ["ratio", "", f"{s['p50_ratio']:.2f}x", f"{s['p99_ratio']:.2f}x"]]
+    moved = format_size(res["bandwidth"][0]["moved_bytes"])
+    locked = all(b["locked"] for b in res["bandwidth"])
+    return (f"swap bandwidth: {moved} per copy, pages scattered over the pool, best of {res['repeats']} "
+            f"(swap tier {'locked' if locked else 'NOT locked: raise RLIMIT_MEMLOCK'}); {res['cores']} cores\n"
+            f"{table(rows)}\n\n"
+            f"Step latency, {res['seconds']:g} s each, pages of {format_size(s['page_bytes'])}; the storm swapped "
+            f"{s['storm_swaps']['swap_outs']} sequences out and {s['storm_swaps']['swap_ins']} in "
+            f"({format_size(s['storm_swaps']['swap_out_blocks'] * s['page_bytes'])} out)\n{table(steps)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=5.0, help="length of each latency run (default: 5)")
+    p.add_argument("--moved", default="256MiB", help="bytes per bandwidth copy (default: 256MiB)")
+    p.add_argument("--repeats", type=int, default=5, help="bandwidth repeats, best kept (default: 5)")
+    p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.add_argument("--storm", metavar="ADDRESS", help=argparse.SUPPRESS)     # the storm's own process
+    args = p.parse_args()
+    if args.storm:
+        asyncio.run(storm(args.storm))
+        return
+    res: dict = {"cores": os.cpu_count(), "seconds": args.seconds, "repeats": args.repeats}
+    res["bandwidth"] = [bench_bandwidth(parse_size(page), parse_size(args.moved), args.repeats)
+                        for page in ("64KiB", "1MiB", "8MiB")]
+    res["steps"] = bench_steps(args.seconds)
+    print(report(res))
+    if args.json:
+        print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
