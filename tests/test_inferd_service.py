@@ -196,3 +196,46 @@ async def test_the_next_turn_can_run_on_another_worker(memd_factory, inferd_fact
         snapshot = await admin.snapshot()
         assert len(snapshot.workers) == 2 and (await admin.check()).ok
         assert [s.state for s in snapshot.sequences] == ["parked"]
+
+
+async def generate(channel: grpc.aio.Channel, prompt: str, max_tokens: int) -> list[int]:
+    tokens = []
+    async for reply in pb_grpc.InferdStub(channel).Generate(
+            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)):
+        tokens += reply.token_ids
+    return tokens
+
+
+async def test_a_pool_too_small_for_the_load_preempts_and_an_operator_evicts_yet_every_answer_is_right(
+        memd_factory, inferd_factory, model_dir):
+    # 32 blocks of 16 tokens; six requests that each grow to 8 blocks.
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    inferd = await inferd_factory(model_dir, memd.address)
+    prompts = [f"Request number {i} asks for a long answer." for i in range(6)]
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        crowd = [asyncio.create_task(generate(channel, p, 110)) for p in prompts]
+
+        async def running() -> bool:
+            states, _, _ = await memd_state(memd)
+            return states["running"] > 0 or all(t.done() for t in crowd)
+        await wait_until(running)
+        async with memd.admin() as admin:
+            worker = (await admin.snapshot()).workers[0].worker_id
+        rc, _, err = await memctl(memd.address, "evict", "--worker", str(worker), "--drop")
+        assert rc == 0, err
+        together = await asyncio.gather(*crowd)
+        alone = [await generate(channel, p, 110) for p in prompts]     # one at a time: no pressure
+    assert together == alone and all(len(t) == 110 for t in together)
+    async with memd.admin() as admin:
+        stats = await admin.stats()
+        assert stats.counters["preemptions"] >= 1
+        assert stats.sequences["running"] == 0 and stats.used_blocks == 0 and (await admin.check()).ok
+
+
+async def memctl(address: str, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "memd.memctl", "--address", address, *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
