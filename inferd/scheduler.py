@@ -320,7 +320,7 @@ class Scheduler:
         admitted: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         self._wanted = 0
-        while self.waiting and self.waiting[0].params.n <= seats:
+        while self.waiting and self._seats(self.waiting[0]) <= seats:
             request = self.waiting[0]
             need = math.ceil((len(request.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
             if need > budget:
@@ -328,11 +328,16 @@ class Scheduler:
                 self._wanted = self.client.free_blocks + need - budget
                 break
             budget -= need
-            seats -= request.params.n                       # n > 1: its forks will need seats too
+            seats -= self._seats(request)
             self.waiting.popleft()
             admitted.append(request)
             ops.append(("admit", request, self._admission(request)))
         return admitted
+
+    @staticmethod
+    def _seats(request: Request) -> int:
+        """n > 1: its forks will need seats too, unless it was preempted after forking them."""
+        return 1 if request.preempted else request.params.n
 
     def _admission(self, request: Request) -> Op:
         reserve = self._reserve(request)
