@@ -282,11 +282,12 @@ class Scheduler:
         """memd revoked sequences (an operator evicted them): preempt those running here."""
         if not self._revoked:
             return
-        busy = {r.seq_id for r in self._inflight_requests()}
-        for request in [r for r in self.running if r.seq_id in self._revoked]:
+        forking = {parent.seq_id for parent, _, _ in self._forks}     # its children fork from it first
+        busy = {r.seq_id for r in self._inflight_requests()} | forking
+        for request in [r for r in self.running if r.seq_id in self._revoked and r.seq_id not in forking]:
             self._revoked.discard(request.seq_id)
             self._preempt(request)
-        self._revoked &= busy              # in a Step right now: preempted next time; others ended already
+        self._revoked &= busy              # preempted next time; the others ended already
 
     def _fork_ops(self) -> tuple[list[tuple[str, Any, Op]], list[Request]]:
         """Forks of n > 1 requests go first in the Step, before anything frees their parent."""
