@@ -155,6 +155,21 @@ def inferd_factory(tmp_path: Path, daemons: list[Daemon]) -> Callable[..., Any]:
     return factory
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny seeded Llama checkpoint for scheduler tests (test_model.py brings its own, per architecture)."""
+    from inferd.tiny import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Any:
+    """`transformers` on the same weights: what the paged path must reproduce."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
 @pytest.fixture
 async def memd(memd_factory: Callable[..., Any]) -> Daemon:
     """A memd on CPU shared memory: 64 pages of 4 KiB, 16 tokens per block by default."""

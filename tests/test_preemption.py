@@ -5,26 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from scheduling import assert_clean, collect, greedy, greedy_reference, start_scheduler
 
 from inferd.scheduler import Request
-from inferd.tiny import make_tiny_model
 from shared.ops import Extend
 
-transformers = pytest.importorskip("transformers")
-
 SESSIONS, TURNS, MAX_TOKENS = 16, 3, 24
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=7)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
 def message(session: int, turn: int) -> list[int]:

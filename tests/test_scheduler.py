@@ -6,26 +6,14 @@ import asyncio
 import random
 
 import pytest
-import torch
 from scheduling import BS, assert_clean, collect, greedy, greedy_reference, start_scheduler
 
 from inferd.sampling import SamplingParams
 from inferd.scheduler import GenerationError, Request
-from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
 from shared.ops import Free, Open
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", seed=7)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
 @pytest.fixture
