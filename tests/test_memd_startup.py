@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -101,3 +102,28 @@ async def test_unusable_socket_paths_are_refused_clearly(tmp_path):
     rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", f"unix:{tmp_path}/precious.txt")
     assert rc == 1 and "is not a socket; refusing to replace it" in err
     assert (tmp_path / "precious.txt").read_text() == "not a socket"
+
+
+async def test_a_swap_tier_larger_than_memory_or_a_bad_latency_setting_fails_at_start(tmp_path):
+    listen = ("--listen", f"unix:{tmp_path}/m.sock")
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "64MiB", "--swap-ratio", "100000", *listen)
+    assert rc == 1 and err.startswith("memd: swap tier of ") and "--disable-swap" in err
+    rc, err = await run_memd("--swap-ratio", "-1")
+    assert rc == 2 and "must not be negative" in err
+    rc, err = await run_memd("--free-watermark", "1.5")
+    assert rc == 2 and "below 1" in err
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", "1MiB", *listen, cwd=ROOT,
+        env={**os.environ, "SWAP_LATENCY_TEST": "soon"}, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1 and err.decode().strip() == "memd: SWAP_LATENCY_TEST='soon' is not a number of seconds"
+
+
+async def test_memd_reports_its_swap_tier_when_ready(memd_factory):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB",
+                              "--swap-ratio", "0.5", "--idle-ttl", "60")
+    ready = await memd.log.wait_for("memd ready")
+    assert ready["swap"] == "512.0 KiB" and ready["idle_ttl_s"] == 60
+    async with memd.admin() as admin:
+        stats = await admin.stats()
+        assert stats.swap_total_blocks == 8 == stats.swap_free_blocks
