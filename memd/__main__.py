@@ -63,6 +63,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def decay(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1: {text}")
+    return value
+
+
 def non_negative(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -83,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", help=f"unix:PATH or HOST:PORT (default: {addr.default_address()})")
     p.add_argument("--lease-timeout", type=positive, default=10.0,
                    help="seconds without heartbeats before a worker is reclaimed (default: 10)")
-    p.add_argument("--heat-decay", type=float, default=0.9, help="heat factor per interval (default: 0.9)")
+    p.add_argument("--heat-decay", type=decay, default=0.9, help="heat factor per interval, in (0, 1] (default: 0.9)")
     p.add_argument("--heat-interval", type=positive, default=10.0, help="seconds per heat decay (default: 10)")
     p.add_argument("--swap-ratio", type=non_negative, default=0.3,
                    help="host swap tier as a fraction of the pool, allocated and locked at start-up (default: 0.3)")

@@ -21,6 +21,7 @@ resume, free or drop took the sequence meanwhile, which cancels the job.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,13 +66,36 @@ class Evictor:
         return found
 
     def exclusive_blocks(self, seq: Sequence) -> int:
-        """Blocks that evicting `seq` frees: those no other sequence holds."""
+        """Blocks that evicting `seq` alone frees: those no other sequence holds."""
         ref = self.m.pool.ref
         return sum(1 for block in seq.block_ids if ref[block] == 1)
 
+    def plan(self, now: float, exclude: frozenset[int] = frozenset()) -> list[tuple[Sequence, int, bool]]:
+        """Evictable parked sequences, coldest first: (sequence, blocks its eviction frees, worth evicting).
+
+        A block shared only among evictable sequences (forks of one prompt) is
+        freed with the last of them, so it counts for that one, and the others
+        are worth evicting on the way. A block a running sequence also holds is
+        never freed by eviction.
+        """
+        candidates = self.coldest_parked(now, exclude)
+        held = Counter(block for seq in candidates for block in seq.block_ids)
+        left = held.copy()
+        ref, out = self.m.pool.ref, []
+        for seq in candidates:
+            gain, worth = 0, False
+            for block in seq.block_ids:
+                reclaimable = held[block] == ref[block]      # no holder outside the candidates
+                worth = worth or reclaimable
+                left[block] -= 1
+                if reclaimable and left[block] == 0:
+                    gain += 1
+            out.append((seq, gain, worth))
+        return out
+
     def reclaimable(self, exclude: frozenset[int] = frozenset()) -> int:
         """Blocks eviction could free: in-flight swap-outs plus every evictable parked sequence."""
-        return self.freeing_soon() + sum(self.exclusive_blocks(s) for s in self.coldest_parked(0.0, exclude))
+        return self.freeing_soon() + sum(gain for _, gain, _ in self.plan(time.monotonic(), exclude))
 
     def freeing_soon(self) -> int:
         """Blocks the swap-outs in flight will free when their copies are done."""
@@ -158,11 +182,10 @@ class Evictor:
         """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free."""
         target = blocks - (self.freeing_soon() if count_in_flight else 0)
         done = Evicted()
-        for seq in self.coldest_parked(time.monotonic(), exclude):
+        for seq, gain, worth in self.plan(time.monotonic(), exclude):
             if target <= 0:
                 break
-            gain = self.exclusive_blocks(seq)
-            if gain and seq.state is SeqState.PARKED and seq.seq_id not in self.m.swap_jobs:
+            if worth and seq.state is SeqState.PARKED and seq.seq_id not in self.m.swap_jobs:
                 done.add(self.evict(seq, mode, reason))
                 target -= gain
         return done

@@ -68,6 +68,7 @@ class _Txn:
     counters: Counter[str] = field(default_factory=Counter)
     read_slots: list[int] = field(default_factory=list)
     evict_after: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
+    register_after: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -79,6 +80,9 @@ class StepOutcome:
     read_slots: list[int] = field(default_factory=list)
     # Parked by this Step and to be evicted now: (sequence, "swap" | "drop", reason).
     evict_after: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
+    # Swapped-in full blocks (sequence, index, block) to offer the prefix cache once their copy landed:
+    # `register_swapped_in` after the effects.
+    register_after: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
 
 class KvManager:
@@ -182,7 +186,19 @@ class KvManager:
         # A page this Step took and gave back needs no effect: it is free again, and
         # zeroed when next handed out. Late effects on a free page could hit its next tenant.
         return StepOutcome(results, [e for e in txn.effects if self.pool.ref[e[2]] > 0], txn.read_slots,
-                           txn.evict_after)
+                           txn.evict_after, txn.register_after)
+
+    def register_swapped_in(self, blocks: list[tuple[Sequence, int, int]]) -> None:
+        """The swap-in copies are done: their full blocks may serve prefix hits now, not before.
+
+        Only while the sequence still holds the block at that index: a drop in
+        between may have handed the page to someone else.
+        """
+        for seq, index, block in blocks:
+            if index < len(seq.block_ids) and seq.block_ids[index] == block and index < len(seq.hashes) \
+                    and self.seqs.get(seq.seq_id) is seq:
+                bs = seq.block_size
+                self.pool.register(block, seq.hashes[index], tuple(seq.token_ids[index * bs:(index + 1) * bs]))
 
     def release_slots(self, slots: list[int]) -> None:
         """The effects of a Step are done: the swap slots it read are free."""
@@ -312,7 +328,7 @@ class KvManager:
 
     def heat(self, seq: Sequence, now: float) -> float:
         """Touches decayed by `heat_decay` per `heat_interval_s`: no timer per block."""
-        return seq.heat * self.heat_decay ** ((now - seq.heat_at) / self.heat_interval_s)
+        return seq.heat * self.heat_decay ** (max(0.0, now - seq.heat_at) / self.heat_interval_s)
 
     def state_counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in SeqState}
@@ -444,13 +460,14 @@ class KvManager:
                 block, _ = self.pool.allocate()
                 txn.effects.append(("swap_in", slot, block))
                 if chunk is not None:
-                    self.pool.register(block, hashes[i], chunk)
+                    txn.register_after.append((seq, i, block))
                 copies += 1
             seq.block_ids.append(block)
         txn.read_slots += seq.slots
         seq.slots = []
         txn.counters["swap_ins"] += 1
         txn.counters["swap_in_blocks"] += copies
+        txn.counters["blocks_allocated"] += copies
         return seq.num_committed
 
     def _cancel_swap_out(self, txn: _Txn, seq: Sequence) -> None:

@@ -25,7 +25,7 @@ import structlog
 from memd.errors import InvalidArgument, KvError, OpError, PoolExhausted
 from memd.eviction import Evicted
 from memd.fdpass import FdServer
-from memd.manager import Effect, KvManager
+from memd.manager import Effect, KvManager, StepOutcome
 from memd.memory import PoolMemory
 from memd.sequences import SeqState, SwapOut
 from memd.swap import SwapMemory, run_effects
@@ -120,6 +120,7 @@ class MemdService(pb_grpc.MemdServicer):
             outbox.put_nowait(_revocation(seq_id, self.manager.revoked[seq_id]))
         reason = "stream broken"
         read: asyncio.Future | None = None
+        down: asyncio.Future | None = None
         try:
             await context.write(pb.SessionDown(event="granted"))
             log.info("lease granted", worker=worker.worker_id)
@@ -143,8 +144,9 @@ class MemdService(pb_grpc.MemdServicer):
                     break
                 worker.last_seen = time.monotonic()
         finally:
-            if read is not None:
-                read.cancel()
+            for pending in (read, down):
+                if pending is not None:
+                    pending.cancel()
             self._outbox.pop(worker.worker_id, None)
             self.reclaim(worker.worker_id, reason)
 
@@ -177,14 +179,11 @@ class MemdService(pb_grpc.MemdServicer):
         except KvError as err:
             log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops), error=str(err))
             await _abort(context, err, self.manager.pool.num_free)
-        if outcome.effects:
-            await self._apply(outcome.effects)
-        self.manager.release_slots(outcome.read_slots)
         results = [result_to_proto(r) for r in outcome.results]
-        if outcome.evict_after:
-            await self._evict_parked(outcome.evict_after, results)
+        # The Step is committed: what follows must finish even if the client cancels or its deadline passes.
+        await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome, results)))
         m = self.manager
-        wanted = request.wanted_blocks - m.pool.num_free
+        wanted = min(request.wanted_blocks, m.pool.num_blocks) - m.pool.num_free
         if wanted > 0:
             self._start(m.evictions.make_room(wanted, reason="pressure"))
         if m.pool.num_free < m.evictions.watermark_blocks:
@@ -192,7 +191,7 @@ class MemdService(pb_grpc.MemdServicer):
         log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops))
         return pb.StepReply(results=results, free_blocks=m.pool.num_free)
 
-    async def _step_making_room(self, worker_id: int, ops: list[Op], lease: bytes) -> object:
+    async def _step_making_room(self, worker_id: int, ops: list[Op], lease: bytes) -> StepOutcome:
         """Run a Step; when the pool is short, evict cold parked sequences and run it again."""
         for _ in range(PRESSURE_ROUNDS):
             try:
@@ -221,18 +220,29 @@ class MemdService(pb_grpc.MemdServicer):
                 named.add(self.manager.sessions[session])
         return frozenset(named)
 
+    async def _after_commit(self, outcome: StepOutcome, results: list[pb.OpResult]) -> None:
+        """Page effects, then what they free: swap slots read, prefix blocks now written, preemptions."""
+        try:
+            if outcome.effects:
+                await self._apply(outcome.effects)
+            self.manager.register_swapped_in(outcome.register_after)
+        finally:
+            self.manager.release_slots(outcome.read_slots)
+        if outcome.evict_after:
+            await self._evict_parked(outcome.evict_after, results)
+
     async def _evict_parked(self, evict_after: list, results: list[pb.OpResult]) -> None:
         """Preempted (or operator-revoked) sequences this Step parked: swap or drop them before the reply."""
         m, tasks = self.manager, []
         for seq, mode, reason in evict_after:
-            m.revoked.pop(seq.seq_id, None)
             if m.seqs.get(seq.seq_id) is seq and seq.state is SeqState.PARKED and seq.seq_id not in m.swap_jobs:
+                m.revoked.pop(seq.seq_id, None)
                 tasks += self._start(m.evictions.evict(seq, mode, reason))
         if tasks:
-            await asyncio.shield(asyncio.gather(*tasks))
+            await asyncio.gather(*tasks)
         for result in results:
             seq = m.seqs.get(result.seq_id)
-            if seq is not None and result.state == "parked" and seq.state is not SeqState.PARKED:
+            if seq is not None and result.state == "parked" and seq.state in (SeqState.SWAPPED, SeqState.DROPPED):
                 result.state, result.num_blocks, result.first_block = seq.state.value, 0, 0
 
     def _start(self, evicted: Evicted) -> list[asyncio.Task[bool]]:
@@ -250,8 +260,12 @@ class MemdService(pb_grpc.MemdServicer):
     async def _swap_out(self, job: SwapOut) -> bool:
         assert self.swap is not None
         pairs = list(zip(job.blocks, job.slots, strict=True))
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().run_in_executor(self._swapper, self.swap.copy_out, pairs)
+            if not self._busy_pages.keys().isdisjoint(job.blocks):
+                # Its pages still have effects queued (a swap-in, a fork's copy): copy what they will hold.
+                await loop.run_in_executor(self._copier, lambda: None)
+            await loop.run_in_executor(self._swapper, self.swap.copy_out, pairs)
         except Exception:
             log.exception("swap-out failed; the sequence stays parked", seq=job.seq.seq_id)
             self.manager.evictions.abort_swap_out(job)
@@ -270,7 +284,10 @@ class MemdService(pb_grpc.MemdServicer):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._pressure.wait(), tick)   # a periodic sweep, or a wake-up
             self._pressure.clear()
-            self._start(self.manager.evictions.sweep(time.monotonic()))
+            try:
+                self._start(self.manager.evictions.sweep(time.monotonic()))
+            except Exception:        # a bug must not silently end the policy: log it, sweep again
+                log.exception("eviction sweep failed")
 
     async def _apply(self, effects: list[Effect]) -> None:
         """Zero, copy and swap in pages before the reply; the Step's state change is already made.

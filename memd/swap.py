@@ -152,6 +152,11 @@ class PinnedSwap:
     def __init__(self, pool: CudaMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0) -> None:
         import torch
 
+        available = available_host_memory()
+        if available is not None and num_slots * block_bytes > available:
+            raise PoolMemoryError(f"swap tier of {format_size(num_slots * block_bytes)} does not fit: "
+                                  f"{format_size(available)} of host memory available (lower --swap-ratio or "
+                                  "use --disable-swap)")
         self.num_slots, self.delay_s = num_slots, delay_s
         try:
             self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=True)
@@ -160,23 +165,25 @@ class PinnedSwap:
                                   f"{exc}") from None
         self.pages = pool.pages
         self.locked = True            # cudaHostAlloc memory is page-locked
-        self._stream = torch.cuda.Stream(pool.index)
+        # One stream per direction: a swap-in (a Step waits for it) never queues behind a swap-out.
+        self._out_stream = torch.cuda.Stream(pool.index)
+        self._in_stream = torch.cuda.Stream(pool.index)
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy(pairs, self.pages, self.slots)
+        self._copy(pairs, self.pages, self.slots, self._out_stream)
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy(pairs, self.slots, self.pages)
+        self._copy(pairs, self.slots, self.pages, self._in_stream)
 
-    def _copy(self, pairs: list[tuple[int, int]], src: object, dst: object) -> None:
+    def _copy(self, pairs: list[tuple[int, int]], src: object, dst: object, stream: object) -> None:
         import torch
 
         if self.delay_s:
             time.sleep(self.delay_s)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(stream):
             for a, b, n in runs(pairs):
                 dst[b:b + n].copy_(src[a:a + n], non_blocking=True)   # type: ignore[index]
-        self._stream.synchronize()
+        stream.synchronize()                                           # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Freed with the process."""

@@ -92,6 +92,7 @@ class MemdClient:
         self.lease_lost = asyncio.Event()
         self._lease_task: asyncio.Task[None] | None = None
         self._beats: asyncio.Task[None] | None = None
+        self._stop_beating = asyncio.Event()
         self._session: grpc.aio.StreamStreamCall | None = None
         self._closing = False
         self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
@@ -149,7 +150,10 @@ class MemdClient:
             while (down := await call.read()) is not grpc.aio.EOF:
                 if down.event == "revoked":
                     log.info("memd revoked a sequence", seq=down.seq_id, reason=down.reason)
-                    self.on_revoke(down.seq_id, down.reason)
+                    try:
+                        self.on_revoke(down.seq_id, down.reason)
+                    except Exception:       # the lease outlives a bad callback
+                        log.exception("on_revoke failed", seq=down.seq_id)
             if self._closing:
                 return                  # memd read our goodbye and ended the stream
             if self._beats.done() and not self._beats.cancelled():
@@ -171,8 +175,12 @@ class MemdClient:
                 self._beats.cancel()
 
     async def _heartbeat(self, call: grpc.aio.StreamStreamCall, interval: float) -> None:
+        """Beat every `interval` until close() says stop: never cancelled mid-write, which would cancel the call."""
         while True:
-            await asyncio.sleep(interval)   # heartbeat period, not synchronisation
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_beating.wait(), interval)   # the heartbeat period
+            if self._stop_beating.is_set():
+                return
             await call.write(pb.SessionUp(worker_id=self.worker_id))
 
     async def step(self, *ops: Op, wanted_blocks: int = 0) -> list[OpResult]:
@@ -201,9 +209,9 @@ class MemdClient:
     async def close(self) -> None:
         """Give the lease back: memd parks whatever this worker still runs."""
         self._closing = True
+        self._stop_beating.set()
         if self._beats is not None:
-            self._beats.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await self._beats
         session, holder = self._session, self._lease_task
         if session is not None and holder is not None and not holder.done():

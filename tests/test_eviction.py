@@ -164,3 +164,46 @@ async def test_the_loop_answers_while_a_slow_swap_copies(memd_factory):
         assert (await evicting).swapped == [seq]
         stats = await admin.stats()
         assert stats.used_blocks == 0 and stats.swapped_blocks == 3
+
+
+async def wait_running(memd, seq_id: int) -> None:
+    """Until memd shows the sequence running: the Step is committed, its swap-in copy under way."""
+    while (await states(memd)).get(seq_id) != "running":
+        await asyncio.sleep(0.01)       # memd is another process: poll its snapshot
+
+
+async def test_a_block_being_swapped_in_is_no_prefix_hit_until_its_bytes_are_there(memd_factory, spawn_worker):
+    memd = await memd_factory(*SMALL, env={"SWAP_LATENCY_TEST": "1.0"})
+    owner = await spawn_worker(memd.address)
+    opened, = await owner.step({"kind": "open", "token_ids": list(range(40)), "session_id": "chat"})
+    digests = [(await owner.call("write", block=b, seed=b + 7))["digest"] for b in opened["block_ids"][:2]]
+    await owner.step({"kind": "extend", "seq_id": opened["seq_id"], "commit_to": 40},
+                     {"kind": "park", "seq_id": opened["seq_id"]})
+    async with memd.admin() as admin:
+        await admin.evict(session_id="chat")
+    other = await spawn_worker(memd.address)
+    hog, = await other.step({"kind": "open", "token_ids": [], "reserve": 64 * BS})   # reuse every cached page
+    await other.step({"kind": "free", "seq_id": hog["seq_id"]})
+    resuming = asyncio.create_task(owner.step({"kind": "resume", "session_id": "chat"}))
+    await asyncio.wait_for(wait_running(memd, opened["seq_id"]), 30)
+    early, = await other.step({"kind": "open", "token_ids": list(range(33))})
+    assert early["num_cached"] == 0                          # the copy has not landed: no hit on empty pages
+    await resuming
+    late, = await other.step({"kind": "open", "token_ids": list(range(33))})
+    assert late["num_cached"] == 32
+    assert [(await other.call("read", block=b))["digest"] for b in late["block_ids"][:2]] == digests
+
+
+async def test_a_step_cancelled_during_its_swap_in_leaks_no_swap_slot(memd_factory):
+    memd = await memd_factory(*SMALL, env={"SWAP_LATENCY_TEST": "1.0"})
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        seq = await park(client, "chat")
+        async with memd.admin() as admin:
+            await admin.evict(session_id="chat")
+            total = (await admin.stats()).swap_total_blocks
+            resuming = asyncio.create_task(client.step(Resume(session_id="chat")))
+            await asyncio.wait_for(wait_running(memd, seq), 30)
+            resuming.cancel()                                # the worker gives up waiting
+            while (await admin.stats()).swap_free_blocks != total:
+                await asyncio.sleep(0.05)                    # the copy finishes, then the slots return
+            assert (await admin.check()).ok

@@ -516,3 +516,26 @@ def test_rejected_step_that_frees_what_it_took_keeps_the_free_queue_order():
     with pytest.raises(OpError):
         manager.step(worker, [Open([1, 2, 3, 4]), Extend(1, commit_to=4), Free(1), Free(NO_SUCH_SEQ)])
     assert dump(manager)["free"] == before["free"]          # block 0 moved from the front to the back
+
+
+def test_heat_read_before_its_last_touch_does_not_overflow():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    seq = manager.seqs[open_and_commit(manager, worker, [1, 2, 3, 4, 5])]
+    seq.heat_at += 10**6                  # a clock far ahead of `now`
+    assert manager.heat(seq, 0.0) == seq.heat
+    assert manager.evictions.reclaimable() == 0
+    free_everything(manager)
+
+
+def test_forks_parked_on_shared_blocks_are_reclaimable_together():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    parent = open_and_commit(manager, worker, list(range(16)))                # 4 full blocks
+    child = manager.step(worker, [Fork(parent)]).results[0].seq_id
+    manager.step(worker, [Park(parent), Park(child)])
+    assert manager.evictions.reclaimable() == 4                                 # shared, but only by the two
+    done = manager.evictions.make_room(NUM_BLOCKS, reason="pressure", mode="drop")
+    assert sorted(done.dropped) == sorted([parent, child]) and done.blocks_freed == 4
+    assert manager.pool.num_free == NUM_BLOCKS and manager.violations() == []
+    free_everything(manager)
