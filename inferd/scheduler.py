@@ -87,6 +87,7 @@ class Request:
     done: bool = False
     preempted: bool = False                            # waiting; memd holds its sequence (swapped or dropped)
     preemptions: int = 0
+    fork_of: Request | None = None                     # n > 1: the request whose prompt this one forks
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.cancelled = self.cancelled or reason
@@ -114,6 +115,7 @@ class Scheduler:
         self._forward_job: asyncio.Future[torch.Tensor] | None = None
         self._wake = asyncio.Event()
         self._preempting: list[tuple[Request, Park]] = []
+        self._unforked: list[Request] = []               # children whose Fork found no page: forked next step
         self._revoked: set[int] = set()                  # seq ids memd revoked, not yet preempted
         self._wanted = 0                                 # free blocks the head of the queue waits for
         client.on_revoke = self._on_revoke
@@ -152,7 +154,8 @@ class Scheduler:
 
         Raises GenerationError NOT_FOUND when memd has no such session.
         """
-        for request in [*self.waiting, *self.running, *self._inflight_requests()]:
+        preempting = [request for request, _ in self._preempting]
+        for request in [*self.waiting, *self.running, *self._inflight_requests(), *preempting]:
             if request.session_id == session_id:
                 request.cancel("reset")
         done = asyncio.get_running_loop().create_future()
@@ -171,7 +174,8 @@ class Scheduler:
     async def run(self) -> None:
         """Serve until memd fails as a whole (not one op), or a bug: every request fails, the error rises."""
         while True:
-            if not (self.waiting or self.running or self._ending or self._resets):
+            if not (self.waiting or self.running or self._ending or self._resets or self._preempting
+                    or self._forks or self._revoked):
                 self._wake.clear()
                 await self._wake.wait()
             try:
@@ -195,7 +199,7 @@ class Scheduler:
     def fail_all(self, error: GenerationError) -> None:
         """memd is gone (or the scheduler broke): every request and reset fails; memd reclaims with the lease."""
         pending = [request for _, request, _ in self._ending] + self._inflight_requests()
-        pending += [child for _, _, group in self._forks for child in group]
+        pending += [child for _, _, group in self._forks for child in group] + self._unforked
         pending += [request for request, _ in self._preempting]
         failed: set[int] = set()
         for request in [*self.waiting, *self.running, *pending]:
@@ -212,7 +216,10 @@ class Scheduler:
         self._ending.clear()
         self._resets.clear()
         self._forks.clear()
+        self._unforked.clear()
         self._preempting.clear()
+        self._revoked.clear()
+        self._wanted = 0
         self._inflight = []
 
     async def close(self) -> None:
@@ -232,6 +239,7 @@ class Scheduler:
         if preempted:
             await self._memd_step([("preempt", request, op) for request, op in self._preempting])
             self._preempting = []
+            self._retire_cancelled()          # a reset or cancel that came while memd swapped them out
         ops, forks = self._fork_ops()
         ops += [("end", (request, event), op) for op, request, event in self._ending]
         ops += [("reset", done, op) for done, op in self._resets]
@@ -248,18 +256,31 @@ class Scheduler:
         admitted = self._admit(ops, self.client.free_blocks - growing)
         stalled = await self._memd_step(ops, self._wanted)
         self.running += [r for r in admitted + forks if r.seq_id and not r.done]
-        ready = [r for r in self.running if r not in stalled and len(r.tokens) <= len(r.table) * self.block_size]
+        unforked = self._refork()
+        holding = {id(parent) for parent, _, _ in self._forks}      # a parent decodes once its children forked
+        ready = [r for r in self.running if r not in stalled and id(r) not in holding
+                 and len(r.tokens) <= len(r.table) * self.block_size]
         if ready:
             await self._forward(ready)
-        if stalled:
-            self._preempt_for([r for r in stalled if r in self.running])
-        return bool(ops or ready or preempted or self._preempting)
+        if stalled or unforked:
+            self._preempt_for([r for r in stalled if r in self.running], extra=unforked)
+        return bool(ops or ready or preempted or self._preempting)      # ops: those memd applied
 
-    def _preempt_for(self, stalled: list[Request]) -> None:
-        """Running sequences cannot get pages: preempt the latest arrivals until the shortfall is covered."""
+    def _refork(self) -> int:
+        """Children memd could not give a page: their Fork goes again in the next Step."""
+        groups: dict[int, tuple[Request, list[Request]]] = {}
+        for child in self._unforked:
+            if child.fork_of is not None and not child.done:
+                groups.setdefault(id(child.fork_of), (child.fork_of, []))[1].append(child)
+        self._forks += [(parent, Extend(parent.seq_id), group) for parent, group in groups.values()]
+        count, self._unforked = len(self._unforked), []
+        return count
+
+    def _preempt_for(self, stalled: list[Request], extra: int = 0) -> None:
+        """Running sequences (and `extra` forks) cannot get pages: preempt the latest arrivals for the shortfall."""
         bs = self.block_size
         need = {id(r): math.ceil((len(r.tokens) + 1) / bs) - len(r.table) for r in stalled}
-        short = sum(need.values()) - self.client.free_blocks
+        short = sum(need.values()) + extra - self.client.free_blocks
         forking = {id(parent) for parent, _, _ in self._forks}
         for victim in sorted(self.running, key=lambda r: r.arrived, reverse=True):
             if short <= 0:
@@ -338,7 +359,7 @@ class Scheduler:
     @staticmethod
     def _seats(request: Request) -> int:
         """n > 1: its forks will need seats too, unless it was preempted after forking them."""
-        return 1 if request.preempted else request.params.n
+        return 1 if request.preempted and request.generated else request.params.n
 
     def _admission(self, request: Request) -> Op:
         reserve = self._reserve(request)
@@ -350,7 +371,13 @@ class Scheduler:
                     continue_session=request.session_id is not None)
 
     def _reserve(self, request: Request) -> int:
-        """Writable slots to ask for past the known tokens: the lookahead, capped by what may still come."""
+        """Writable slots to ask for past the known tokens: the lookahead, capped by what may still come.
+
+        A preempted request asks for one: it ran without lookahead before it gave way, and must not
+        come back needing more than it had.
+        """
+        if request.preempted:
+            return 1
         return max(1, min(self.lookahead, request.params.max_tokens - len(request.generated)))
 
     async def _memd_step(self, ops: list[tuple[str, Any, Op]], wanted_blocks: int = 0) -> set[Request]:
@@ -358,6 +385,17 @@ class Scheduler:
         stalled: set[Request] = set()
         refused_admits: list[Request] = []
         self._inflight = ops
+        try:
+            await self._memd_step_rounds(ops, wanted_blocks, stalled, refused_admits)
+        except BaseException:
+            self.waiting.extendleft(reversed(refused_admits))     # fail_all finds them there
+            raise
+        self._inflight = []
+        self.waiting.extendleft(reversed(refused_admits))         # back to the head of the queue, in order
+        return stalled
+
+    async def _memd_step_rounds(self, ops: list[tuple[str, Any, Op]], wanted_blocks: int, stalled: set[Request],
+                                refused_admits: list[Request]) -> None:
         while ops:
             try:
                 results = await self.client.step(*[op for _, _, op in ops], wanted_blocks=wanted_blocks)
@@ -392,9 +430,6 @@ class Scheduler:
                 elif owner is not None:
                     self._apply(kind, owner, result)
             break
-        self._inflight = []
-        self.waiting.extendleft(reversed(refused_admits))
-        return stalled
 
     def _refused(self, kind: str, request: Any, err: MemdError, stalled: set[Request], op: Op) -> None:
         if kind == "reset":
@@ -405,7 +440,12 @@ class Scheduler:
             request[0].events.put_nowait(request[1])
         elif kind == "admit":
             request.done = True
-            request.events.put_nowait(Event([], "", error=GenerationError(err.code.name, err.message)))
+            final = Event([], "", usage=self.usage(request), error=GenerationError(err.code.name, err.message),
+                          index=request.index)
+            if request.preempted and request.seq_id and request.session_id is None:
+                self._ending.append((Free(request.seq_id), request, final))    # memd still holds it
+            else:
+                request.events.put_nowait(final)
         elif kind == "grow":
             assert isinstance(op, Extend)
             request.told_tokens -= len(op.append)
@@ -413,6 +453,8 @@ class Scheduler:
                 stalled.add(request)
             else:
                 self._end(request, error=GenerationError(err.code.name, err.message))
+        elif kind == "fork" and err.code.name == "RESOURCE_EXHAUSTED":
+            self._unforked.append(request)          # no page for its copy yet: the parent waits with it
         elif kind == "fork":
             self._end(request, error=GenerationError(err.code.name, err.message))
         elif kind == "preempt":
@@ -495,7 +537,7 @@ class Scheduler:
         for index in range(1, p.n):
             seed = None if p.seed is None else p.seed + index
             child = Request(parent.prompt_ids, replace(p, n=1, seed=seed), events=parent.events, arrived=parent.arrived,
-                            index=index, num_prompt=parent.num_prompt, num_cached=parent.num_cached,
+                            index=index, num_prompt=parent.num_prompt, num_cached=parent.num_cached, fork_of=parent,
                             first_token_at=now,
                             generator=None if seed is None else torch.Generator().manual_seed(seed))
             token = sample(logits[None], [child.params], [child.generator])[0]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
-from scheduling import assert_clean, collect, greedy, greedy_reference, start_scheduler
+from scheduling import BS, assert_clean, collect, greedy, greedy_reference, start_scheduler
 
+from inferd.sampling import SamplingParams
 from inferd.scheduler import Request
-from shared.ops import Extend
+from shared.client import MemdClient
+from shared.ops import Extend, Fork, Free, Open, Park
 
 SESSIONS, TURNS, MAX_TOKENS = 16, 3, 24
 
@@ -97,3 +100,176 @@ async def test_an_operator_evicting_a_running_sequence_delays_it_and_changes_not
     finally:
         task.cancel()
         await client.close()
+
+
+def watch_steps(client, hook):
+    """Run `await hook(ops)` before each Step the scheduler sends."""
+    original = client.step
+
+    async def step(*ops, **kwargs):
+        await hook(ops)
+        return await original(*ops, **kwargs)
+    client.step = step
+
+
+async def revoke(memd, client, seq_id: int, mode: str = "swap") -> None:
+    """An operator evicts a running sequence; returns once the worker has heard of it."""
+    heard, deliver = asyncio.Event(), client.on_revoke
+
+    def on_revoke(seq: int, reason: str) -> None:
+        deliver(seq, reason)
+        heard.set()
+    client.on_revoke = on_revoke
+    async with memd.admin() as admin:
+        await admin.evict(seq_id=seq_id, mode=mode)
+    await heard.wait()
+    client.on_revoke = deliver
+
+
+async def test_a_request_that_preempted_itself_resumes_when_another_worker_frees_pages(memd_factory, checkpoint,
+                                                                                     reference):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
+    hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+    try:
+        held, = await hog.step(Open([1] * 36))              # 9 of 16 pages, running on another worker
+        await client.step()
+        preempted = asyncio.Event()
+
+        async def hook(ops):
+            if any(isinstance(op, Park) and op.preempt for op in ops):
+                preempted.set()
+        watch_steps(client, hook)
+        request = Request([5, 6, 7, 8, 9], greedy(40))      # runs out of pages at its 8th block
+        scheduler.submit(request)
+        await asyncio.wait_for(preempted.wait(), 60)
+        await hog.step(Free(held.seq_id))                    # the pages come back: it must go on by itself
+        tokens, _, final = await collect(request)
+        assert final.error is None and tokens == greedy_reference(reference, request.prompt_ids, 40)
+        assert request.preemptions >= 1
+        await assert_clean(memd)
+    finally:
+        task.cancel()
+        await hog.close()
+        await client.close()
+
+
+async def test_a_reset_while_preemptions_are_swapped_out_ends_the_turns_and_forgets_the_session(
+        memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=256,
+                                                          memd_args=("--swap-ratio", "0.5"))
+    try:
+        first = Request([10, 11, 12, 13, 14], greedy(3), session_id="s")
+        scheduler.submit(first)
+        await collect(first)
+        turn = Request([21, 22, 23, 24, 25], greedy(60), session_id="s")
+        stage, resets = [], []
+
+        async def hook(ops):
+            if not stage and any(isinstance(op, Extend) and op.seq_id == turn.seq_id for op in ops):
+                stage.append("revoked")
+                await revoke(memd, client, turn.seq_id)
+            elif stage == ["revoked"] and any(isinstance(op, Park) and op.preempt for op in ops):
+                stage.append("reset")                        # lands while memd swaps the turn out
+                resets.append(asyncio.create_task(scheduler.reset("s")))
+                await asyncio.sleep(0)                       # let reset() mark the turn before the Step goes
+        watch_steps(client, hook)
+        scheduler.submit(turn)
+        _, _, final = await collect(turn)
+        await resets[0]
+        assert final.finish_reason == "reset" and final.error is None
+        async with memd.admin() as admin:
+            stats = await admin.stats()
+            assert sum(stats.sequences.values()) == 0 and stats.used_blocks == 0
+            assert stats.swap_free_blocks == stats.swap_total_blocks and (await admin.check()).ok
+    finally:
+        task.cancel()
+        await client.close()
+
+
+async def test_forks_wait_for_a_page_instead_of_failing(memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
+    hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+    try:
+        held, = await hog.step(Open([1] * 48))              # 12 of 16 pages, running on another worker
+        await client.step()
+        forks = []
+
+        async def hook(ops):
+            if any(isinstance(op, Fork) for op in ops):
+                forks.append(ops)
+                if len(forks) == 2:                          # refused once: now the pages come back
+                    await hog.step(Free(held.seq_id))
+        watch_steps(client, hook)
+        request = Request([5, 6, 7, 8, 9], replace(greedy(8), n=3))
+        scheduler.submit(request)
+        finals = {}
+        while len(finals) < 3:
+            event = await asyncio.wait_for(request.events.get(), 60)
+            if event.finish_reason or event.error:
+                finals[event.index] = event
+        assert all(e.error is None and e.finish_reason == "length" for e in finals.values())
+        assert len(forks) >= 2
+        await assert_clean(memd)
+    finally:
+        task.cancel()
+        await hog.close()
+        await client.close()
+
+
+async def test_a_preempted_request_comes_back_without_its_lookahead(memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
+    try:
+        request = Request([5, 6, 7, 8, 9], greedy(100))     # grows to the end of the 64-token pool
+        scheduler.submit(request)
+        for _ in range(48):
+            await request.events.get()
+        await revoke(memd, client, request.seq_id)           # 53 tokens + a 16-token lookahead would not fit
+        other = Request([40, 41, 42], greedy(3))
+        scheduler.submit(other)
+        tokens, _, final = await collect(other)
+        assert final.error is None and len(tokens) == 3      # not stuck behind it
+        _, _, final = await collect(request)
+        assert request.preemptions == 1
+        assert final.error is not None and final.error.code == "INVALID_ARGUMENT"     # the pool's end, as before
+        await assert_clean(memd)
+    finally:
+        task.cancel()
+        await client.close()
+
+
+async def mixed_load(scheduler) -> list[dict[int, list[int]]]:
+    """Greedy requests and seeded n=2 samplings of different lengths, all at once."""
+    requests = []
+    for i in range(10):
+        prompt = [3 + (i * 31 + k * 7) % 400 for k in range(5 + i % 7)]
+        if i % 3 == 0:
+            params = SamplingParams(max_tokens=20 + i, temperature=0.8, seed=100 + i, ignore_eos=True, n=2)
+        else:
+            params = greedy(20 + 2 * i)
+        requests.append(Request(prompt, params))
+        scheduler.submit(requests[-1])
+    outputs = []
+    for request in requests:
+        got, finished = {k: [] for k in range(request.params.n)}, 0
+        while finished < request.params.n:
+            event = await asyncio.wait_for(request.events.get(), 60)
+            assert event.error is None, event.error
+            got[event.index] += event.token_ids
+            finished += event.finish_reason is not None
+        outputs.append(got)
+    return outputs
+
+
+@pytest.mark.parametrize("memd_args", [("--swap-ratio", "0.5"), ("--disable-swap",)], ids=["swap", "no-swap"])
+async def test_sampling_and_forks_on_a_small_pool_match_a_big_one(memd_factory, checkpoint, memd_args):
+    _, big_client, big, big_task = await start_scheduler(memd_factory, checkpoint, num_blocks=1024, name="big")
+    memd, client, small, task = await start_scheduler(memd_factory, checkpoint, num_blocks=40, name="small",
+                                                      memd_args=memd_args)
+    try:
+        assert await mixed_load(small) == await mixed_load(big)
+        await assert_clean(memd)
+    finally:
+        for t in (task, big_task):
+            t.cancel()
+        await client.close()
+        await big_client.close()
