@@ -170,7 +170,6 @@ class KvManager:
                     raise OpError(index, _describe(op), exc) from None
         except BaseException:
             txn.journal.rollback()
-            self.counters["steps_refused"] += 1
             raise
         finally:
             self.pool.journal = None

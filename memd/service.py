@@ -178,6 +178,7 @@ class MemdService(pb_grpc.MemdServicer):
             outcome = await self._step_making_room(request.worker_id, ops, request.lease)
         except KvError as err:
             log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops), error=str(err))
+            self.manager.counters["steps_refused"] += 1
             await _abort(context, err, self.manager.pool.num_free)
         results = [result_to_proto(r) for r in outcome.results]
         # The Step is committed: what follows must finish even if the client cancels or its deadline passes.
@@ -204,6 +205,7 @@ class MemdService(pb_grpc.MemdServicer):
                     raise          # evicting would lose cached KV and still not make room
                 evicted = self.manager.evictions.make_room(short, reason="pressure", exclude=named)
                 self._start(evicted)
+                self.manager.counters["steps_waited_for_room"] += 1
                 if self._swap_tasks:
                     await asyncio.wait(set(self._swap_tasks), return_when=asyncio.FIRST_COMPLETED)
                 elif not evicted.blocks_freed:
