@@ -105,6 +105,8 @@ class Evictor:
 
     def evict(self, seq: Sequence, mode: str, reason: str | None) -> Evicted:
         """Swap a PARKED sequence out (or drop it when swap cannot take it)."""
+        if self.m.seqs.get(seq.seq_id) is not seq or seq.state is not SeqState.PARKED:
+            return Evicted()                  # freed or resumed since it was chosen
         if mode == "swap" and self.m.swap is not None:
             done = Evicted()
             job = self.begin_swap_out(seq, reason, done)

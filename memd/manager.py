@@ -179,6 +179,9 @@ class KvManager:
         self.counters.update(txn.counters)
         self.counters["steps"] += 1
         self.counters["ops"] += len(results)
+        # A sequence this Step preempted and then freed (or resumed) is no longer there to evict.
+        txn.evict_after = [e for e in txn.evict_after if self.seqs.get(e[0].seq_id) is e[0]
+                           and e[0].state is SeqState.PARKED]
         if txn.read_slots:
             assert self.swap is not None
             self.swap.in_copy.update(txn.read_slots)     # the sequence let go; the copy still reads them

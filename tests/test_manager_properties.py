@@ -539,3 +539,13 @@ def test_forks_parked_on_shared_blocks_are_reclaimable_together():
     assert sorted(done.dropped) == sorted([parent, child]) and done.blocks_freed == 4
     assert manager.pool.num_free == NUM_BLOCKS and manager.violations() == []
     free_everything(manager)
+
+
+def test_a_sequence_preempted_and_freed_in_one_step_is_not_swapped_out():
+    manager = new_manager()
+    worker = attach(manager, "m")
+    seq = open_and_commit(manager, worker, list(range(8)))
+    outcome = manager.step(worker, [Park(seq, preempt=True), Free(seq)])
+    assert outcome.evict_after == [] and manager.swap_jobs == {}
+    assert manager.counters["preemptions"] == 1
+    free_everything(manager)
