@@ -367,7 +367,7 @@ class KvManagerMachine(RuleBasedStateMachine):
 
 
 KvManagerMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=30, deadline=None,
+    max_examples=300, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_kv_manager_state_machine = KvManagerMachine.TestCase
