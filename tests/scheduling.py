@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import torch
 
@@ -59,3 +60,13 @@ async def assert_clean(memd, *, parked: int = 0):
 
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def on_step(client: MemdClient, hook: Any) -> None:
+    """Run `await hook(ops)` before each Step the scheduler sends (to land events mid-flight)."""
+    original = client.step
+
+    async def step(*ops: Any, **kwargs: Any) -> Any:
+        await hook(ops)
+        return await original(*ops, **kwargs)
+    client.step = step  # type: ignore[method-assign]

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
-from scheduling import BS, assert_clean, collect, greedy, greedy_reference, start_scheduler
+from scheduling import BS, assert_clean, collect, greedy, greedy_reference, on_step, start_scheduler
 
 from inferd.sampling import SamplingParams
 from inferd.scheduler import Request
@@ -102,16 +102,6 @@ async def test_an_operator_evicting_a_running_sequence_delays_it_and_changes_not
         await client.close()
 
 
-def watch_steps(client, hook):
-    """Run `await hook(ops)` before each Step the scheduler sends."""
-    original = client.step
-
-    async def step(*ops, **kwargs):
-        await hook(ops)
-        return await original(*ops, **kwargs)
-    client.step = step
-
-
 async def revoke(memd, client, seq_id: int, mode: str = "swap") -> None:
     """An operator evicts a running sequence; returns once the worker has heard of it."""
     heard, deliver = asyncio.Event(), client.on_revoke
@@ -138,7 +128,7 @@ async def test_a_request_that_preempted_itself_resumes_when_another_worker_frees
         async def hook(ops):
             if any(isinstance(op, Park) and op.preempt for op in ops):
                 preempted.set()
-        watch_steps(client, hook)
+        on_step(client, hook)
         request = Request([5, 6, 7, 8, 9], greedy(40))      # runs out of pages at its 8th block
         scheduler.submit(request)
         await asyncio.wait_for(preempted.wait(), 60)
@@ -172,7 +162,7 @@ async def test_a_reset_while_preemptions_are_swapped_out_ends_the_turns_and_forg
                 stage.append("reset")                        # lands while memd swaps the turn out
                 resets.append(asyncio.create_task(scheduler.reset("s")))
                 await asyncio.sleep(0)                       # let reset() mark the turn before the Step goes
-        watch_steps(client, hook)
+        on_step(client, hook)
         scheduler.submit(turn)
         _, _, final = await collect(turn)
         await resets[0]
@@ -199,7 +189,7 @@ async def test_forks_wait_for_a_page_instead_of_failing(memd_factory, checkpoint
                 forks.append(ops)
                 if len(forks) == 2:                          # refused once: now the pages come back
                     await hog.step(Free(held.seq_id))
-        watch_steps(client, hook)
+        on_step(client, hook)
         request = Request([5, 6, 7, 8, 9], replace(greedy(8), n=3))
         scheduler.submit(request)
         finals = {}

@@ -6,7 +6,7 @@ import asyncio
 import random
 
 import pytest
-from scheduling import BS, assert_clean, collect, greedy, greedy_reference, start_scheduler
+from scheduling import BS, assert_clean, collect, greedy, greedy_reference, on_step, start_scheduler
 
 from inferd.sampling import SamplingParams
 from inferd.scheduler import GenerationError, Request
@@ -246,16 +246,6 @@ async def test_requests_wait_for_pages_another_worker_holds(memd_factory, checkp
     finally:
         task.cancel()
         await client.close()
-
-
-def on_step(client, hook):
-    """Run `hook(ops)` at the start of each Step the scheduler sends (to land events mid-flight)."""
-    original = client.step
-
-    async def step(*ops, **kwargs):
-        await hook(ops)
-        return await original(*ops, **kwargs)
-    client.step = step
 
 
 async def test_a_reset_during_the_admission_step_still_ends_the_turn(served, reference):
