@@ -6,7 +6,8 @@
    runs) of a sequence's pages, against one plain `copy_` of the same bytes
    between the same two buffers. The sequence's pages are scattered over the
    pool (every other page), as they are after a while of serving; contiguous
-   pages are reported too.
+   pages are reported too. Measured twice, in fresh processes: with glibc's
+   defaults, and with the GLIBC_TUNABLES that systemd/memd.service sets.
 2. Step latency: a probe client sends small Steps (allocate one page, free
    one) to a real memd, first on a quiet memd, then while another process
    swaps 16 sequences out and back in without pause (forced evictions and
@@ -33,7 +34,7 @@ import torch
 from tables import table
 
 from memd.memory import ShmMemory
-from memd.swap import HostSwap
+from memd.swap import NON_TEMPORAL_TUNABLE, HostSwap
 from shared.launch import spawn_ready
 from shared.ops import Free, Open, Park, Resume
 from shared.sizes import format_size, parse_size
@@ -45,14 +46,17 @@ PAGE_FOR_STEPS = "64KiB"
 
 # ---- 1. bandwidth -------------------------------------------------------------
 
-def timed(fn, repeats: int) -> float:
-    """Best of `repeats` (after one warm-up): the copy, not the noise of a shared machine."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def best_times(fns: list, repeats: int) -> list[float]:
+    """Best of `repeats` for each, after one warm-up, interleaved so that noise on a shared machine
+    falls on all of them alike rather than on whichever ran during it."""
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -73,11 +77,10 @@ def measure(pool: ShmMemory, swap: HostSwap, count: int, block_bytes: int, repea
     raw_swap = torch.frombuffer(swap.view(), dtype=torch.uint8)[:moved]
     scattered = [(2 * i, i) for i in range(count)]
     back = [(slot, block) for block, slot in scattered]
-    raw_out = timed(lambda: raw_swap.copy_(raw_pool), repeats)
-    raw_in = timed(lambda: raw_pool.copy_(raw_swap), repeats)
-    swap_out = timed(lambda: swap.copy_out(scattered), repeats)
-    swap_in = timed(lambda: swap.copy_in(back), repeats)
-    contiguous = timed(lambda: swap.copy_out([(i, i) for i in range(count)]), repeats)
+    raw_out, swap_out, raw_in, swap_in, contiguous = best_times([
+        lambda: raw_swap.copy_(raw_pool), lambda: swap.copy_out(scattered),
+        lambda: raw_pool.copy_(raw_swap), lambda: swap.copy_in(back),
+        lambda: swap.copy_out([(i, i) for i in range(count)])], repeats)
     gib = moved / (1 << 30)
     return {"block_bytes": block_bytes, "moved_bytes": moved, "locked": swap.locked,
             "raw_out_gib_s": gib / raw_out, "raw_in_gib_s": gib / raw_in,
@@ -137,6 +140,7 @@ def bench_steps(seconds: float) -> dict:
     pool = 4 * STORM_SEQS * STORM_BLOCKS * page                  # room for the storm and the probe
     with tempfile.TemporaryDirectory(prefix="swap-bench-") as tmp:
         address = f"unix:{tmp}/memd.sock"
+        os.environ["GLIBC_TUNABLES"] = NON_TEMPORAL_TUNABLE          # as systemd/memd.service starts memd
         memd = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", str(pool), "--block-bytes", str(page),
                             "--swap-ratio", "0.5", "--free-watermark", "0", "--listen", address,
                             "--log-level", "warning"], Path(tmp))
@@ -171,11 +175,24 @@ async def swap_counters(address: str) -> dict:
 
 # ---- report ---------------------------------------------------------------------
 
+def bandwidth_runs(moved: int, repeats: int) -> dict[str, list[dict]]:
+    """The bandwidth table in fresh processes: glibc's default, and memd.service's GLIBC_TUNABLES."""
+    runs = {}
+    for label, tunables in (("glibc default", ""), ("memd.service tunable", NON_TEMPORAL_TUNABLE)):
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
+        out = subprocess.run([sys.executable, __file__, "--bandwidth-only", "--moved", str(moved), "--repeats",
+                              str(repeats)], env=env, capture_output=True, text=True, check=True).stdout
+        runs[label] = json.loads(out.splitlines()[-1])
+    return runs
+
+
 def report(res: dict) -> str:
-    rows = [["page", "raw copy_ out", "memd swap-out", "ratio", "raw copy_ in", "memd swap-in", "ratio",
+    rows = [["glibc", "page", "raw copy_ out", "memd swap-out", "ratio", "raw copy_ in", "memd swap-in", "ratio",
              "swap-out (contiguous)"]]
-    for b in res["bandwidth"]:
-        rows.append([format_size(b["block_bytes"]), f"{b['raw_out_gib_s']:.2f} GiB/s",
+    for label, b in ((label, b) for label, table_rows in res["bandwidth"].items() for b in table_rows):
+        rows.append([label, format_size(b["block_bytes"]), f"{b['raw_out_gib_s']:.2f} GiB/s",
                      f"{b['swap_out_gib_s']:.2f} GiB/s", f"{b['out_ratio']:.0%}", f"{b['raw_in_gib_s']:.2f} GiB/s",
                      f"{b['swap_in_gib_s']:.2f} GiB/s", f"{b['in_ratio']:.0%}",
                      f"{b['swap_out_contiguous_gib_s']:.2f} GiB/s"])
@@ -186,9 +203,10 @@ def report(res: dict) -> str:
              ["during a swap storm", str(s["storm"]["steps"]), f"{s['storm']['p50_ms']:.3f} ms",
               f"{s['storm']['p99_ms']:.3f} ms"],
              ["ratio", "", f"{s['p50_ratio']:.2f}x", f"{s['p99_ratio']:.2f}x"]]
-    moved = format_size(res["bandwidth"][0]["moved_bytes"])
-    locked = all(b["locked"] for b in res["bandwidth"])
-    return (f"swap bandwidth: {moved} per copy, pages scattered over the pool, best of {res['repeats']} "
+    every = [b for table_rows in res["bandwidth"].values() for b in table_rows]
+    moved = format_size(every[0]["moved_bytes"])
+    locked = all(b["locked"] for b in every)
+    return (f"swap bandwidth: {moved} per copy, pages scattered over the pool, best of {res['repeats']}, interleaved "
             f"(swap tier {'locked' if locked else 'NOT locked: raise RLIMIT_MEMLOCK'}); {res['cores']} cores\n"
             f"{table(rows)}\n\n"
             f"Step latency, {res['seconds']:g} s each, pages of {format_size(s['page_bytes'])}; the storm swapped "
@@ -203,13 +221,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="bandwidth repeats, best kept (default: 5)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     p.add_argument("--storm", metavar="ADDRESS", help=argparse.SUPPRESS)     # the storm's own process
+    p.add_argument("--bandwidth-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.storm:
         asyncio.run(storm(args.storm))
         return
+    if args.bandwidth_only:
+        print(json.dumps([bench_bandwidth(parse_size(page), parse_size(args.moved), args.repeats)
+                          for page in ("64KiB", "1MiB", "8MiB")]))
+        return
     res: dict = {"cores": os.cpu_count(), "seconds": args.seconds, "repeats": args.repeats}
-    res["bandwidth"] = [bench_bandwidth(parse_size(page), parse_size(args.moved), args.repeats)
-                        for page in ("64KiB", "1MiB", "8MiB")]
+    res["bandwidth"] = bandwidth_runs(parse_size(args.moved), args.repeats)
     res["steps"] = bench_steps(args.seconds)
     print(report(res))
     if args.json:

@@ -180,7 +180,8 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
              bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
              pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
              swap=format_size(swap_slots * geometry.block_bytes) if swap else "off",
-             swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl)
+             swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
+             swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""))
     notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
                       f"listening on {target}")
     await stop.wait()
