@@ -32,7 +32,8 @@ from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
 
-COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Half the cores at most: the event loop and the workers need the rest (on 2 cores, one thread).
+COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 # glibc's memmove uses non-temporal stores only above about 3/4 of the L3 cache: scattered
 # pages of 1-8 MiB are then copied through the cache at ~70% of a plain copy_, and at
 # ~110-130% with this setting. It must be in the environment when memd starts
