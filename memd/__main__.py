@@ -21,21 +21,26 @@ from pathlib import Path
 import grpc
 import structlog
 import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from memd.fdpass import FdServer
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
+from memd.metrics import MemdMetrics
 from memd.service import MemdService
 from memd.swap import allocate_swap
 from shared import address as addr
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
 from shared.notify import notify
+from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
 
 log = structlog.get_logger("memd")
 MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
+MEMD_SERVICE = pb.DESCRIPTOR.services_by_name["Memd"].full_name
 
 
 class StartupError(RuntimeError):
@@ -99,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop parked and swapped sequences idle this many seconds; 0 = never (default: 300)")
     p.add_argument("--free-watermark", type=fraction, default=0.02,
                    help="keep this fraction of blocks free by evicting cold parked sequences (default: 0.02)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     return p
@@ -151,12 +159,24 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
         fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
     service = MemdService(manager, memory, fd_server, lease_timeout_s=args.lease_timeout,
                           generation=time.time_ns(), swap=swap)
+    if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
+        metrics = MemdMetrics(service, asyncio.get_running_loop())
+        try:
+            metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
+                               f"{exc.strerror}") from None
+        service.step_seconds = metrics.step_seconds
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 256 << 20),
         ("grpc.so_reuseport", 0),
     ])
     pb_grpc.add_MemdServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [MEMD_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         port = server.add_insecure_port(target)
     except RuntimeError:
@@ -168,6 +188,8 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     await server.start()
     if sock_path is not None:
         os.chmod(sock_path, 0o660)
+    for name in ("", MEMD_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.create_task(service.reap_expired(), name="reaper")
     police = asyncio.create_task(service.police(), name="eviction-policy")
 
@@ -181,12 +203,14 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
              pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
              swap=format_size(swap_slots * geometry.block_bytes) if swap else "off",
              swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
-             swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""))
+             swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
+             metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
     notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
                       f"listening on {target}")
     await stop.wait()
     log.info("memd stopping")
     notify("STOPPING=1")
+    await health_servicer.enter_graceful_shutdown()
     for task in (reaper, police):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
+from prometheus_client import Histogram
 
 from memd.errors import InvalidArgument, KvError, OpError, PoolExhausted
 from memd.eviction import Evicted
@@ -79,6 +80,7 @@ class MemdService(pb_grpc.MemdServicer):
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap")
         self._swap_tasks: set[asyncio.Task[bool]] = set()
         self._pressure = asyncio.Event()
+        self.step_seconds: Histogram | None = None         # Prometheus, when --metrics-port is on
 
     # ---- workers -------------------------------------------------------
 
@@ -168,6 +170,12 @@ class MemdService(pb_grpc.MemdServicer):
                     outbox.put_nowait(None)     # the stream handler ends the stream with a status
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
+        if self.step_seconds is None:
+            return await self._step(request, context)
+        with self.step_seconds.time():
+            return await self._step(request, context)
+
+    async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         try:
             ops = []
             for index, op in enumerate(request.ops):

@@ -1,0 +1,98 @@
+"""memd's Prometheus metrics: pool, swap, sequences, evictions, Step latency.
+
+Served by prometheus-client's HTTP server on its own thread. The pool's state
+lives on memd's event loop and changes under it, so a scrape does not read it
+from the HTTP thread: it asks the loop for one consistent reading
+(`run_coroutine_threadsafe`) and renders that. Only the Step latency histogram
+is updated as things happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from memd.service import MemdService
+
+SCRAPE_TIMEOUT_S = 5.0
+# (metric suffix, manager counter, help): every counter a dashboard needs, with Prometheus names.
+COUNTERS = (
+    ("steps", "steps", "Steps applied"),
+    ("steps_refused", "steps_refused", "Steps refused (every op rolled back)"),
+    ("steps_waited_for_room", "steps_waited_for_room", "Steps that waited for evictions before applying"),
+    ("ops", "ops", "operations in applied Steps"),
+    ("blocks_allocated", "blocks_allocated", "blocks handed out"),
+    ("prefix_query_tokens", "prefix_query_tokens", "tokens looked up in the prefix cache"),
+    ("prefix_hit_tokens", "prefix_hit_tokens", "tokens served from the prefix cache"),
+    ("swap_outs", "swap_outs", "sequences swapped out"),
+    ("swap_ins", "swap_ins", "sequences swapped back in"),
+    ("swap_out_blocks", "swap_out_blocks", "blocks copied to the swap tier"),
+    ("swap_in_blocks", "swap_in_blocks", "blocks copied back from the swap tier"),
+    ("drops", "drops", "sequences whose pages were dropped (token ids kept)"),
+    ("preemptions", "preemptions", "running sequences workers preempted for memory"),
+    ("resumes", "resumes", "parked, swapped or dropped sequences resumed"),
+    ("forks", "forks", "sequences forked"),
+    ("reclaims", "reclaims", "workers whose lease ended and whose sequences memd took back"),
+)
+EVICTION_REASONS = ("idle", "pressure", "forced")
+
+
+class MemdMetrics(Collector):
+    def __init__(self, service: MemdService, loop: asyncio.AbstractEventLoop) -> None:
+        self.service, self.loop = service, loop
+        self.registry = CollectorRegistry()
+        self.step_seconds = Histogram(
+            "kvpool_memd_step_duration_seconds", "Step RPC latency in memd, page effects included",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.registry)
+        self.registry.register(self)
+
+    def serve(self, port: int, host: str) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    async def reading(self) -> dict[str, Any]:
+        """One consistent reading of the pool, taken on the event loop."""
+        m = self.service.manager
+        swap = m.swap
+        return {
+            "total": m.geometry.num_blocks, "free": m.pool.num_free, "cached": m.pool.num_cached,
+            "swap_total": swap.num_slots if swap else 0, "swap_free": swap.num_free if swap else 0,
+            "swapped": sum(len(s.slots) for s in m.seqs.values()),
+            "sequences": m.state_counts(), "workers": len(m.workers), "counters": dict(m.counters),
+        }
+
+    def collect(self) -> Iterator[Any]:
+        if not self.loop.is_running():
+            return
+        r = asyncio.run_coroutine_threadsafe(self.reading(), self.loop).result(SCRAPE_TIMEOUT_S)
+        blocks = GaugeMetricFamily("kvpool_memd_blocks", "pool blocks by state", labels=["state"])
+        blocks.add_metric(["free"], r["free"])
+        blocks.add_metric(["used"], r["total"] - r["free"])
+        blocks.add_metric(["cached"], r["cached"])
+        yield blocks
+        yield GaugeMetricFamily("kvpool_memd_pool_blocks", "blocks in the pool", value=r["total"])
+        yield GaugeMetricFamily("kvpool_memd_pool_usage_ratio", "used blocks over all blocks",
+                                value=(r["total"] - r["free"]) / r["total"] if r["total"] else 0.0)
+        swap = GaugeMetricFamily("kvpool_memd_swap_blocks", "swap tier slots by state", labels=["state"])
+        swap.add_metric(["free"], r["swap_free"])
+        swap.add_metric(["used"], r["swap_total"] - r["swap_free"])
+        swap.add_metric(["swapped"], r["swapped"])
+        yield swap
+        seqs = GaugeMetricFamily("kvpool_memd_sequences", "sequences by state", labels=["state"])
+        for state, count in r["sequences"].items():
+            seqs.add_metric([state], count)
+        yield seqs
+        yield GaugeMetricFamily("kvpool_memd_workers", "workers holding a lease", value=r["workers"])
+        counters = r["counters"]
+        for suffix, key, text in COUNTERS:
+            yield CounterMetricFamily(f"kvpool_memd_{suffix}", text, value=counters.get(key, 0))
+        evictions = CounterMetricFamily("kvpool_memd_evictions", "sequences evicted, by reason", labels=["reason"])
+        for reason in EVICTION_REASONS:
+            evictions.add_metric([reason], counters.get(f"evictions_{reason}", 0))
+        yield evictions

@@ -1,0 +1,83 @@
+"""What operators' tools see of memd: Prometheus metrics, gRPC health, server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import urllib.request
+
+import grpc
+from conftest import ROOT
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from shared.client import MemdClient
+from shared.ops import Extend, Open, Park
+
+BS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+async def test_metrics_show_the_pool_swap_sequences_evictions_and_step_latency(memd_factory):
+    port = free_port()
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB",
+                              "--metrics-port", str(port))
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        kept, = await client.step(Open(list(range(40)), session_id="kept"))
+        await client.step(Extend(kept.seq_id, commit_to=40), Park(kept.seq_id))
+        gone, = await client.step(Open(list(range(100, 120)), session_id="gone"))
+        await client.step(Extend(gone.seq_id, commit_to=20), Park(gone.seq_id))
+    async with memd.admin() as admin:
+        await admin.evict(session_id="gone")
+    m = await asyncio.to_thread(scrape, port)
+    assert m['kvpool_memd_blocks{state="used"}'] == 3 and m['kvpool_memd_blocks{state="free"}'] == 61
+    assert m["kvpool_memd_pool_blocks"] == 64 and m["kvpool_memd_pool_usage_ratio"] == 3 / 64
+    assert m['kvpool_memd_sequences{state="parked"}'] == 1 and m['kvpool_memd_sequences{state="swapped"}'] == 1
+    assert m['kvpool_memd_swap_blocks{state="swapped"}'] == 2 and m["kvpool_memd_swap_outs_total"] == 1
+    assert m['kvpool_memd_evictions_total{reason="forced"}'] == 1
+    assert m['kvpool_memd_evictions_total{reason="idle"}'] == 0
+    assert m["kvpool_memd_steps_total"] == 4 and m["kvpool_memd_step_duration_seconds_count"] == 4
+    assert m["kvpool_memd_workers"] == 0
+
+
+async def test_health_says_serving_and_reflection_lists_the_services(memd):
+    async with grpc.aio.insecure_channel(memd.address) as channel:
+        checker = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvpool.memd.v1.Memd"):
+            reply = await checker.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+        await stream.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        reply = await stream.read()
+        await stream.done_writing()
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"kvpool.memd.v1.Memd", "grpc.health.v1.Health"} <= names
+
+
+async def test_a_metrics_port_in_use_fails_at_start_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", "1MiB", "--listen",
+            f"unix:{tmp_path}/m.sock", "--metrics-port", str(port), cwd=ROOT, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1
+    assert err.decode().strip().splitlines()[-1].startswith(f"memd: cannot serve metrics on 127.0.0.1:{port}")
