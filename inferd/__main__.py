@@ -22,7 +22,7 @@ from inferd.checkpoint import CheckpointError
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
 from shared.logs import configure
-from shared.notify import notify
+from shared.notify import keep_watchdog, notify, watchdog_interval
 
 log = structlog.get_logger("inferd")
 
@@ -83,8 +83,12 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("inferd ready", listen=target, model=link.namespace, arch=link.config.arch, pid=os.getpid())
     notify("READY=1", f"STATUS=serving {link.namespace} on {target}")
+    interval = watchdog_interval()
+    watchdog = asyncio.create_task(keep_watchdog(interval)) if interval is not None else None
     await stop.wait()
     notify("STOPPING=1")
+    if watchdog is not None:
+        watchdog.cancel()
     await server.stop(grace=5.0)
     linking.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -33,7 +33,7 @@ from memd.swap import allocate_swap
 from shared import address as addr
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
-from shared.notify import notify
+from shared.notify import keep_watchdog, notify, watchdog_interval
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
@@ -143,6 +143,15 @@ def prepare_socket(target: str) -> Path | None:
     return path
 
 
+def pool_status(manager: KvManager) -> str:
+    """The STATUS= line systemctl status shows: pool use, swap use, sequences."""
+    total, free = manager.geometry.num_blocks, manager.pool.num_free
+    swap = f", swap {manager.swap.num_slots - manager.swap.num_free}/{manager.swap.num_slots}" if manager.swap else ""
+    states = ", ".join(f"{n} {state}" for state, n in manager.state_counts().items() if n)
+    return (f"pool {100 * (total - free) / total:.0f}% used ({total - free}/{total} blocks){swap}; "
+            f"{len(manager.workers)} worker(s); sequences: {states or 'none'}")
+
+
 async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     target = addr.resolve(args.listen)
     sock_path = prepare_socket(target)
@@ -207,11 +216,14 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
              metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
     notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
                       f"listening on {target}")
+    tasks = [reaper, police]
+    if (interval := watchdog_interval()) is not None:
+        tasks.append(asyncio.create_task(keep_watchdog(interval, lambda: pool_status(manager)), name="watchdog"))
     await stop.wait()
     log.info("memd stopping")
     notify("STOPPING=1")
     await health_servicer.enter_graceful_shutdown()
-    for task in (reaper, police):
+    for task in tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 import urllib.request
@@ -81,3 +82,28 @@ async def test_a_metrics_port_in_use_fails_at_start_in_one_line(tmp_path):
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 1
     assert err.decode().strip().splitlines()[-1].startswith(f"memd: cannot serve metrics on 127.0.0.1:{port}")
+
+
+async def test_under_a_watchdog_memd_pings_from_its_loop_with_the_pool_in_its_status(tmp_path):
+    notify_path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(str(notify_path))
+        listener.setblocking(False)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB",
+            "--listen", f"unix:{tmp_path}/m.sock", cwd=ROOT, stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "200000"})
+        try:
+            loop, messages = asyncio.get_running_loop(), []
+
+            async def pings() -> None:
+                while sum("WATCHDOG=1" in m for m in messages) < 3:
+                    messages.append((await loop.sock_recv(listener, 4096)).decode())
+            await asyncio.wait_for(pings(), 60)
+        finally:
+            proc.terminate()
+            await proc.wait()
+    first_ping = next(i for i, m in enumerate(messages) if "WATCHDOG=1" in m)
+    assert any("READY=1" in m for m in messages[:first_ping + 1])      # ready before (or with) the first ping
+    status = [line for line in messages[first_ping].split("\n") if line.startswith("STATUS=")]
+    assert status == ["STATUS=pool 0% used (0/16 blocks), swap 0/4; 0 worker(s); sequences: none"]
