@@ -27,6 +27,10 @@ from shared.notify import keep_watchdog, notify, watchdog_interval
 log = structlog.get_logger("inferd")
 
 
+class StartupError(RuntimeError):
+    """inferd cannot start as configured; the message says why in one line."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inferd", description="kvpool's inference worker.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -39,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     serve.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)")
@@ -55,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from inferd.metrics import InferdMetrics
     from inferd.service import InferdService, MemdLink
+    from shared.rpc import inferd_pb2
     from shared.rpc import inferd_pb2_grpc as pb_grpc
 
     if args.threads:
@@ -69,8 +81,27 @@ async def serve(args: argparse.Namespace) -> None:
         sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
+    metrics = None
+    if args.metrics_port:
+        metrics = InferdMetrics(link, asyncio.get_running_loop())
+        try:
+            metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
+                               f"{exc.strerror}") from None
     server = grpc.aio.server()
-    pb_grpc.add_InferdServicer_to_server(InferdService(link), server)
+    pb_grpc.add_InferdServicer_to_server(InferdService(link, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    inferd_service = inferd_pb2.DESCRIPTOR.services_by_name["Inferd"].full_name
+    reflection.enable_server_reflection([inferd_service, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+    async def attached(up: bool) -> None:
+        """Health follows the tie to memd: without it no request can be served."""
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", inferd_service):
+            await health_servicer.set(name, status)
+    link.on_attached = attached
     port = server.add_insecure_port(target)
     if sock_path is None and target.endswith(":0"):
         target = f"{target[:-2]}:{port}"
@@ -89,6 +120,8 @@ async def serve(args: argparse.Namespace) -> None:
     notify("STOPPING=1")
     if watchdog is not None:
         watchdog.cancel()
+    link.on_attached = None
+    await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5.0)
     linking.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -112,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     try:
         uvloop.run(serve(args))
-    except CheckpointError as exc:
+    except (CheckpointError, StartupError) as exc:
         print(f"inferd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -118,6 +118,7 @@ class Scheduler:
         self._unforked: list[Request] = []               # children whose Fork found no page: forked next step
         self._revoked: set[int] = set()                  # seq ids memd revoked, not yet preempted
         self._wanted = 0                                 # free blocks the head of the queue waits for
+        self.preemptions = 0
         client.on_revoke = self._on_revoke
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
@@ -294,6 +295,7 @@ class Scheduler:
         self.running.remove(request)
         request.preempted = True
         request.preemptions += 1
+        self.preemptions += 1
         self._preempting.append((request, Park(request.seq_id, append=request.tokens[request.told_tokens:],
                                                commit_to=request.computed, preempt=True)))
         request.told_tokens = len(request.tokens)

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import hashlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import structlog
 
 from inferd.checkpoint import ModelConfig, load_tokenizer, load_weights, read_config
+from inferd.metrics import InferdMetrics
 from inferd.model import PagedDecoder
 from inferd.sampling import BadParams, SamplingParams
 from inferd.scheduler import GenerationError, Request, Scheduler
@@ -53,6 +54,8 @@ class MemdLink:
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
         self.scheduler: Scheduler | None = None
         self.attached = asyncio.Event()
+        self.preemptions = 0                      # of schedulers gone with an earlier attachment
+        self.on_attached: Callable[[bool], Awaitable[None]] | None = None    # health status follows it
 
     async def run(self) -> None:
         backoff = 0.2
@@ -80,6 +83,8 @@ class MemdLink:
                               max_batch_tokens=self.max_batch_tokens)
         self.scheduler = scheduler
         self.attached.set()
+        if self.on_attached is not None:
+            await self.on_attached(True)
         log.info("attached to memd", worker=client.worker_id, blocks=client.geometry.num_blocks,
                  block_size=self.block_size, model=self.namespace)
         running = asyncio.create_task(scheduler.run())
@@ -89,6 +94,9 @@ class MemdLink:
         finally:
             self.attached.clear()
             self.scheduler = None
+            self.preemptions += scheduler.preemptions
+            if self.on_attached is not None:
+                await self.on_attached(False)
             running.cancel()
             lost.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -102,8 +110,9 @@ class MemdLink:
 
 
 class InferdService(pb_grpc.InferdServicer):
-    def __init__(self, link: MemdLink) -> None:
+    def __init__(self, link: MemdLink, metrics: InferdMetrics | None = None) -> None:
         self.link = link
+        self.metrics = metrics
 
     def _scheduler(self) -> Scheduler:
         if self.link.scheduler is None:
@@ -137,6 +146,8 @@ class InferdService(pb_grpc.InferdServicer):
         try:
             while remaining:
                 event = await request.events.get()
+                if self.metrics is not None and (event.error is not None or event.finish_reason is not None):
+                    self.metrics.finished(event)
                 if event.error is not None:
                     scheduler.cancel(request)       # n > 1: the other completions stop too
                     remaining = 0

@@ -139,6 +139,13 @@ async def test_bad_requests_get_invalid_argument(stack):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in e.value.details()
 
 
+async def health(daemon) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    async with grpc.aio.insecure_channel(daemon.address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, model_dir, tmp_path):
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
                               "--block-size", "16")
@@ -147,6 +154,7 @@ async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, mode
     await inferd.log.wait_for("lost memd; reconnecting")
     rc, _, err = await inferctl(inferd.address, "generate", "hello", "--max-tokens", "3")
     assert rc == 2 and "not attached to memd" in err
+    assert await health(inferd) == "NOT_SERVING"          # a load balancer sends its traffic elsewhere
 
     again = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
                                "--block-size", "16", "--listen", memd.address)
@@ -156,6 +164,7 @@ async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, mode
     async def reattached() -> bool:
         return sum(e.get("event") == "attached to memd" for e in inferd.log.events) == 2
     await wait_until(reattached)
+    assert await health(inferd) == "SERVING"
     rc, out, err = await inferctl(inferd.address, "generate", "hello", "--max-tokens", "3", "--ignore-eos", "--json")
     assert rc == 0, err
     assert len(json.loads(out)["token_ids"]) == 3
@@ -239,3 +248,31 @@ async def memctl(address: str, *args: str) -> tuple[int, str, str]:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
     return proc.returncode, out.decode(), err.decode()
+
+
+async def test_inferd_metrics_health_and_reflection(memd_factory, inferd_factory, model_dir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    from test_memd_observability import free_port, scrape
+
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    port = free_port()
+    inferd = await inferd_factory(model_dir, memd.address, "--metrics-port", str(port))
+    rc, _, err = await inferctl(inferd.address, "generate", "Count to ten.", "--max-tokens", "7", "--ignore-eos")
+    assert rc == 0, err
+    m = await asyncio.to_thread(scrape, port)
+    assert m['kvpool_inferd_requests_total{finish_reason="length"}'] == 1
+    assert m["kvpool_inferd_generated_tokens_total"] == 7 and m["kvpool_inferd_prompt_tokens_total"] > 0
+    assert m["kvpool_inferd_time_to_first_token_seconds_count"] == 1
+    assert m["kvpool_inferd_attached"] == 1 and m["kvpool_inferd_running_requests"] == 0
+    assert m["kvpool_inferd_preemptions_total"] == 0
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="kvpool.inferd.v1.Inferd"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+        await stream.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        names = {s.name for s in (await stream.read()).list_services_response.service}
+        await stream.done_writing()
+    assert "kvpool.inferd.v1.Inferd" in names

@@ -1,0 +1,78 @@
+"""inferd's Prometheus metrics: requests, tokens, TTFT/TPOT, preemptions, the batch.
+
+Finished requests are counted as they finish (`finished`). The batch's state
+lives on inferd's event loop, so a scrape reads it there, as memd's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from inferd.scheduler import Event
+    from inferd.service import MemdLink
+
+SCRAPE_TIMEOUT_S = 5.0
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class InferdMetrics(Collector):
+    def __init__(self, link: MemdLink, loop: asyncio.AbstractEventLoop) -> None:
+        self.link, self.loop = link, loop
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvpool_inferd_requests", "completions finished, by how they ended",
+                                ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("kvpool_inferd_prompt_tokens", "prompt tokens of finished completions",
+                                     registry=self.registry)
+        self.cached_tokens = Counter("kvpool_inferd_cached_prompt_tokens",
+                                     "prompt tokens reused from memd instead of computed", registry=self.registry)
+        self.generated_tokens = Counter("kvpool_inferd_generated_tokens", "tokens generated",
+                                        registry=self.registry)
+        self.ttft = Histogram("kvpool_inferd_time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kvpool_inferd_time_per_output_token_seconds", "mean time per token after the first",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+                              registry=self.registry)
+        self.registry.register(self)
+
+    def serve(self, port: int, host: str) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def finished(self, event: Event) -> None:
+        """One completion ended (its final event)."""
+        reason = "error" if event.error is not None else (event.finish_reason or "unknown")
+        self.requests.labels(reason).inc()
+        usage = event.usage or {}
+        self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        self.cached_tokens.inc(usage.get("cached_tokens", 0))
+        self.generated_tokens.inc(usage.get("completion_tokens", 0))
+        if usage.get("ttft_ms"):
+            self.ttft.observe(usage["ttft_ms"] / 1000)
+        if usage.get("tpot_ms"):
+            self.tpot.observe(usage["tpot_ms"] / 1000)
+
+    async def reading(self) -> dict[str, Any]:
+        scheduler = self.link.scheduler
+        return {
+            "attached": self.link.attached.is_set(),
+            "running": len(scheduler.running) if scheduler else 0,
+            "waiting": len(scheduler.waiting) if scheduler else 0,
+            "preemptions": self.link.preemptions + (scheduler.preemptions if scheduler else 0),
+        }
+
+    def collect(self) -> Iterator[Any]:
+        if not self.loop.is_running():
+            return
+        r = asyncio.run_coroutine_threadsafe(self.reading(), self.loop).result(SCRAPE_TIMEOUT_S)
+        yield GaugeMetricFamily("kvpool_inferd_attached", "1 while attached to memd", value=int(r["attached"]))
+        yield GaugeMetricFamily("kvpool_inferd_running_requests", "sequences in the batch", value=r["running"])
+        yield GaugeMetricFamily("kvpool_inferd_waiting_requests", "requests waiting for pages or a seat",
+                                value=r["waiting"])
+        yield CounterMetricFamily("kvpool_inferd_preemptions", "running sequences given up for memory",
+                                  value=r["preemptions"])
