@@ -22,13 +22,10 @@ from inferd.checkpoint import CheckpointError
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
 from shared.logs import configure
+from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
 
 log = structlog.get_logger("inferd")
-
-
-class StartupError(RuntimeError):
-    """inferd cannot start as configured; the message says why in one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,11 +81,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = None
     if args.metrics_port:
         metrics = InferdMetrics(link, asyncio.get_running_loop())
-        try:
-            metrics.serve(args.metrics_port, args.metrics_host)
-        except OSError as exc:
-            raise StartupError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
-                               f"{exc.strerror}") from None
+        metrics.serve(args.metrics_port, args.metrics_host)
     server = grpc.aio.server()
     pb_grpc.add_InferdServicer_to_server(InferdService(link, metrics), server)
     health_servicer = health.aio.HealthServicer()
@@ -145,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     try:
         uvloop.run(serve(args))
-    except (CheckpointError, StartupError) as exc:
+    except (CheckpointError, MetricsPortError) as exc:
         print(f"inferd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

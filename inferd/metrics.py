@@ -10,9 +10,11 @@ import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
     from inferd.scheduler import Event
@@ -42,7 +44,7 @@ class InferdMetrics(Collector):
         self.registry.register(self)
 
     def serve(self, port: int, host: str) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        serve_metrics(self.registry, host, port)
 
     def finished(self, event: Event) -> None:
         """One completion ended (its final event)."""

@@ -33,6 +33,7 @@ from memd.swap import allocate_swap
 from shared import address as addr
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
+from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
@@ -170,11 +171,7 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
                           generation=time.time_ns(), swap=swap)
     if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
         metrics = MemdMetrics(service, asyncio.get_running_loop())
-        try:
-            metrics.serve(args.metrics_port, args.metrics_host)
-        except OSError as exc:
-            raise StartupError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
-                               f"{exc.strerror}") from None
+        metrics.serve(args.metrics_port, args.metrics_host)
         service.step_seconds = metrics.step_seconds
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 << 20),
@@ -245,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         geometry = plan(args)
         uvloop.run(serve(args, geometry))
-    except (GeometryError, PoolMemoryError, StartupError) as exc:
+    except (GeometryError, PoolMemoryError, StartupError, MetricsPortError) as exc:
         print(f"memd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

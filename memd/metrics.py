@@ -13,9 +13,11 @@ import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
     from memd.service import MemdService
@@ -54,7 +56,7 @@ class MemdMetrics(Collector):
         self.registry.register(self)
 
     def serve(self, port: int, host: str) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        serve_metrics(self.registry, host, port)
 
     async def reading(self) -> dict[str, Any]:
         """One consistent reading of the pool, taken on the event loop."""
