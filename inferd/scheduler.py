@@ -306,11 +306,9 @@ class Scheduler:
         if not self._revoked:
             return
         forking = {parent.seq_id for parent, _, _ in self._forks}     # its children fork from it first
-        busy = {r.seq_id for r in self._inflight_requests()} | forking
         for request in [r for r in self.running if r.seq_id in self._revoked and r.seq_id not in forking]:
-            self._revoked.discard(request.seq_id)
             self._preempt(request)
-        self._revoked &= busy              # preempted next time; the others ended already
+        self._revoked &= forking           # preempted once forked; the others ended already
 
     def _fork_ops(self) -> tuple[list[tuple[str, Any, Op]], list[Request]]:
         """Forks of n > 1 requests go first in the Step, before anything frees their parent."""

@@ -93,9 +93,11 @@ class Evictor:
             out.append((seq, gain, worth))
         return out
 
-    def reclaimable(self, exclude: frozenset[int] = frozenset()) -> int:
+    def reclaimable(self, exclude: frozenset[int] = frozenset(),
+                    plan: list[tuple[Sequence, int, bool]] | None = None) -> int:
         """Blocks eviction could free: in-flight swap-outs plus every evictable parked sequence."""
-        return self.freeing_soon() + sum(gain for _, gain, _ in self.plan(time.monotonic(), exclude))
+        plan = plan if plan is not None else self.plan(time.monotonic(), exclude)
+        return self.freeing_soon() + sum(gain for _, gain, _ in plan)
 
     def freeing_soon(self) -> int:
         """Blocks the swap-outs in flight will free when their copies are done."""
@@ -180,11 +182,14 @@ class Evictor:
         return Evicted(dropped=[seq.seq_id], blocks_freed=freed)
 
     def make_room(self, blocks: int, *, reason: str, mode: str = "swap", exclude: frozenset[int] = frozenset(),
-                  count_in_flight: bool = True) -> Evicted:
-        """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free."""
+                  count_in_flight: bool = True, plan: list[tuple[Sequence, int, bool]] | None = None) -> Evicted:
+        """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free.
+
+        `plan`: one the caller already made (`plan`, with the same `exclude`), not made again.
+        """
         target = blocks - (self.freeing_soon() if count_in_flight else 0)
         done = Evicted()
-        for seq, gain, worth in self.plan(time.monotonic(), exclude):
+        for seq, gain, worth in plan if plan is not None else self.plan(time.monotonic(), exclude):
             if target <= 0:
                 break
             if worth and seq.state is SeqState.PARKED and seq.seq_id not in self.m.swap_jobs:

@@ -332,6 +332,10 @@ class KvManager:
         """Touches decayed by `heat_decay` per `heat_interval_s`: no timer per block."""
         return seq.heat * self.heat_decay ** (max(0.0, now - seq.heat_at) / self.heat_interval_s)
 
+    def swapped_blocks(self) -> int:
+        """Swap slots holding SWAPPED sequences' pages."""
+        return sum(len(seq.slots) for seq in self.seqs.values())
+
     def state_counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in SeqState}
         for seq in self.seqs.values():

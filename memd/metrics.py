@@ -65,7 +65,7 @@ class MemdMetrics(Collector):
         return {
             "total": m.geometry.num_blocks, "free": m.pool.num_free, "cached": m.pool.num_cached,
             "swap_total": swap.num_slots if swap else 0, "swap_free": swap.num_free if swap else 0,
-            "swapped": sum(len(s.slots) for s in m.seqs.values()),
+            "swapped": m.swapped_blocks(),
             "sequences": m.state_counts(), "workers": len(m.workers), "counters": dict(m.counters),
         }
 

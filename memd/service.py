@@ -117,9 +117,9 @@ class MemdService(pb_grpc.MemdServicer):
                                 f"worker {worker.worker_id} already holds a lease stream")
         worker.streaming = True
         outbox = self._outbox[worker.worker_id] = asyncio.Queue()
-        for seq_id in [s for s, _ in self.manager.revoked.items()
-                       if self.manager.seqs.get(s) is not None and self.manager.seqs[s].owner == worker.worker_id]:
-            outbox.put_nowait(_revocation(seq_id, self.manager.revoked[seq_id]))
+        for seq_id, mode in self.manager.revoked.items():          # revoked before the stream opened
+            if (seq := self.manager.seqs.get(seq_id)) is not None and seq.owner == worker.worker_id:
+                outbox.put_nowait(_revocation(seq_id, mode))
         reason = "stream broken"
         read: asyncio.Future | None = None
         down: asyncio.Future | None = None
@@ -208,10 +208,11 @@ class MemdService(pb_grpc.MemdServicer):
             except OpError as err:
                 if not isinstance(err.cause, PoolExhausted):
                     raise
-                short, named = err.cause.needed - err.cause.free, self._named(ops)
-                if self.manager.evictions.reclaimable(named) < short:
+                short, evictions = err.cause.needed - err.cause.free, self.manager.evictions
+                plan = evictions.plan(time.monotonic(), self._named(ops))
+                if evictions.reclaimable(plan=plan) < short:
                     raise          # evicting would lose cached KV and still not make room
-                evicted = self.manager.evictions.make_room(short, reason="pressure", exclude=named)
+                evicted = evictions.make_room(short, reason="pressure", plan=plan)
                 self._start(evicted)
                 self.manager.counters["steps_waited_for_room"] += 1
                 if self._swap_tasks:
@@ -342,7 +343,7 @@ class MemdService(pb_grpc.MemdServicer):
         swap = m.swap
         return pb.StatsReply(
             swap_total_blocks=swap.num_slots if swap else 0, swap_free_blocks=swap.num_free if swap else 0,
-            swapped_blocks=sum(len(s.slots) for s in m.seqs.values()),
+            swapped_blocks=m.swapped_blocks(),
             total_blocks=g.num_blocks, free_blocks=free, used_blocks=g.num_blocks - free,
             cached_blocks=m.pool.num_cached, block_bytes=g.block_bytes, pool_bytes=g.pool_bytes,
             workers=len(m.workers), sequences=m.state_counts(), counters=dict(m.counters),
