@@ -21,6 +21,7 @@ import uvloop
 from inferd.checkpoint import CheckpointError
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
+from shared.config import ConfigError, Layers, add_config_flags
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
@@ -28,7 +29,8 @@ from shared.notify import keep_watchdog, notify, watchdog_interval
 log = structlog.get_logger("inferd")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The whole command line, and `serve`'s part of it (the settings a config file may hold)."""
     p = argparse.ArgumentParser(prog="inferd", description="kvpool's inference worker.")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over memd's pool")
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    add_config_flags(serve, "INFERD")
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--arch", choices=sorted(ARCH_CLASSES), default="llama")
@@ -55,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--kv-heads", type=int, default=2)
     tiny.add_argument("--vocab", type=int, default=512)
     tiny.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    return p
+    return p, serve
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -125,7 +128,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser, serve_parser = build_parser()
+    layers = Layers(serve_parser, "INFERD")
+    args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
         try:
             out = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
@@ -134,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"inferd: {exc}", file=sys.stderr)
             return 1
         print(f"wrote a tiny {args.arch} checkpoint to {out}")
+        return 0
+    try:
+        layers.resolve(args)
+    except ConfigError as exc:
+        print(f"inferd: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(layers.render(args))
         return 0
     configure(args.log_level, args.log_format)
     try:

@@ -31,6 +31,7 @@ from memd.metrics import MemdMetrics
 from memd.service import MemdService
 from memd.swap import allocate_swap
 from shared import address as addr
+from shared.config import ConfigError, Layers, add_config_flags
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    add_config_flags(p, "MEMD")
     return p
 
 
@@ -237,7 +239,17 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    layers = Layers(parser, "MEMD")
+    args = parser.parse_args(argv)
+    try:
+        layers.resolve(args)
+    except ConfigError as exc:
+        print(f"memd: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(layers.render(args))
+        return 0
     configure(args.log_level, args.log_format)
     try:
         geometry = plan(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import stat
 import sys
 import urllib.request
 
@@ -107,3 +108,29 @@ async def test_under_a_watchdog_memd_pings_from_its_loop_with_the_pool_in_its_st
     assert any("READY=1" in m for m in messages[:first_ping + 1])      # ready before (or with) the first ping
     status = [line for line in messages[first_ping].split("\n") if line.startswith("STATUS=")]
     assert status == ["STATUS=pool 0% used (0/16 blocks), swap 0/4; 0 worker(s); sequences: none"]
+
+
+async def test_ready_comes_only_once_the_socket_answers_calls(tmp_path):
+    # systemd starts inferd@ units the moment memd says READY=1: by then a call must succeed on the
+    # first try, with no retry and no wait for the channel to become ready.
+    from shared.rpc import memd_pb2, memd_pb2_grpc
+    notify_path, sock = tmp_path / "notify", tmp_path / "m.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(str(notify_path))
+        listener.setblocking(False)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB",
+            "--listen", f"unix:{sock}", cwd=ROOT, stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
+        try:
+            loop = asyncio.get_running_loop()
+            while b"READY=1" not in (await asyncio.wait_for(loop.sock_recv(listener, 4096), 60)).split(b"\n"):
+                pass
+            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660      # the service group may connect
+            async with grpc.aio.insecure_channel(f"unix:{sock}") as channel:
+                reply = await memd_pb2_grpc.MemdStub(channel).Stats(memd_pb2.StatsRequest(), wait_for_ready=False,
+                                                                   timeout=10)
+            assert reply.total_blocks == 16
+        finally:
+            proc.terminate()
+            await proc.wait()

@@ -1,0 +1,63 @@
+"""The shipped systemd units, checked by systemd's own `systemd-analyze verify`.
+
+verify fails on a missing ExecStart binary but only warns on unknown keys or
+bad values, so every line it prints counts as a failure here. ExecStart is
+pointed at this checkout's installed scripts, as the install comment says.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+UNITS = ROOT / "systemd"
+ANALYZE = shutil.which("systemd-analyze")
+pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed (.ci/run installs it)")
+
+
+def verify(unit_dir: Path, *names: str) -> str:
+    """Everything systemd-analyze says about the units; empty when they are clean."""
+    proc = subprocess.run([ANALYZE, "verify", "--man=no", *names], cwd=unit_dir, capture_output=True,  # type: ignore[list-item]
+                          text=True, timeout=60)
+    said = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0 and not said:
+        said = f"exit code {proc.returncode}"
+    return said
+
+
+def installed(tmp_path: Path, edit: str = "") -> Path:
+    """The units with ExecStart at this venv's scripts, plus `edit` appended to [Service] of memd."""
+    bindir = Path(sys.executable).parent
+    for unit in UNITS.glob("*.service"):
+        text = unit.read_text().replace("/usr/local/bin/", f"{bindir}/")
+        if edit and unit.name == "memd.service":
+            text = text.replace("[Service]\n", f"[Service]\n{edit}\n")
+        (tmp_path / unit.name).write_text(text)
+    return tmp_path
+
+
+def test_the_units_verify_without_a_single_warning(tmp_path):
+    assert (Path(sys.executable).parent / "memd").exists(), "the package's scripts are not installed"
+    assert verify(installed(tmp_path), "memd.service", "inferd@llama.service") == ""
+
+
+def test_a_typo_in_a_unit_is_caught(tmp_path):
+    # The check above is only worth something if a warning-level mistake fails it.
+    assert "Unknown key" in verify(installed(tmp_path, "ProtectSytem=strict"), "memd.service")
+
+
+def test_the_units_run_hardened_as_the_kvpool_user():
+    for unit in ("memd.service", "inferd@.service"):
+        lines = set((UNITS / unit).read_text().splitlines())
+        for setting in ("Type=notify", "User=kvpool", "Group=kvpool", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                        "ProtectHome=yes", "PrivateTmp=yes", "CapabilityBoundingSet=", "UMask=0007"):
+            assert setting in lines, f"{unit} lacks {setting}"
+    memd = (UNITS / "memd.service").read_text()
+    assert "LimitMEMLOCK=infinity" in memd and "RuntimeDirectory=memd" in memd
+    inferd = (UNITS / "inferd@.service").read_text()
+    assert "BindsTo=memd.service" in inferd and "After=memd.service" in inferd
