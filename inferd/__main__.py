@@ -21,7 +21,7 @@ import uvloop
 from inferd.checkpoint import CheckpointError
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
-from shared.config import ConfigError, Layers, add_config_flags
+from shared.config import Layers, add_config_flags
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
@@ -140,14 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"wrote a tiny {args.arch} checkpoint to {out}")
         return 0
-    try:
-        layers.resolve(args)
-    except ConfigError as exc:
-        print(f"inferd: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        sys.stdout.write(layers.render(args))
-        return 0
+    if (done := layers.settle(args, "inferd")) is not None:
+        return done
     configure(args.log_level, args.log_format)
     try:
         uvloop.run(serve(args))

@@ -31,7 +31,7 @@ from memd.metrics import MemdMetrics
 from memd.service import MemdService
 from memd.swap import allocate_swap
 from shared import address as addr
-from shared.config import ConfigError, Layers, add_config_flags
+from shared.config import Layers, add_config_flags
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
@@ -242,14 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     layers = Layers(parser, "MEMD")
     args = parser.parse_args(argv)
-    try:
-        layers.resolve(args)
-    except ConfigError as exc:
-        print(f"memd: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        sys.stdout.write(layers.render(args))
-        return 0
+    if (done := layers.settle(args, "memd")) is not None:
+        return done
     configure(args.log_level, args.log_format)
     try:
         geometry = plan(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -74,6 +75,18 @@ class Layers:
                 setattr(args, dest, self.defaults[dest])
                 self.sources[dest] = "default"
         return args
+
+    def settle(self, args: argparse.Namespace, program: str) -> int | None:
+        """What a daemon's main() does with its layers: an exit code when it should stop here, else None."""
+        try:
+            self.resolve(args)
+        except ConfigError as exc:
+            print(f"{program}: {exc}", file=sys.stderr)
+            return 2
+        if args.print_config:
+            sys.stdout.write(self.render(args))
+            return 0
+        return None
 
     def render(self, args: argparse.Namespace) -> str:
         """The settings in effect as a TOML file that reproduces them, each with where it came from."""
