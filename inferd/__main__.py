@@ -92,12 +92,12 @@ async def serve(args: argparse.Namespace) -> None:
     inferd_service = inferd_pb2.DESCRIPTOR.services_by_name["Inferd"].full_name
     reflection.enable_server_reflection([inferd_service, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
-    async def attached(up: bool) -> None:
-        """Health follows the tie to memd: without it no request can be served."""
+    async def serving(up: bool) -> None:
+        """Health follows whether requests can be served: attached to memd and not draining."""
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", inferd_service):
             await health_servicer.set(name, status)
-    link.on_attached = attached
+    link.on_serving = serving
     port = server.add_insecure_port(target)
     if sock_path is None and target.endswith(":0"):
         target = f"{target[:-2]}:{port}"
@@ -116,7 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
     notify("STOPPING=1")
     if watchdog is not None:
         watchdog.cancel()
-    link.on_attached = None
+    link.on_serving = None
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5.0)
     linking.cancel()

@@ -63,6 +63,9 @@ class Event:
     index: int = 0                         # which of the request's n completions
 
 
+DRAINING = "this worker is draining (memctl drain): send the request to another worker"
+
+
 @dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
@@ -119,6 +122,7 @@ class Scheduler:
         self._revoked: set[int] = set()                  # seq ids memd revoked, not yet preempted
         self._wanted = 0                                 # free blocks the head of the queue waits for
         self.preemptions = 0
+        self.draining = False                            # an operator's drain: admit nothing new
         client.on_revoke = self._on_revoke
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
@@ -127,6 +131,8 @@ class Scheduler:
     # ---- the outside ---------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        if self.draining:
+            raise GenerationError("UNAVAILABLE", DRAINING)
         request.params.check()
         limit = self.model.config.max_position
         if len(request.prompt_ids) + request.params.max_tokens > limit:
@@ -145,6 +151,18 @@ class Scheduler:
             request.generator = torch.Generator().manual_seed(request.params.seed)
         self.waiting.append(request)
         self._wake.set()
+
+    def drain(self, on: bool) -> None:
+        """An operator's drain: requests that have not started fail (a balancer retries them elsewhere),
+        new ones are refused, and running ones finish — preempted ones too, as they were running."""
+        self.draining = on
+        if not on:
+            return
+        for request in [r for r in self.waiting if not r.preempted and not r.seq_id]:
+            self.waiting.remove(request)
+            request.done = True
+            request.events.put_nowait(Event([], "", usage=self.usage(request),
+                                            error=GenerationError("UNAVAILABLE", DRAINING), index=request.index))
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         request.cancel(reason)

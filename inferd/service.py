@@ -55,7 +55,8 @@ class MemdLink:
         self.scheduler: Scheduler | None = None
         self.attached = asyncio.Event()
         self.preemptions = 0                      # of schedulers gone with an earlier attachment
-        self.on_attached: Callable[[bool], Awaitable[None]] | None = None    # health status follows it
+        # Health follows whether requests can be served: attached to memd and not draining.
+        self.on_serving: Callable[[bool], Awaitable[None]] | None = None
 
     async def run(self) -> None:
         backoff = 0.2
@@ -83,8 +84,9 @@ class MemdLink:
                               max_batch_tokens=self.max_batch_tokens)
         self.scheduler = scheduler
         self.attached.set()
-        if self.on_attached is not None:
-            await self.on_attached(True)
+        client.on_drain = self._drained
+        if self.on_serving is not None:
+            await self.on_serving(True)
         log.info("attached to memd", worker=client.worker_id, blocks=client.geometry.num_blocks,
                  block_size=self.block_size, model=self.namespace)
         running = asyncio.create_task(scheduler.run())
@@ -95,8 +97,8 @@ class MemdLink:
             self.attached.clear()
             self.scheduler = None
             self.preemptions += scheduler.preemptions
-            if self.on_attached is not None:
-                await self.on_attached(False)
+            if self.on_serving is not None:
+                await self.on_serving(False)
             running.cancel()
             lost.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -107,6 +109,16 @@ class MemdLink:
             with contextlib.suppress(Exception):
                 await client.close()
         log.warning("lost memd; reconnecting")
+
+
+    def _drained(self, on: bool) -> None:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        scheduler.drain(on)
+        log.info("draining" if on else "drain ended: admitting requests again")
+        if self.on_serving is not None:
+            self._health = asyncio.ensure_future(self.on_serving(not on))
 
 
 class InferdService(pb_grpc.InferdServicer):

@@ -28,7 +28,7 @@ from memd.fdpass import FdServer
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
 from memd.metrics import MemdMetrics
-from memd.service import MemdService
+from memd.service import MemdService, RpcCounter
 from memd.swap import allocate_swap
 from shared import address as addr
 from shared.config import Layers, add_config_flags
@@ -175,7 +175,7 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
         metrics = MemdMetrics(service, asyncio.get_running_loop())
         metrics.serve(args.metrics_port, args.metrics_host)
         service.step_seconds = metrics.step_seconds
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[RpcCounter(service)], options=[
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 256 << 20),
         ("grpc.so_reuseport", 0),

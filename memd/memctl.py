@@ -1,43 +1,58 @@
-"""memctl: look inside a running memd.
+"""memctl: look inside a running memd, and steer it.
 
-Exit codes: 0 done; 1 the answer is bad news (check found violations) or the
-request was refused; 2 memd cannot be reached or the command line is wrong.
+Exit codes (also in `memctl --help`):
+  0  done
+  1  the answer is bad news or was refused: check found violations, drain timed
+     out with sequences still running, memd refused the request
+  2  memd cannot be reached, a file cannot be read, or the command line is wrong
+  130 interrupted
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import io
-import json
 import sys
-from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
+import shtab
 
+from memd import snapshots, views
 from shared import address as addr
 from shared.client import MemdAdmin, MemdError
-from shared.sizes import format_size
 
-SNAPSHOT_COLUMNS = ["block_id", "ref_count", "last_access", "seq_id", "state", "heat", "owner"]
-STATE_ORDER = ["running", "parked", "swapped", "dropped"]
-EVICTION_REASONS = ("idle", "pressure", "forced")
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+STATES = ["running", "parked", "swapped", "dropped"]
+EXIT_CODES = """exit codes:
+  0    done
+  1    bad news or refused: check found violations, a drain timed out, memd refused
+  2    memd unreachable, a file unreadable, or a wrong command line
+  130  interrupted"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memctl", description="Inspect and steer a running memd.")
+    p = argparse.ArgumentParser(prog="memctl", description="Inspect and steer a running memd.", epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", help="memd address (default: $MEMD_ADDRESS, else the per-user socket)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for memd (default: 10)")
-    sub = p.add_subparsers(dest="command", required=True)
-    stats = sub.add_parser("stats", help="pool usage, sequences by state, workers")
-    stats.add_argument("--json", action="store_true", help="one JSON object")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print one JSON document")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("stats", parents=[as_json], help="pool usage, sequences by state, workers, counters")
     snap = sub.add_parser("snapshot", help="every block: ref count, last access, sequences, state, heat, owner")
-    snap.add_argument("--format", choices=["csv", "json"], default="csv")
-    snap.add_argument("-o", "--output", help="write to this file instead of stdout")
-    evict = sub.add_parser("evict", help="free pages now: swap out or drop sequences (their token ids stay)",
+    snap.add_argument("--format", choices=["csv", "json", "msgpack"], default="csv",
+                      help="csv: the block table; json, msgpack: blocks, sequences and workers (for memctl diff)")
+    snap.add_argument("-o", "--output", help="write to this file instead of stdout").complete = shtab.FILE
+    diff = sub.add_parser("diff", parents=[as_json], help="what changed between two snapshots: orphaned blocks, "
+                                                          "growth, sequences held but untouched")
+    diff.add_argument("before").complete = shtab.FILE
+    diff.add_argument("after").complete = shtab.FILE
+    sub.add_parser("workers", parents=[as_json], help="attached workers: running sequences, drain, last heartbeat")
+    seqs = sub.add_parser("sequences", parents=[as_json], help="sequences with their state, owner, size and heat")
+    seqs.add_argument("--state", choices=STATES)
+    seqs.add_argument("--worker", type=int, metavar="ID", help="only those running on this worker")
+    evict = sub.add_parser("evict", parents=[as_json],
+                           help="free pages now: swap out or drop sequences (their token ids stay)",
                            description="A running sequence is revoked: its worker preempts it, then memd "
                                        "swaps or drops it and the worker recomputes or swaps it back in later.")
     target = evict.add_mutually_exclusive_group(required=True)
@@ -51,116 +66,101 @@ def build_parser() -> argparse.ArgumentParser:
                       help="copy pages to the host swap tier (the default; drops when swap is off or full)")
     mode.add_argument("--drop", dest="mode", action="store_const", const="drop",
                       help="release pages outright; a resume recomputes")
-    sub.add_parser("check", help="verify the invariants; exit 1 listing violations")
+    drain = sub.add_parser("drain", parents=[as_json], help="stop admitting requests, wait for running ones to end",
+                           description="Workers refuse new requests (UNAVAILABLE, so a balancer retries elsewhere) "
+                                       "and finish the running ones; the drain lasts until --undo or the worker "
+                                       "re-attaches. Exit 0 once nothing runs, 1 if --wait passes first.")
+    drain.add_argument("--worker", type=int, metavar="ID", help="one worker (default: every worker, and new ones)")
+    drain.add_argument("--wait", type=float, default=300.0, metavar="SECONDS",
+                       help="wait this long for running sequences to end (default: 300; 0: do not wait)")
+    drain.add_argument("--undo", action="store_true", help="end the drain: admit requests again")
+    sub.add_parser("check", parents=[as_json], help="verify the invariants; exit 1 listing violations")
+    top = sub.add_parser("top", help="a live view: pool, swap, sequences, workers, hot and cold sequences, RPC rate")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    completion = sub.add_parser("completion", help="print a shell completion script",
+                                description="bash: memctl completion bash > /etc/bash_completion.d/memctl\n"
+                                            "zsh:  memctl completion zsh > \"${fpath[1]}/_memctl\"",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    completion.add_argument("shell", choices=["bash", "zsh", "tcsh"])
     return p
 
 
-def stats_dict(reply: Any) -> dict[str, Any]:
-    data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    for key in ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes",
-                "generation", "bytes_per_token", "swap_total_blocks", "swap_free_blocks", "swapped_blocks"):
-        data[key] = int(data[key])      # protobuf's JSON form writes 64-bit ints as strings
-    order = {state: i for i, state in enumerate(STATE_ORDER)}
-    data["sequences"] = {k: int(v) for k, v in sorted(data["sequences"].items(), key=lambda kv: order.get(kv[0], 99))}
-    counters = {k: int(v) for k, v in sorted(data["counters"].items())}
-    for key in ("swap_outs", "swap_ins", "drops", "preemptions"):
-        counters.setdefault(key, 0)
-    counters["evictions"] = {reason: counters.pop(f"evictions_{reason}", 0) for reason in EVICTION_REASONS}
-    data["counters"] = counters
-    return data
-
-
-def render_stats(data: dict[str, Any]) -> str:
-    total = data["total_blocks"] or 1
-    lines = [
-        f"pool      {format_size(data['pool_bytes'])} on {data['device']} ({data['backend']}), "
-        f"{data['total_blocks']} blocks of {format_size(data['block_bytes'])}",
-        f"used      {data['used_blocks']} blocks ({100 * data['used_blocks'] / total:.1f}%), "
-        f"free {data['free_blocks']} (of which {data['cached_blocks']} hold cached prefixes)",
-        f"workers   {data['workers']}",
-        "sequences " + ", ".join(f"{k} {v}" for k, v in data["sequences"].items()),
-    ]
-    c = data["counters"]
-    if data["swap_total_blocks"]:
-        lines.append(f"swap      {data['swapped_blocks']} of {data['swap_total_blocks']} blocks hold swapped "
-                     f"sequences, {data['swap_free_blocks']} free")
-    else:
-        lines.append("swap      off")
-    lines.append(f"pressure  swap-outs {c['swap_outs']}, swap-ins {c['swap_ins']}, drops {c['drops']}, "
-                 f"preemptions {c['preemptions']}; evictions " +
-                 ", ".join(f"{reason} {n}" for reason, n in c["evictions"].items()))
-    rest = {k: v for k, v in c.items() if k not in ("swap_outs", "swap_ins", "drops", "preemptions", "evictions")}
-    if rest:
-        lines.append("counters  " + ", ".join(f"{k} {v}" for k, v in rest.items()))
-    return "\n".join(lines)
-
-
-def snapshot_rows(reply: Any) -> list[dict[str, Any]]:
-    rows = []
-    for b in reply.blocks:
-        rows.append({
-            "block_id": b.block_id, "ref_count": b.ref_count, "last_access": round(b.last_access, 6),
-            "seq_id": ";".join(map(str, b.seq_ids)) if b.seq_ids else -1, "state": b.state,
-            "heat": round(b.heat, 4), "owner": ";".join(map(str, b.owners)) if b.owners else "",
-        })
-    return rows
-
-
-def render_snapshot(reply: Any, fmt: str) -> str:
-    rows = snapshot_rows(reply)
-    if fmt == "json":
-        doc = MessageToDict(reply, preserving_proto_field_name=True)
-        doc["blocks"] = rows
-        return json.dumps(doc, indent=1) + "\n"
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=SNAPSHOT_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return out.getvalue()
-
-
-def render_evicted(reply: Any) -> str:
-    if not reply.seq_ids:
-        return "evicted nothing: no sequence matched (or all were already swapped or dropped)"
-    parts = []
-    for label, ids in (("swapped out", reply.swapped), ("dropped", reply.dropped),
-                       ("revoked (running; their workers give them up)", reply.revoked)):
-        if ids:
-            parts.append(f"{label} {', '.join(map(str, ids))}")
-    return f"{'; '.join(parts)}: {reply.blocks_freed} block(s) freed"
+def show(args: argparse.Namespace, data: object, text: str) -> None:
+    print(views.as_json(data) if getattr(args, "json", False) else text)
 
 
 async def run(args: argparse.Namespace) -> int:
     async with MemdAdmin(args.address, timeout_s=args.timeout) as admin:
         if args.command == "stats":
-            data = stats_dict(await admin.stats())
-            print(json.dumps(data) if args.json else render_stats(data))
+            data = views.stats_dict(await admin.stats())
+            show(args, data, views.render_stats(data))
         elif args.command == "snapshot":
-            text = render_snapshot(await admin.snapshot(), args.format)
-            if args.output:
-                with open(args.output, "w") as f:
-                    f.write(text)
+            reply = await admin.snapshot()
+            if args.format == "csv":
+                blob = views.snapshot_csv(reply).encode()
             else:
-                sys.stdout.write(text)
+                blob = snapshots.encode(snapshots.document(reply), args.format)
+            if args.output:
+                with open(args.output, "wb") as f:
+                    f.write(blob)
+            else:
+                sys.stdout.buffer.write(blob)
+        elif args.command == "workers":
+            rows = views.workers_list(await admin.snapshot(blocks=False))
+            show(args, rows, views.render_workers(rows))
+        elif args.command == "sequences":
+            reply = await admin.snapshot(blocks=False, state=args.state or "", worker_id=args.worker or 0)
+            rows = views.sequences_list(reply)
+            show(args, rows, views.render_sequences(rows))
         elif args.command == "evict":
             reply = await admin.evict(seq_id=args.seq, session_id=args.session, idle_s=args.idle, blocks=args.blocks,
                                       worker_id=args.worker, mode=args.mode or "swap")
-            print(render_evicted(reply))
+            data = views.evicted_dict(reply)
+            show(args, data, views.render_evicted(data))
+        elif args.command == "drain":
+            data = views.drained_dict(await admin.drain(args.worker or 0, undo=args.undo, wait_s=args.wait),
+                                      args.undo)
+            show(args, data, views.render_drained(data, args.worker or 0))
+            return 0 if data["undone"] or data["drained"] else 1
         elif args.command == "check":
             reply = await admin.check()
+            show(args, {"ok": reply.ok, "violations": list(reply.violations)},
+                 "check: ok" if reply.ok else "\n".join(reply.violations))
             if not reply.ok:
-                for violation in reply.violations:
-                    print(violation)
                 print(f"check: {len(reply.violations)} violation(s)", file=sys.stderr)
                 return 1
-            print("check: ok")
+        elif args.command == "top":
+            from memd.top import top
+            await top(admin, args.interval, args.once)
     return 0
+
+
+def offline(args: argparse.Namespace) -> int | None:
+    """Commands that need no memd; None for those that do."""
+    if args.command == "completion":
+        print(shtab.complete(build_parser(), shell=args.shell))
+        return 0
+    if args.command == "diff":
+        before, after = snapshots.load(args.before), snapshots.load(args.after)
+        data = snapshots.diff(before, after)
+        show(args, data, snapshots.render(data))
+        return 0
+    if args.command == "snapshot" and args.format == "msgpack" and not args.output and sys.stdout.isatty():
+        print("memctl: msgpack is binary: give -o FILE or redirect the output", file=sys.stderr)
+        return 2
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if (done := offline(args)) is not None:
+            return done
         return asyncio.run(run(args))
+    except snapshots.SnapshotError as err:
+        print(f"memctl: {err}", file=sys.stderr)
+        return 2
     except MemdError as err:
         if err.code in UNREACHABLE:
             print(f"memctl: memd is not reachable at {addr.resolve(args.address)}: {err.message}",
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memctl: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 130
+        return 0 if args.command == "top" else 130
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ class MemdMetrics(Collector):
             "swap_total": swap.num_slots if swap else 0, "swap_free": swap.num_free if swap else 0,
             "swapped": m.swapped_blocks(),
             "sequences": m.state_counts(), "workers": len(m.workers), "counters": dict(m.counters),
+            "rpcs": dict(self.service.rpcs),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -98,3 +99,7 @@ class MemdMetrics(Collector):
         for reason in EVICTION_REASONS:
             evictions.add_metric([reason], counters.get(f"evictions_{reason}", 0))
         yield evictions
+        rpcs = CounterMetricFamily("kvpool_memd_rpcs", "gRPC calls received, by method", labels=["method"])
+        for method, count in sorted(r["rpcs"].items()):
+            rpcs.add_metric([method], count)
+        yield rpcs

@@ -81,6 +81,11 @@ class MemdService(pb_grpc.MemdServicer):
         self._swap_tasks: set[asyncio.Task[bool]] = set()
         self._pressure = asyncio.Event()
         self.step_seconds: Histogram | None = None         # Prometheus, when --metrics-port is on
+        self.rpcs: Counter[str] = Counter()                 # calls per method (RpcCounter counts them)
+        # Drains: of every worker (new ones included), or of some. Drain waits on _activity.
+        self.drain_all = False
+        self.draining: set[int] = set()
+        self._activity: asyncio.Event | None = None
 
     # ---- workers -------------------------------------------------------
 
@@ -120,6 +125,8 @@ class MemdService(pb_grpc.MemdServicer):
         for seq_id, mode in self.manager.revoked.items():          # revoked before the stream opened
             if (seq := self.manager.seqs.get(seq_id)) is not None and seq.owner == worker.worker_id:
                 outbox.put_nowait(_revocation(seq_id, mode))
+        if self.is_draining(worker.worker_id):
+            outbox.put_nowait(pb.SessionDown(event="drain", reason="memd is draining"))
         reason = "stream broken"
         read: asyncio.Future | None = None
         down: asyncio.Future | None = None
@@ -156,6 +163,8 @@ class MemdService(pb_grpc.MemdServicer):
         if worker_id not in self.manager.workers:
             return
         parked, freed = self.manager.reclaim(worker_id)
+        self.draining.discard(worker_id)
+        self._settled()
         log.info("worker reclaimed", worker=worker_id, reason=reason, parked=parked, freed=freed)
 
     async def reap_expired(self) -> None:
@@ -191,6 +200,7 @@ class MemdService(pb_grpc.MemdServicer):
         results = [result_to_proto(r) for r in outcome.results]
         # The Step is committed: what follows must finish even if the client cancels or its deadline passes.
         await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome, results)))
+        self._settled()
         m = self.manager
         wanted = min(request.wanted_blocks, m.pool.num_blocks) - m.pool.num_free
         if wanted > 0:
@@ -334,6 +344,25 @@ class MemdService(pb_grpc.MemdServicer):
         self._swapper.shutdown(wait=True)
         self._copier.shutdown(wait=True)
 
+    def _settled(self) -> None:
+        """Sequences changed state: wake whoever waits for that (a drain)."""
+        if self._activity is not None:
+            self._activity.set()
+            self._activity = None
+
+    async def _changes(self, timeout_s: float) -> None:
+        if self._activity is None:
+            self._activity = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._activity.wait(), timeout_s)
+
+    def is_draining(self, worker_id: int) -> bool:
+        return self.drain_all or worker_id in self.draining
+
+    def _running_on(self, worker_ids: list[int]) -> int:
+        owners = set(worker_ids)
+        return sum(1 for s in self.manager.seqs.values() if s.state is SeqState.RUNNING and s.owner in owners)
+
     # ---- admin ---------------------------------------------------------
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
@@ -349,7 +378,7 @@ class MemdService(pb_grpc.MemdServicer):
             workers=len(m.workers), sequences=m.state_counts(), counters=dict(m.counters),
             backend=self.memory.backend, device=self.memory.device, generation=self.generation,
             uptime_s=time.monotonic() - self.started, bytes_per_token=g.bytes_per_token,
-            block_size=g.block_size)
+            block_size=g.block_size, rpcs=dict(self.rpcs), draining=self.drain_all)
 
     async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotReply:
         log.debug("rpc", method="Snapshot")
@@ -359,7 +388,7 @@ class MemdService(pb_grpc.MemdServicer):
             for block in seq.block_ids:
                 holders.setdefault(block, []).append(seq)
         blocks = []
-        for block in range(m.pool.num_blocks):
+        for block in range(0 if request.skip_blocks else m.pool.num_blocks):
             seqs = holders.get(block, [])
             if seqs:
                 state = ",".join(sorted({s.state.value for s in seqs}))
@@ -374,10 +403,12 @@ class MemdService(pb_grpc.MemdServicer):
                                owner=s.owner or 0, num_committed=s.num_committed, num_tokens=len(s.token_ids),
                                block_ids=s.block_ids, model=s.model, last_access=s.last_access,
                                heat=m.heat(s, now), swapped_blocks=len(s.slots))
-                     for s in m.seqs.values()]
+                     for s in m.seqs.values()
+                     if (not request.state or s.state.value == request.state)
+                     and (not request.worker_id or (s.owner == request.worker_id and s.state is SeqState.RUNNING))]
         workers = [pb.WorkerRow(worker_id=w.worker_id, name=w.name, pid=w.pid, model=w.model,
                                 block_size=w.block_size, last_seen=w.last_seen,
-                                running=sum(1 for s in m.seqs.values() if s.owner == w.worker_id))
+                                running=self._running_on([w.worker_id]), draining=self.is_draining(w.worker_id))
                    for w in m.workers.values()]
         return pb.SnapshotReply(taken_at=now, block_bytes=m.geometry.block_bytes, blocks=blocks,
                                 sequences=sequences, workers=workers)
@@ -410,3 +441,47 @@ class MemdService(pb_grpc.MemdServicer):
         violations = self.manager.violations()
         log.debug("rpc", method="Check", violations=len(violations))
         return pb.CheckReply(ok=not violations, violations=violations)
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainReply:
+        m, worker_id = self.manager, request.worker_id
+        if worker_id and worker_id not in m.workers:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {worker_id} is attached (memctl workers)")
+        if not 0 <= request.wait_s < float("inf"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be a finite number of seconds "
+                                                                  f"from 0, not {request.wait_s}")
+        if request.undo and worker_id and self.drain_all:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "every worker is draining: end that drain first (memctl drain --undo)")
+        targets = [worker_id] if worker_id else list(m.workers)
+        if request.undo:
+            if worker_id:
+                self.draining.discard(worker_id)
+            else:
+                self.drain_all = False
+                self.draining.clear()
+        elif worker_id:
+            self.draining.add(worker_id)
+        else:
+            self.drain_all = True
+        event = "undrain" if request.undo else "drain"
+        for target in targets:
+            if (outbox := self._outbox.get(target)) is not None:
+                outbox.put_nowait(pb.SessionDown(event=event, reason=f"an operator asked (memctl drain): {event}"))
+        log.info(event, worker=worker_id or "all", running=self._running_on(targets))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.wait_s
+        while not request.undo and self._running_on(targets) and (left := deadline - loop.time()) > 0:
+            await self._changes(left)
+        draining = sorted(w for w in m.workers if self.is_draining(w))
+        return pb.DrainReply(worker_ids=draining, running=self._running_on(targets))
+
+
+class RpcCounter(grpc.aio.ServerInterceptor):
+    """Counts calls per method as they arrive: memctl top's RPC rate, kvpool_memd_rpcs_total."""
+
+    def __init__(self, service: MemdService) -> None:
+        self.rpcs = service.rpcs
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        self.rpcs[details.method.rpartition("/")[2]] += 1
+        return await continuation(details)

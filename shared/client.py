@@ -98,6 +98,8 @@ class MemdClient:
         self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
         # Called with (seq_id, reason) for each sequence memd revokes.
         self.on_revoke: Callable[[int, str], None] = lambda seq_id, reason: None
+        # An operator's drain (True) or its end (False): stop or resume admitting requests.
+        self.on_drain: Callable[[bool], None] = lambda draining: None
 
     @classmethod
     async def attach(cls, address: str | None = None, *, model: str = "default", block_size: int = 0,
@@ -154,6 +156,12 @@ class MemdClient:
                         self.on_revoke(down.seq_id, down.reason)
                     except Exception:       # the lease outlives a bad callback
                         log.exception("on_revoke failed", seq=down.seq_id)
+                elif down.event in ("drain", "undrain"):
+                    log.info(f"memd says {down.event}", reason=down.reason)
+                    try:
+                        self.on_drain(down.event == "drain")
+                    except Exception:
+                        log.exception("on_drain failed")
             if self._closing:
                 return                  # memd read our goodbye and ended the stream
             if self._beats.done() and not self._beats.cancelled():
@@ -254,8 +262,18 @@ class MemdAdmin:
     async def stats(self) -> pb.StatsReply:
         return await self._call("Stats", pb.StatsRequest())  # type: ignore[return-value]
 
-    async def snapshot(self) -> pb.SnapshotReply:
-        return await self._call("Snapshot", pb.SnapshotRequest())  # type: ignore[return-value]
+    async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0) -> pb.SnapshotReply:
+        """Every block, sequence and worker; `blocks=False` leaves the blocks out, the rest filter sequences."""
+        request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id)
+        return await self._call("Snapshot", request)  # type: ignore[return-value]
+
+    async def drain(self, worker_id: int = 0, *, undo: bool = False, wait_s: float = 0.0) -> pb.DrainReply:
+        """Stop (or, with `undo`, resume) admitting on a worker, or all; wait up to `wait_s` for RUNNING to end."""
+        request = pb.DrainRequest(worker_id=worker_id, undo=undo, wait_s=wait_s)
+        try:
+            return await self._stub.Drain(request, timeout=self._timeout + wait_s)
+        except grpc.aio.AioRpcError as err:
+            raise MemdError.from_rpc(err) from None
 
     async def evict(self, seq_id: int | None = None, session_id: str | None = None, *, idle_s: float | None = None,
                     blocks: int | None = None, worker_id: int | None = None, mode: str = "swap") -> pb.EvictReply:

@@ -97,7 +97,7 @@ async def test_a_client_that_goes_away_leaves_nothing_running(stack, session):
     memd, inferd = stack
     async with grpc.aio.insecure_channel(inferd.address) as channel:
         call = pb_grpc.InferdStub(channel).Generate(pb.GenerateRequest(
-            prompt="The quick brown fox", max_tokens=3000, ignore_eos=True, session_id=session or ""))
+            prompt="The quick brown fox", max_tokens=2000, ignore_eos=True, session_id=session or ""))
         first = await call.read()
         assert first.token_ids
         call.cancel()
@@ -115,7 +115,7 @@ async def test_a_deadline_ends_the_request_and_parks_nothing_running(stack):
     async with grpc.aio.insecure_channel(inferd.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in pb_grpc.InferdStub(channel).Generate(
-                    pb.GenerateRequest(prompt="Once upon a time", max_tokens=3000, ignore_eos=True), timeout=1.0):
+                    pb.GenerateRequest(prompt="Once upon a time", max_tokens=2000, ignore_eos=True), timeout=1.0):
                 pass
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -276,3 +276,41 @@ async def test_inferd_metrics_health_and_reflection(memd_factory, inferd_factory
         names = {s.name for s in (await stream.read()).list_services_response.service}
         await stream.done_writing()
     assert "kvpool.inferd.v1.Inferd" in names
+
+
+async def test_a_drain_refuses_new_requests_lets_running_ones_finish_and_undo_ends_it(stack):
+    memd, inferd = stack
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        long = pb_grpc.InferdStub(channel).Generate(pb.GenerateRequest(prompt="Tell me everything.", max_tokens=2000,
+                                                                       ignore_eos=True))
+        tokens = list((await long.read()).token_ids)          # it runs
+        rc, out, _ = await memctl(memd.address, "drain", "--wait", "0", "--json")
+        assert rc == 1                                        # still running: not drained yet
+        report = json.loads(out)
+        assert report["running"] == 1 and report["drained"] is False and len(report["draining"]) == 1
+
+        async def not_serving() -> bool:
+            return await health(inferd) == "NOT_SERVING"
+        await wait_until(not_serving)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(channel, "Someone new.", 4)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        tokens += (await long.read()).token_ids               # the running request goes on
+        waiting = asyncio.create_task(memctl(memd.address, "drain", "--wait", "120"))
+        while (reply := await long.read()) is not grpc.aio.EOF:
+            tokens += reply.token_ids
+        assert len(tokens) == 2000
+        rc, out, err = await waiting
+        assert rc == 0, err
+        assert out.startswith("every worker drained: nothing running")
+        rc, out, _ = await memctl(memd.address, "workers", "--json")
+        assert [w["draining"] for w in json.loads(out)] == [True]
+        rc, out, _ = await memctl(memd.address, "drain", "--undo")
+        assert rc == 0 and out.strip() == "every worker admits requests again"
+
+        async def serving() -> bool:
+            return await health(inferd) == "SERVING"
+        await wait_until(serving)
+        assert len(await generate(channel, "Someone new.", 4)) == 4
+    rc, _, err = await memctl(memd.address, "drain", "--worker", "999")
+    assert rc == 1 and err.strip() == "memctl: not found: no worker 999 is attached (memctl workers)"

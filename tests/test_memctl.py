@@ -140,3 +140,103 @@ async def test_memctl_without_memd_says_so_in_one_line(tmp_path):
         assert rc == 2, command
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
         assert err.startswith(f"memctl: memd is not reachable at {address}")
+
+
+async def test_workers_and_sequences_list_what_memd_holds(memd):
+    await park_a_session(memd, "parked-one")
+    async with await MemdClient.attach(memd.address, block_size=BS, name="inferd@a") as a, \
+            await MemdClient.attach(memd.address, block_size=BS, name="inferd@b") as b:
+        mine, = await a.step(Open(list(range(20)), session_id="live"))
+        theirs, = await b.step(Open(list(range(100, 110))))
+        rc, out, _ = await memctl("--address", memd.address, "workers", "--json")
+        assert rc == 0
+        workers = json.loads(out)
+        assert [(w["worker_id"], w["name"], w["running"], w["draining"]) for w in workers] == [
+            (a.worker_id, "inferd@a", 1, False), (b.worker_id, "inferd@b", 1, False)]
+        rc, out, _ = await memctl("--address", memd.address, "sequences", "--state", "running", "--json")
+        assert sorted(s["seq_id"] for s in json.loads(out)) == [mine.seq_id, theirs.seq_id]
+        rc, out, _ = await memctl("--address", memd.address, "sequences", "--worker", str(a.worker_id), "--json")
+        rows = json.loads(out)
+        assert [(s["seq_id"], s["session_id"], s["blocks"], s["owner"]) for s in rows] == [
+            (mine.seq_id, "live", 2, a.worker_id)]
+        rc, out, _ = await memctl("--address", memd.address, "sequences")
+        lines = out.splitlines()
+        assert lines[0].split() == ["seq_id", "session_id", "state", "owner", "num_tokens", "blocks",
+                                    "swapped_blocks", "heat", "idle_s"]
+        assert len(lines) == 4 and any("parked-one" in line and "parked" in line for line in lines)
+        rc, out, _ = await memctl("--address", memd.address, "workers")
+        assert "inferd@a" in out and "inferd@b" in out
+    rc, out, _ = await memctl("--address", memd.address, "workers")
+    assert rc == 0 and out.strip() == "no worker attached"
+    rc, out, _ = await memctl("--address", memd.address, "sequences", "--state", "swapped")
+    assert rc == 0 and out.strip() == "no sequence matches"
+
+
+async def test_diff_of_two_snapshots_finds_the_sequence_that_holds_pages_untouched(memd, tmp_path):
+    # The seed's seq_7782 (§5.3): a session whose "/reset" never freed it holds its pages,
+    # untouched, while everything else moves on. Two snapshots and a diff name it.
+    forgotten = await park_a_session(memd, "forgotten", tokens=64)
+    before, after = tmp_path / "before.msgpack", tmp_path / "after.json"
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        busy, = await client.step(Open(list(range(500, 520)), session_id="busy"))
+        await client.step(Extend(busy.seq_id, commit_to=20))
+        rc, _, err = await memctl("--address", memd.address, "snapshot", "--format", "msgpack", "-o", str(before))
+        assert rc == 0, err
+        await client.step(Extend(busy.seq_id, list(range(520, 560))))                  # it grows
+        await client.step(Extend(busy.seq_id, commit_to=60))
+        fresh, = await client.step(Open(list(range(900, 917)), session_id="fresh"))
+        rc, _, err = await memctl("--address", memd.address, "snapshot", "--format", "json", "-o", str(after))
+        assert rc == 0, err
+    rc, out, err = await memctl("diff", str(before), str(after), "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["untouched"] == [{"seq_id": forgotten, "session_id": "forgotten", "state": "parked", "blocks": 4,
+                               "idle_s": d["untouched"][0]["idle_s"]}]
+    assert d["grew"] == [{"seq_id": busy.seq_id, "session_id": "busy", "state": "running", "blocks": [2, 4]}]
+    assert [a["seq_id"] for a in d["appeared"]] == [fresh.seq_id] and d["gone"] == []
+    assert d["orphaned_blocks"] == [] and d["used_blocks"] == [6, 10]
+    rc, out, _ = await memctl("diff", str(before), str(after))
+    assert "orphaned blocks (held by no sequence): 0" in out
+    assert f"seq {forgotten} (session forgotten): parked, 4 block(s)" in out
+    assert f"seq {busy.seq_id} (session busy): running, 2 -> 4 blocks" in out
+
+
+async def test_diff_refuses_what_is_not_a_snapshot_in_one_line(memd, tmp_path):
+    table = tmp_path / "blocks.csv"
+    rc, _, _ = await memctl("--address", memd.address, "snapshot", "-o", str(table))
+    assert rc == 0
+    rc, out, err = await memctl("diff", str(table), str(table))
+    assert rc == 2 and out == ""
+    assert err.strip() == (f"memctl: {table} is not a kvpool snapshot of format 1 (a CSV snapshot has no "
+                           "sequences: take it with --format json or msgpack)")
+    rc, _, err = await memctl("diff", str(tmp_path / "none"), str(table))
+    assert rc == 2 and err.strip() == f"memctl: cannot read {tmp_path / 'none'}: No such file or directory"
+
+
+async def test_top_once_shows_pool_workers_heat_and_rpc_rates(memd):
+    await park_a_session(memd, "cold")
+    async with await MemdClient.attach(memd.address, block_size=BS, name="inferd@top"):
+        rc, out, err = await memctl("--address", memd.address, "top", "--once", "--interval", "0.3",
+                                    env={"COLUMNS": "120"})
+    assert rc == 0, err
+    assert "pool" in out and "64 blocks" in out.replace("/64 blocks", " 64 blocks")
+    assert "calls per second" in out and "Stats" in out and "Snapshot" in out
+    assert "inferd@top" in out
+    assert "coldest parked" in out and "cold" in out
+
+
+def test_completion_scripts_know_the_commands():
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "memd.memctl", "completion", "bash"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    for command in ("stats", "snapshot", "diff", "workers", "sequences", "evict", "drain", "check", "top"):
+        assert command in out
+    assert "--state" in out and "running" in out
+
+
+async def test_evict_and_check_answer_in_json_too(memd):
+    seq_id = await park_a_session(memd)
+    rc, out, _ = await memctl("--address", memd.address, "evict", "--seq", str(seq_id), "--drop", "--json")
+    assert rc == 0 and json.loads(out) == {"swapped": [], "dropped": [seq_id], "revoked": [], "blocks_freed": 3}
+    rc, out, _ = await memctl("--address", memd.address, "check", "--json")
+    assert rc == 0 and json.loads(out) == {"ok": True, "violations": []}

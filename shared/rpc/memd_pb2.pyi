@@ -195,7 +195,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes", "workers", "sequences", "counters", "backend", "device", "generation", "uptime_s", "bytes_per_token", "block_size", "swap_total_blocks", "swap_free_blocks", "swapped_blocks")
+    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes", "workers", "sequences", "counters", "backend", "device", "generation", "uptime_s", "bytes_per_token", "block_size", "swap_total_blocks", "swap_free_blocks", "swapped_blocks", "rpcs", "draining")
     class SequencesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,13 @@ class StatsReply(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RpcsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +235,8 @@ class StatsReply(_message.Message):
     SWAP_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAP_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RPCS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     used_blocks: int
@@ -246,11 +255,19 @@ class StatsReply(_message.Message):
     swap_total_blocks: int
     swap_free_blocks: int
     swapped_blocks: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., swapped_blocks: _Optional[int] = ...) -> None: ...
+    rpcs: _containers.ScalarMap[str, int]
+    draining: bool
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., swapped_blocks: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("skip_blocks", "state", "worker_id")
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    skip_blocks: bool
+    state: str
+    worker_id: int
+    def __init__(self, skip_blocks: _Optional[bool] = ..., state: _Optional[str] = ..., worker_id: _Optional[int] = ...) -> None: ...
 
 class BlockRow(_message.Message):
     __slots__ = ("block_id", "ref_count", "last_access", "seq_ids", "state", "heat", "owners")
@@ -297,7 +314,7 @@ class SeqRow(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ..., heat: _Optional[float] = ..., swapped_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerRow(_message.Message):
-    __slots__ = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running")
+    __slots__ = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +322,7 @@ class WorkerRow(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     name: str
     pid: int
@@ -312,7 +330,8 @@ class WorkerRow(_message.Message):
     block_size: int
     last_seen: float
     running: int
-    def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., last_seen: _Optional[float] = ..., running: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., last_seen: _Optional[float] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SnapshotReply(_message.Message):
     __slots__ = ("taken_at", "block_bytes", "blocks", "sequences", "workers")
@@ -369,3 +388,21 @@ class CheckReply(_message.Message):
     ok: bool
     violations: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, ok: _Optional[bool] = ..., violations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id", "undo", "wait_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    undo: bool
+    wait_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., undo: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("worker_ids", "running")
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[int]
+    running: int
+    def __init__(self, worker_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ...) -> None: ...

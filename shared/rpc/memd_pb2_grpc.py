@@ -69,6 +69,11 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.CheckRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.CheckReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvpool.memd.v1.Memd/Drain',
+                request_serializer=shared_dot_rpc_dot_memd__pb2.DrainRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_memd__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class MemdServicer:
@@ -118,6 +123,14 @@ class MemdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop admitting new requests on a worker (or all) and wait for its RUNNING
+        sequences to finish: told to the worker on its Session stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +168,11 @@ def add_MemdServicer_to_server(servicer, server):
                     servicer.Check,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.CheckRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.CheckReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=shared_dot_rpc_dot_memd__pb2.DrainRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_memd__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +364,33 @@ class Memd:
             '/kvpool.memd.v1.Memd/Check',
             shared_dot_rpc_dot_memd__pb2.CheckRequest.SerializeToString,
             shared_dot_rpc_dot_memd__pb2.CheckReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.memd.v1.Memd/Drain',
+            shared_dot_rpc_dot_memd__pb2.DrainRequest.SerializeToString,
+            shared_dot_rpc_dot_memd__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

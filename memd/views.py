@@ -1,0 +1,153 @@
+"""What memctl prints: every answer as plain data (its --json form) and as text for a terminal.
+
+Each command turns memd's reply into a dict or list first; the text form is
+rendered from that same data, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS
+from shared.rpc import memd_pb2 as pb
+from shared.sizes import format_size
+
+SNAPSHOT_COLUMNS = ["block_id", "ref_count", "last_access", "seq_id", "state", "heat", "owner"]
+STATE_ORDER = ["running", "parked", "swapped", "dropped"]
+EVICTION_REASONS = ("idle", "pressure", "forced")
+PRESSURE_COUNTERS = ("swap_outs", "swap_ins", "drops", "preemptions")
+
+
+def stats_dict(reply: pb.StatsReply) -> dict[str, Any]:
+    data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for key in ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes",
+                "generation", "bytes_per_token", "swap_total_blocks", "swap_free_blocks", "swapped_blocks"):
+        data[key] = int(data[key])      # protobuf's JSON form writes 64-bit ints as strings
+    order = {state: i for i, state in enumerate(STATE_ORDER)}
+    data["sequences"] = {k: int(v) for k, v in sorted(data["sequences"].items(), key=lambda kv: order.get(kv[0], 99))}
+    data["rpcs"] = {k: int(v) for k, v in sorted(data["rpcs"].items())}
+    counters = {k: int(v) for k, v in sorted(data["counters"].items())}
+    for key in PRESSURE_COUNTERS:
+        counters.setdefault(key, 0)
+    counters["evictions"] = {reason: counters.pop(f"evictions_{reason}", 0) for reason in EVICTION_REASONS}
+    data["counters"] = counters
+    return data
+
+
+def render_stats(data: dict[str, Any]) -> str:
+    total = data["total_blocks"] or 1
+    lines = [
+        f"pool      {format_size(data['pool_bytes'])} on {data['device']} ({data['backend']}), "
+        f"{data['total_blocks']} blocks of {format_size(data['block_bytes'])}",
+        f"used      {data['used_blocks']} blocks ({100 * data['used_blocks'] / total:.1f}%), "
+        f"free {data['free_blocks']} (of which {data['cached_blocks']} hold cached prefixes)",
+        f"workers   {data['workers']}" + (" (all draining)" if data["draining"] else ""),
+        "sequences " + ", ".join(f"{k} {v}" for k, v in data["sequences"].items()),
+    ]
+    c = data["counters"]
+    if data["swap_total_blocks"]:
+        lines.append(f"swap      {data['swapped_blocks']} of {data['swap_total_blocks']} blocks hold swapped "
+                     f"sequences, {data['swap_free_blocks']} free")
+    else:
+        lines.append("swap      off")
+    lines.append(f"pressure  swap-outs {c['swap_outs']}, swap-ins {c['swap_ins']}, drops {c['drops']}, "
+                 f"preemptions {c['preemptions']}; evictions " +
+                 ", ".join(f"{reason} {n}" for reason, n in c["evictions"].items()))
+    rest = {k: v for k, v in c.items() if k not in (*PRESSURE_COUNTERS, "evictions")}
+    if rest:
+        lines.append("counters  " + ", ".join(f"{k} {v}" for k, v in rest.items()))
+    return "\n".join(lines)
+
+
+def snapshot_csv(reply: pb.SnapshotReply) -> str:
+    """The seed's block table (§5.2): filter ref_count > 0 and seq_id = -1 for leaked blocks."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=SNAPSHOT_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for b in reply.blocks:
+        writer.writerow({
+            "block_id": b.block_id, "ref_count": b.ref_count, "last_access": round(b.last_access, 6),
+            "seq_id": ";".join(map(str, b.seq_ids)) if b.seq_ids else -1, "state": b.state,
+            "heat": round(b.heat, 4), "owner": ";".join(map(str, b.owners)) if b.owners else "",
+        })
+    return out.getvalue()
+
+
+def workers_list(reply: pb.SnapshotReply) -> list[dict[str, Any]]:
+    return [{**{f: getattr(w, f) for f in WORKER_FIELDS}, "idle_s": round(reply.taken_at - w.last_seen, 3)}
+            for w in sorted(reply.workers, key=lambda w: w.worker_id)]
+
+
+def sequences_list(reply: pb.SnapshotReply) -> list[dict[str, Any]]:
+    return [{**{f: getattr(s, f) for f in SEQ_FIELDS}, "blocks": len(s.block_ids),
+             "idle_s": round(reply.taken_at - s.last_access, 3)}
+            for s in sorted(reply.sequences, key=lambda s: s.seq_id)]
+
+
+def table(rows: list[dict[str, Any]], columns: list[str], empty: str) -> str:
+    """Aligned columns, numbers to the right; `empty` when there are no rows."""
+    if not rows:
+        return empty
+
+    def cell(value: Any) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+    cells = [[cell(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    numeric = [all(isinstance(row[c], int | float) and not isinstance(row[c], bool) for row in rows)
+               for c in columns]
+    lines = ["  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(columns, widths, numeric, strict=True))]
+    for r in cells:
+        lines.append("  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(r, widths, numeric, strict=True)))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def render_workers(rows: list[dict[str, Any]]) -> str:
+    return table(rows, ["worker_id", "name", "pid", "model", "block_size", "running", "draining", "idle_s"],
+                 "no worker attached")
+
+
+def render_sequences(rows: list[dict[str, Any]]) -> str:
+    return table(rows, ["seq_id", "session_id", "state", "owner", "num_tokens", "blocks", "swapped_blocks", "heat",
+                        "idle_s"], "no sequence matches")
+
+
+def evicted_dict(reply: pb.EvictReply) -> dict[str, Any]:
+    return {"swapped": list(reply.swapped), "dropped": list(reply.dropped), "revoked": list(reply.revoked),
+            "blocks_freed": reply.blocks_freed}
+
+
+def render_evicted(data: dict[str, Any]) -> str:
+    if not (data["swapped"] or data["dropped"] or data["revoked"]):
+        return "evicted nothing: no sequence matched (or all were already swapped or dropped)"
+    parts = []
+    for label, key in (("swapped out", "swapped"), ("dropped", "dropped"),
+                       ("revoked (running; their workers give them up)", "revoked")):
+        if data[key]:
+            parts.append(f"{label} {', '.join(map(str, data[key]))}")
+    return f"{'; '.join(parts)}: {data['blocks_freed']} block(s) freed"
+
+
+def drained_dict(reply: pb.DrainReply, undo: bool) -> dict[str, Any]:
+    return {"draining": list(reply.worker_ids), "running": reply.running, "undone": undo,
+            "drained": not undo and reply.running == 0}
+
+
+def render_drained(data: dict[str, Any], worker_id: int) -> str:
+    who = f"worker {worker_id}" if worker_id else "every worker"
+    if data["undone"]:
+        return f"{who} admits requests again"
+    if data["drained"]:
+        return f"{who} drained: nothing running; draining now: {data['draining'] or 'none'}"
+    return f"{who} still runs {data['running']} sequence(s): not drained yet (the drain stays on)"
+
+
+def as_json(data: Any) -> str:
+    return json.dumps(data)
