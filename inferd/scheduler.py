@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import math
 import time
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -91,6 +92,7 @@ class Request:
     preempted: bool = False                            # waiting; memd holds its sequence (swapped or dropped)
     preemptions: int = 0
     fork_of: Request | None = None                     # n > 1: the request whose prompt this one forks
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # or the client's x-request-id
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.cancelled = self.cancelled or reason
@@ -317,7 +319,8 @@ class Scheduler:
         self._preempting.append((request, Park(request.seq_id, append=request.tokens[request.told_tokens:],
                                                commit_to=request.computed, preempt=True)))
         request.told_tokens = len(request.tokens)
-        log.info("preempting", seq=request.seq_id, tokens=len(request.tokens), computed=request.computed)
+        log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq_id,
+                 tokens=len(request.tokens), computed=request.computed)
 
     def _take_revocations(self) -> None:
         """memd revoked sequences (an operator evicted them): preempt those running here."""

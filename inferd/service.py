@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from shared.rpc import inferd_pb2_grpc as pb_grpc
 log = structlog.get_logger("inferd")
 
 DEFAULT_MAX_TOKENS = 64
+REQUEST_ID_KEY = "x-request-id"
 
 
 def model_namespace(model_dir: Path, config: ModelConfig) -> str:
@@ -57,6 +59,7 @@ class MemdLink:
         self.preemptions = 0                      # of schedulers gone with an earlier attachment
         # Health follows whether requests can be served: attached to memd and not draining.
         self.on_serving: Callable[[bool], Awaitable[None]] | None = None
+        self._health: asyncio.Future[None] | None = None      # the health update a drain started
 
     async def run(self) -> None:
         backoff = 0.2
@@ -147,13 +150,16 @@ class InferdService(pb_grpc.InferdServicer):
     async def Generate(self, msg: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateReply]:
         try:
+            request_id = self._request_id(context)
             scheduler = self._scheduler()
             request = self._request(msg)
+            request.request_id = request_id
             scheduler.submit(request)
         except BadParams as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except GenerationError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), err.message)
+        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
         remaining = request.params.n
         try:
             while remaining:
@@ -163,16 +169,31 @@ class InferdService(pb_grpc.InferdServicer):
                 if event.error is not None:
                     scheduler.cancel(request)       # n > 1: the other completions stop too
                     remaining = 0
+                    log.info("request failed", request=request_id, session=request.session_id, seq=request.seq_id,
+                             code=event.error.code, error=event.error.message)
                     await context.abort(getattr(grpc.StatusCode, event.error.code), event.error.message)
                 if event.finish_reason is not None:
                     remaining -= 1
+                    log.info("request finished", request=request_id, session=request.session_id, seq=request.seq_id,
+                             index=event.index, finish_reason=event.finish_reason, **(event.usage or {}))
                     yield pb.GenerateReply(token_ids=event.token_ids, text=event.text, index=event.index,
                                            finish_reason=event.finish_reason, usage=pb.Usage(**event.usage or {}))
                 else:
                     yield pb.GenerateReply(token_ids=event.token_ids, text=event.text, index=event.index)
         finally:
             if remaining:          # the client went away (cancel, deadline): the sequences park or free
+                log.info("request cancelled by its client", request=request_id, session=request.session_id)
                 scheduler.cancel(request)
+
+    @staticmethod
+    def _request_id(context: grpc.aio.ServicerContext) -> str:
+        """The client's x-request-id (to find its request in our logs), else a new one; sent back either way."""
+        given = next((v for k, v in context.invocation_metadata() or () if k == REQUEST_ID_KEY), None)
+        if given is None:
+            return uuid.uuid4().hex[:16]
+        if not (0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given):
+            raise GenerationError("INVALID_ARGUMENT", "x-request-id must be 1 to 128 visible ASCII characters")
+        return given
 
     async def Reset(self, msg: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetReply:
         if not msg.session_id:

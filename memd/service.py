@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from memd.manager import Effect, KvManager, StepOutcome
 from memd.memory import PoolMemory
 from memd.sequences import SeqState, SwapOut
 from memd.swap import SwapMemory, run_effects
+from shared.logs import enabled
 from shared.ops import Op
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
@@ -207,7 +209,8 @@ class MemdService(pb_grpc.MemdServicer):
             self._start(m.evictions.make_room(wanted, reason="pressure"))
         if m.pool.num_free < m.evictions.watermark_blocks:
             self._pressure.set()
-        log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops))
+        if enabled(logging.DEBUG):
+            self._trace(request.worker_id, ops, outcome)
         return pb.StepReply(results=results, free_blocks=m.pool.num_free)
 
     async def _step_making_room(self, worker_id: int, ops: list[Op], lease: bytes) -> StepOutcome:
@@ -230,6 +233,15 @@ class MemdService(pb_grpc.MemdServicer):
                 elif not evicted.blocks_freed:
                     raise
         return self.manager.step(worker_id, ops, lease)
+
+    def _trace(self, worker_id: int, ops: list[Op], outcome: StepOutcome) -> None:
+        """One debug event per sequence state change (--log-level debug): open, park, resume, free, fork."""
+        for op, result in zip(ops, outcome.results, strict=True):
+            kind = type(op).__name__.lower()
+            if kind != "extend":
+                log.debug(f"seq {kind}", worker=worker_id, seq=result.seq_id, session=getattr(op, "session_id", None),
+                          state=result.state, blocks=result.num_blocks,
+                          committed=result.num_committed, cached=result.num_cached)
 
     def _named(self, ops: list[Op]) -> frozenset[int]:
         """Sequences a Step names: pressure must not evict what the Step is about to use."""

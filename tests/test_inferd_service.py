@@ -314,3 +314,27 @@ async def test_a_drain_refuses_new_requests_lets_running_ones_finish_and_undo_en
         assert len(await generate(channel, "Someone new.", 4)) == 4
     rc, _, err = await memctl(memd.address, "drain", "--worker", "999")
     assert rc == 1 and err.strip() == "memctl: not found: no worker 999 is attached (memctl workers)"
+
+
+async def test_a_request_carries_its_id_into_the_logs_of_both_daemons(memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16", "--log-level", "debug")
+    inferd = await inferd_factory(model_dir, memd.address)
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        call = pb_grpc.InferdStub(channel).Generate(
+            pb.GenerateRequest(prompt="Where is my request?", max_tokens=3, ignore_eos=True, session_id="s-9"),
+            metadata=(("x-request-id", "trace-42"),))
+        assert dict(await call.initial_metadata())["x-request-id"] == "trace-42"
+        replies = [reply async for reply in call]
+        bad = pb_grpc.InferdStub(channel).Generate(pb.GenerateRequest(prompt="x", max_tokens=1),
+                                                   metadata=(("x-request-id", "has space"),))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [reply async for reply in bad]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finished = await inferd.log.wait_for("request finished", request="trace-42")
+    assert finished["session"] == "s-9" and finished["finish_reason"] == "length"
+    assert finished["completion_tokens"] == 3 == sum(len(r.token_ids) for r in replies)
+    # memd logs the sequence's state changes (at debug) under the same sequence id.
+    opened = await memd.log.wait_for("seq open", seq=finished["seq"])
+    parked = await memd.log.wait_for("seq park", seq=finished["seq"])
+    assert opened["session"] == "s-9" and parked["state"] == "parked" and opened["worker"] == parked["worker"]
