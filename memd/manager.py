@@ -250,7 +250,8 @@ class KvManager:
         self._commit(txn, seq, op.append, op.commit_to)
         cut = seq.block_ids[blocks_for(seq.num_committed, seq.block_size):]
         if cut:
-            txn.journal.record(seq.block_ids.extend, cut)     # undone before _restore's truncation
+            # The whole table, not the cut: a later op of this Step (a Resume) may grow it again.
+            txn.journal.record(_set_blocks, seq, list(seq.block_ids))
         self._park(seq)
         mode = self.revoked.get(seq.seq_id)
         if op.preempt:
@@ -385,7 +386,7 @@ class KvManager:
         if seq.seq_id in txn.saved:
             return
         txn.saved.add(seq.seq_id)
-        # Within a Step the lists only grow (Park journals what it cuts), so lengths restore them.
+        # Within a Step the lists only grow (Park journals the table it cuts), so lengths restore them.
         txn.journal.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
                            len(seq.token_ids), len(seq.hashes), seq.slots)
 
@@ -508,6 +509,10 @@ class KvManager:
     def _touch(self, seq: Sequence, now: float) -> None:
         seq.heat = self.heat(seq, now) + 1.0
         seq.heat_at = seq.last_access = now
+
+
+def _set_blocks(seq: Sequence, blocks: list[int]) -> None:
+    seq.block_ids[:] = blocks
 
 
 def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,

@@ -162,7 +162,9 @@ class KvManagerMachine(RuleBasedStateMachine):
             event(f"step rejected: {exc.code}")
             assert isinstance(exc, OpError)
             assert 0 <= exc.index < len(ops)
-            assert dump(manager) == before, f"rejected step {ops} left a trace ({exc})"
+            after = dump(manager)
+            assert after == before, f"rejected step {ops} left a trace ({exc}): " + str(
+                {k: (before[k], after[k]) for k in before if before[k] != after[k]})
             return
         event(f"step of {len(ops)} op(s) applied")
         assert len(outcome.results) == len(ops)

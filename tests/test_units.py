@@ -119,3 +119,21 @@ def test_a_split_swap_copy_moves_every_byte_once(parts):
     covered = sorted((dst + i, src + i) for share in shares for dst, src, n in share for i in range(n))
     assert covered == sorted((dst + i, src + i) for dst, src, n in moves for i in range(n))
     assert max(sum(n for _, _, n in share) for share in shares) <= -(-38 // parts)
+
+
+def test_a_refused_step_that_parked_then_resumed_restores_the_block_table_in_order():
+    # Found by the state machine: Park cut the table, Resume in the same Step grew it again, a later op
+    # failed, and the rollback put the pages back in the wrong order.
+    from memd.errors import OpError
+    from memd.manager import KvManager
+    from shared.geometry import PoolGeometry
+    from shared.ops import Free, Open, Park, Resume
+
+    manager = KvManager(PoolGeometry(num_blocks=8, block_bytes=4096, block_size=4))
+    worker = manager.attach("w", 1, "m", 4, 0).worker_id
+    seq = manager.step(worker, [Open([], 8)]).results[0]
+    assert manager.seqs[seq.seq_id].block_ids == [0, 1]
+    with pytest.raises(OpError):
+        manager.step(worker, [Park(seq.seq_id), Resume(seq_id=seq.seq_id, reserve=1), Free(999)])
+    assert manager.seqs[seq.seq_id].block_ids == [0, 1]
+    assert manager.violations() == []
