@@ -104,6 +104,8 @@ async def serve(args: argparse.Namespace) -> None:
     linking = asyncio.create_task(link.run(), name="memd-link")
     await link.attached.wait()
     await server.start()
+    if sock_path is not None:
+        os.chmod(sock_path, 0o660)               # clients in the service group may connect
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

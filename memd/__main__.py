@@ -24,6 +24,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from memd.access import AccessControl, AccessError, Credentials, provision
 from memd.fdpass import FdServer
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop parked and swapped sequences idle this many seconds; 0 = never (default: 300)")
     p.add_argument("--free-watermark", type=fraction, default=0.02,
                    help="keep this fraction of blocks free by evicting cold parked sequences (default: 0.02)")
+    p.add_argument("--token-file", type=Path,
+                   help="the worker token (group-readable): kept if it exists, else written; required with TCP "
+                        "(default: a fresh one at every start, next to the socket: SOCKET.token)")
+    p.add_argument("--admin-token-file", type=Path,
+                   help="the admin token (owner-only), as --token-file (default: SOCKET.admin-token)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
@@ -146,6 +152,17 @@ def prepare_socket(target: str) -> Path | None:
     return path
 
 
+def credentials_for(args: argparse.Namespace, sock_path: Path | None) -> Credentials:
+    """Token files: the operator's (kept), or fresh ones next to the Unix socket. TCP needs the operator's."""
+    if sock_path is None and (args.token_file is None or args.admin_token_file is None):
+        raise StartupError("listening on TCP needs --token-file and --admin-token-file: clients on other hosts "
+                           "present a copy of the token ($MEMD_TOKEN_FILE)")
+    worker = args.token_file or Path(f"{sock_path}.token")
+    admin = args.admin_token_file or Path(f"{sock_path}.admin-token")
+    return provision(worker, admin, keep_worker=args.token_file is not None,
+                     keep_admin=args.admin_token_file is not None)
+
+
 def pool_status(manager: KvManager) -> str:
     """The STATUS= line systemctl status shows: pool use, swap use, sequences."""
     total, free = manager.geometry.num_blocks, manager.pool.num_free
@@ -158,6 +175,7 @@ def pool_status(manager: KvManager) -> str:
 async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     target = addr.resolve(args.listen)
     sock_path = prepare_socket(target)
+    credentials = credentials_for(args, sock_path)
     memory = allocate_pool(args.device, geometry.num_blocks, geometry.block_bytes)
     swap_slots = 0 if args.disable_swap else int(geometry.num_blocks * args.swap_ratio)
     swap = allocate_swap(memory, swap_slots, geometry.block_bytes) if swap_slots else None
@@ -175,7 +193,7 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
         metrics = MemdMetrics(service, asyncio.get_running_loop())
         metrics.serve(args.metrics_port, args.metrics_host)
         service.step_seconds = metrics.step_seconds
-    server = grpc.aio.server(interceptors=[RpcCounter(service)], options=[
+    server = grpc.aio.server(interceptors=[RpcCounter(service), AccessControl(credentials)], options=[
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 256 << 20),
         ("grpc.so_reuseport", 0),
@@ -235,6 +253,10 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     if sock_path is not None:
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
+    for path, kept in ((credentials.worker_file, args.token_file), (credentials.admin_file, args.admin_token_file)):
+        if kept is None:             # ours, written at start: gone with us
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
     memory.close()
 
 
@@ -248,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         geometry = plan(args)
         uvloop.run(serve(args, geometry))
-    except (GeometryError, PoolMemoryError, StartupError, MetricsPortError) as exc:
+    except (GeometryError, PoolMemoryError, StartupError, MetricsPortError, AccessError) as exc:
         print(f"memd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -3,7 +3,9 @@
 A file descriptor cannot travel in a gRPC message, so Attach returns a one-time
 token and the path of this Unix socket; the worker presents the token and
 receives the memfd by SCM_RIGHTS. Tokens expire, and each works once: only a
-worker that just attached gets the pool.
+worker that just attached gets the pool. Here, unlike on gRPC's socket, the
+kernel says who is connecting (SO_PEERCRED): the pool goes only to memd's own
+user, root, or a member of memd's group, whatever the socket file's mode.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 
@@ -21,6 +24,18 @@ log = structlog.get_logger("memd.fdpass")
 
 TOKEN_BYTES = 16
 TOKEN_TTL_S = 60.0
+
+
+def trusted(pid: int, uid: int, gid: int) -> bool:
+    """memd's user, root, or a process in memd's group (primary or supplementary)."""
+    if uid in (0, os.getuid()) or gid == os.getgid():
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            groups = next((line.split()[1:] for line in status if line.startswith("Groups:")), [])
+    except OSError:
+        return False
+    return str(os.getgid()) in groups
 
 
 class FdServer:
@@ -68,6 +83,14 @@ class FdServer:
     async def _hand_over(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         with conn:
+            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+            if not trusted(pid, uid, gid):
+                log.warning("pool handle refused", reason="peer is not memd's user or group", pid=pid, uid=uid,
+                            gid=gid)
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(conn, b"NO")
+                return
             try:
                 token = await asyncio.wait_for(self._read_token(conn), 5.0)
             except (TimeoutError, OSError):
@@ -79,6 +102,7 @@ class FdServer:
                     log.warning("pool handle refused", reason="unknown or expired token")
                     return
                 socket.send_fds(conn, [b"OK"], [self._fd])
+                log.info("pool handle delivered", pid=pid, uid=uid)
             except OSError as exc:
                 log.warning("pool handle not delivered", error=str(exc))
 

@@ -20,6 +20,7 @@ import shtab
 from memd import snapshots, views
 from shared import address as addr
 from shared.client import MemdAdmin, MemdError
+from shared.tokens import TokenError
 
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 STATES = ["running", "parked", "swapped", "dropped"]
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if (done := offline(args)) is not None:
             return done
         return asyncio.run(run(args))
-    except snapshots.SnapshotError as err:
+    except (snapshots.SnapshotError, TokenError) as err:
         print(f"memctl: {err}", file=sys.stderr)
         return 2
     except MemdError as err:

@@ -29,6 +29,7 @@ import grpc
 import structlog
 
 from shared import address as addr
+from shared import tokens
 from shared.geometry import PoolGeometry
 from shared.ops import Fork, Free, Op, OpResult, Park, Resume
 from shared.rpc import memd_pb2 as pb
@@ -81,8 +82,9 @@ def channel(address: str | None = None) -> grpc.aio.Channel:
 
 class MemdClient:
     def __init__(self, chan: grpc.aio.Channel, attachment: Attachment, pool: MappedPool | None,
-                 lease: bytes = b"") -> None:
+                 lease: bytes = b"", token: str | None = None) -> None:
         self._channel = chan
+        self._metadata = tokens.metadata(token)
         self._stub = pb_grpc.MemdStub(chan)
         self.attachment = attachment
         self.worker_id = attachment.worker_id
@@ -108,12 +110,14 @@ class MemdClient:
         if map_memory:
             # Imports torch: seconds that must not count against the lease, which runs from Attach.
             from shared.poolmap import map_pool
-        chan = channel(address)
+        target = addr.resolve(address)
+        token = tokens.find_token(target)       # read at every attach: memd writes a new one when it restarts
+        chan = channel(target)
         stub = pb_grpc.MemdStub(chan)
         try:
             reply = await stub.Attach(pb.AttachRequest(
                 name=name or f"{socket.gethostname()}:{os.getpid()}", pid=os.getpid(), model=model,
-                block_size=block_size, bytes_per_token=bytes_per_token))
+                block_size=block_size, bytes_per_token=bytes_per_token), metadata=tokens.metadata(token))
         except grpc.aio.AioRpcError as err:
             await chan.close()
             raise MemdError.from_rpc(err) from None
@@ -122,7 +126,7 @@ class MemdClient:
             reply.worker_id, g.backend,
             PoolGeometry(g.num_blocks, g.block_bytes, g.block_size, g.bytes_per_token),
             g.generation, reply.lease_timeout_s)
-        client = cls(chan, attachment, None, reply.lease)
+        client = cls(chan, attachment, None, reply.lease, token)
         try:
             await client._start_lease()
             if map_memory:
@@ -141,7 +145,7 @@ class MemdClient:
     async def _hold_lease(self, granted: asyncio.Future[None]) -> None:
         """Hold the Session stream: heartbeats up, revocations down; any end of it is the end of the lease."""
         interval = max(self.attachment.lease_timeout_s / 3, 0.05)
-        call = self._session = self._stub.Session()
+        call = self._session = self._stub.Session(metadata=self._metadata)
         try:
             await call.write(pb.SessionUp(worker_id=self.worker_id, lease=self._lease))
             first = await call.read()
@@ -204,7 +208,7 @@ class MemdClient:
         request = pb.StepRequest(worker_id=self.worker_id, ops=[op_to_proto(op) for op in ops], lease=self._lease,
                                  wanted_blocks=wanted_blocks)
         try:
-            reply = await self._stub.Step(request)
+            reply = await self._stub.Step(request, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             error = MemdError.from_rpc(err)
             if error.free_blocks is not None:
@@ -252,10 +256,12 @@ class MemdAdmin:
         self._channel = channel(self.target)
         self._stub = pb_grpc.MemdStub(self._channel)
         self._timeout = timeout_s
+        # The admin token where this user can read it, else the worker token: read-only calls work with either.
+        self.metadata = tokens.metadata(tokens.find_token(self.target, admin=True))
 
     async def _call(self, method: str, request: object) -> object:
         try:
-            return await getattr(self._stub, method)(request, timeout=self._timeout)
+            return await getattr(self._stub, method)(request, timeout=self._timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise MemdError.from_rpc(err) from None
 
@@ -271,7 +277,7 @@ class MemdAdmin:
         """Stop (or, with `undo`, resume) admitting on a worker, or all; wait up to `wait_s` for RUNNING to end."""
         request = pb.DrainRequest(worker_id=worker_id, undo=undo, wait_s=wait_s)
         try:
-            return await self._stub.Drain(request, timeout=self._timeout + wait_s)
+            return await self._stub.Drain(request, timeout=self._timeout + wait_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise MemdError.from_rpc(err) from None
 

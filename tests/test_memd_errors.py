@@ -92,7 +92,8 @@ async def test_a_step_from_a_worker_without_lease_is_refused(memd, scene):
     async with memd.admin() as admin:
         stub = pb_grpc.MemdStub(admin._channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Step(pb.StepRequest(worker_id=777, ops=[pb.Op(free=pb.FreeOp(seq_id=scene["parked"]))]))
+            await stub.Step(pb.StepRequest(worker_id=777, ops=[pb.Op(free=pb.FreeOp(seq_id=scene["parked"]))]),
+                            metadata=admin.metadata)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "attach again" in err.value.details()
     assert await fingerprint(memd) == before
@@ -104,7 +105,8 @@ async def test_a_step_with_a_wrong_lease_secret_is_refused(memd, scene):
         stub = pb_grpc.MemdStub(admin._channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:     # worker b's id is no secret; its lease is
             await stub.Step(pb.StepRequest(worker_id=scene["a"].worker_id, lease=b"0" * 16,
-                                           ops=[pb.Op(free=pb.FreeOp(seq_id=scene["running"]))]))
+                                           ops=[pb.Op(free=pb.FreeOp(seq_id=scene["running"]))]),
+                            metadata=admin.metadata)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert await fingerprint(memd) == before
 
@@ -114,7 +116,8 @@ async def test_an_empty_operation_is_invalid(memd, scene):
     async with memd.admin() as admin:
         stub = pb_grpc.MemdStub(admin._channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Step(pb.StepRequest(worker_id=scene["b"].worker_id, lease=scene["b"]._lease, ops=[pb.Op()]))
+            await stub.Step(pb.StepRequest(worker_id=scene["b"].worker_id, lease=scene["b"]._lease, ops=[pb.Op()]),
+                            metadata=admin.metadata)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "empty operation" in err.value.details()
     assert await fingerprint(memd) == before

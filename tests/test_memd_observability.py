@@ -14,6 +14,7 @@ from conftest import ROOT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from shared import tokens
 from shared.client import MemdClient
 from shared.ops import Extend, Open, Park
 
@@ -130,8 +131,9 @@ async def test_ready_comes_only_once_the_socket_answers_calls(tmp_path):
                 pass
             assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660      # the service group may connect
             async with grpc.aio.insecure_channel(f"unix:{sock}") as channel:
-                reply = await memd_pb2_grpc.MemdStub(channel).Stats(memd_pb2.StatsRequest(), wait_for_ready=False,
-                                                                   timeout=10)
+                reply = await memd_pb2_grpc.MemdStub(channel).Stats(
+                    memd_pb2.StatsRequest(), wait_for_ready=False, timeout=10,
+                    metadata=tokens.metadata(tokens.find_token(f"unix:{sock}")))
             assert reply.total_blocks == 16
         finally:
             proc.terminate()

@@ -8,9 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+import grpc
+import pytest
 from conftest import ROOT
 
-from shared.client import MemdClient
+from shared.client import MemdClient, MemdError
 
 
 async def run_memd(*args: str) -> tuple[int, str]:
@@ -82,16 +84,29 @@ async def test_sigterm_stops_cleanly_and_removes_the_socket(memd_factory, tmp_pa
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "1MiB")
     assert await memd.stop() == 0
     assert not (tmp_path / "memd.sock").exists() and not (tmp_path / "memd.sock.fd").exists()
+    assert not (tmp_path / "memd.sock.token").exists() and not (tmp_path / "memd.sock.admin-token").exists()
 
 
-async def test_memd_serves_over_tcp_when_asked(memd_factory, tmp_path):
+async def test_memd_serves_over_tcp_only_with_tokens(memd_factory, tmp_path, monkeypatch):
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", "127.0.0.1:0")
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        "memd: listening on TCP needs --token-file and --admin-token-file: clients on other hosts present a copy "
+        "of the token ($MEMD_TOKEN_FILE)")
+    worker_token = tmp_path / "worker.token"
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "1MiB", "--listen", "127.0.0.1:0",
+                              "--token-file", str(worker_token), "--admin-token-file", str(tmp_path / "admin.token"),
                               env={"XDG_RUNTIME_DIR": str(tmp_path), "RUNTIME_DIRECTORY": ""})
     address = (await memd.log.wait_for("memd ready"))["listen"]
     assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+    with pytest.raises(MemdError) as refused:
+        await MemdClient.attach(address, block_size=16)
+    assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+    monkeypatch.setenv("MEMD_TOKEN_FILE", str(worker_token))
     async with await MemdClient.attach(address, block_size=16) as client:   # the pool fd comes over a side socket
         assert client.pool is not None and client.pool.pages.shape == (16, 65536)
     assert any((tmp_path / "kvpool").glob("memd-*.fd"))
+    assert await memd.stop() == 0
+    assert worker_token.exists()             # the operator's token files outlive memd
 
 
 async def test_unusable_socket_paths_are_refused_clearly(tmp_path):

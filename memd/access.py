@@ -1,0 +1,119 @@
+"""Who may call memd, checked before any handler runs.
+
+Every Memd call presents a token (shared.tokens). The worker token, readable
+by memd's group, admits workers and read-only tools; the admin token, readable
+by memd's user only, also admits the calls that change or reveal other
+tenants' state: Snapshot, Evict, Drain. A refused call reaches no handler, so
+it changes nothing. Health checks and reflection stay open: probes and
+grpcurl need no secret, and they reveal none.
+
+Inside the worker role, each attachment's lease secret (AttachReply.lease)
+keeps a worker to its own sequences; that check lives in the manager.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+
+from shared.tokens import TOKEN_FILE_ENV, TOKEN_KEY, TokenError, read_token
+
+log = structlog.get_logger("memd")
+
+MEMD_SERVICE = "kvpool.memd.v1.Memd"
+ADMIN_METHODS = frozenset({"Snapshot", "Evict", "Drain"})
+STREAMING_METHODS = frozenset({"Session"})
+
+
+class AccessError(RuntimeError):
+    """memd cannot set up its credentials; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    worker: str
+    admin: str
+    worker_file: Path
+    admin_file: Path
+
+
+def provision(worker_file: Path, admin_file: Path, *, keep_worker: bool, keep_admin: bool) -> Credentials:
+    """Read a token file the operator named (`keep_*`) when it exists, else write a fresh one.
+
+    Fresh tokens are written at every start, so a stale file from a crashed
+    memd never admits anyone; clients read the file again when they attach.
+    """
+    return Credentials(_token(worker_file, 0o640, keep_worker), _token(admin_file, 0o600, keep_admin),
+                       worker_file, admin_file)
+
+
+def _token(path: Path, mode: int, keep: bool) -> str:
+    try:
+        if keep and path.exists():
+            if path.stat().st_mode & stat.S_IROTH:
+                raise AccessError(f"{path} is readable by every user: chmod o-rwx {path}")
+            return read_token(path)
+        token = secrets.token_hex(32)
+        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), mode)          # whatever the umask says
+            f.write(token + "\n")
+        os.replace(staging, path)
+        return token
+    except (OSError, TokenError) as exc:
+        raise AccessError(f"cannot set up the token file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _deny(code: grpc.StatusCode, message: str, streaming: bool) -> grpc.RpcMethodHandler:
+    async def unary(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    async def stream(requests: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    if streaming:
+        return grpc.stream_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+class AccessControl(grpc.aio.ServerInterceptor):
+    def __init__(self, credentials: Credentials) -> None:
+        self.credentials = credentials
+
+    def role(self, token: str | bytes | None) -> str | None:
+        if not isinstance(token, str):
+            return None
+        if hmac.compare_digest(token.encode(), self.credentials.admin.encode()):
+            return "admin"
+        if hmac.compare_digest(token.encode(), self.credentials.worker.encode()):
+            return "worker"
+        return None
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        if service != MEMD_SERVICE:
+            return await continuation(details)
+        token = next((v for k, v in details.invocation_metadata or () if k == TOKEN_KEY), None)
+        role = self.role(token)
+        streaming = method in STREAMING_METHODS
+        c = self.credentials
+        if role is None:
+            reason = "no token" if token is None else "a wrong token"
+            log.warning("call refused", method=method, reason=reason)
+            hint = (f"members of memd's group read it from {c.worker_file}, or set $MEMD_TOKEN / ${TOKEN_FILE_ENV}"
+                    if token is None else "memd writes new tokens at every start: read the file again")
+            return _deny(grpc.StatusCode.UNAUTHENTICATED, f"{method} with {reason}: {hint}", streaming)
+        if method in ADMIN_METHODS and role != "admin":
+            log.warning("call refused", method=method, reason="not an admin")
+            return _deny(grpc.StatusCode.PERMISSION_DENIED,
+                         f"{method} needs the admin token ({c.admin_file}, readable by memd's user only)", streaming)
+        return await continuation(details)
