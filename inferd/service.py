@@ -88,8 +88,9 @@ class MemdLink:
         self.scheduler = scheduler
         self.attached.set()
         client.on_drain = self._drained
+        scheduler.drain(client.draining)            # a drain memd announced while the pool was being mapped
         if self.on_serving is not None:
-            await self.on_serving(True)
+            await self.on_serving(not client.draining)
         log.info("attached to memd", worker=client.worker_id, blocks=client.geometry.num_blocks,
                  block_size=self.block_size, model=self.namespace)
         running = asyncio.create_task(scheduler.run())
@@ -159,9 +160,9 @@ class InferdService(pb_grpc.InferdServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except GenerationError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), err.message)
-        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
         remaining = request.params.n
         try:
+            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
             while remaining:
                 event = await request.events.get()
                 if self.metrics is not None and (event.error is not None or event.finish_reason is not None):

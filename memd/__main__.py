@@ -24,7 +24,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from memd.access import AccessControl, AccessError, Credentials, provision
+from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
 from memd.fdpass import FdServer
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
@@ -57,8 +57,15 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive(text: str) -> float:
+def finite(text: str) -> float:
     value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number: {text}")
+    return value
+
+
+def positive(text: str) -> float:
+    value = finite(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text}")
     return value
@@ -79,7 +86,7 @@ def decay(text: str) -> float:
 
 
 def non_negative(text: str) -> float:
-    value = float(text)
+    value = finite(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative: {text}")
     return value
@@ -156,7 +163,7 @@ def credentials_for(args: argparse.Namespace, sock_path: Path | None) -> Credent
     """Token files: the operator's (kept), or fresh ones next to the Unix socket. TCP needs the operator's."""
     if sock_path is None and (args.token_file is None or args.admin_token_file is None):
         raise StartupError("listening on TCP needs --token-file and --admin-token-file: clients on other hosts "
-                           "present a copy of the token ($MEMD_TOKEN_FILE)")
+                           "present a copy of the token ($KVPOOL_TOKEN_FILE)")
     worker = args.token_file or Path(f"{sock_path}.token")
     admin = args.admin_token_file or Path(f"{sock_path}.admin-token")
     return provision(worker, admin, keep_worker=args.token_file is not None,
@@ -176,6 +183,17 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     target = addr.resolve(args.listen)
     sock_path = prepare_socket(target)
     credentials = credentials_for(args, sock_path)
+    try:
+        await run_pool(args, geometry, target, sock_path, credentials)
+    finally:                          # token files we wrote go with us, also when start-up fails
+        for path, token, kept in ((credentials.worker_file, credentials.worker, args.token_file),
+                                  (credentials.admin_file, credentials.admin, args.admin_token_file)):
+            if kept is None:
+                remove_if_ours(path, token)
+
+
+async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
+                   credentials: Credentials) -> None:
     memory = allocate_pool(args.device, geometry.num_blocks, geometry.block_bytes)
     swap_slots = 0 if args.disable_swap else int(geometry.num_blocks * args.swap_ratio)
     swap = allocate_swap(memory, swap_slots, geometry.block_bytes) if swap_slots else None
@@ -193,7 +211,7 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
         metrics = MemdMetrics(service, asyncio.get_running_loop())
         metrics.serve(args.metrics_port, args.metrics_host)
         service.step_seconds = metrics.step_seconds
-    server = grpc.aio.server(interceptors=[RpcCounter(service), AccessControl(credentials)], options=[
+    server = grpc.aio.server(interceptors=[AccessControl(credentials), RpcCounter(service)], options=[
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 256 << 20),
         ("grpc.so_reuseport", 0),
@@ -253,10 +271,6 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     if sock_path is not None:
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
-    for path, kept in ((credentials.worker_file, args.token_file), (credentials.admin_file, args.admin_token_file)):
-        if kept is None:             # ours, written at start: gone with us
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
     memory.close()
 
 

@@ -17,13 +17,14 @@ import hmac
 import os
 import secrets
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import structlog
 
-from shared.tokens import TOKEN_FILE_ENV, TOKEN_KEY, TokenError, read_token
+from shared.tokens import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_KEY, TokenError, read_token
 
 log = structlog.get_logger("memd")
 
@@ -55,15 +56,21 @@ def provision(worker_file: Path, admin_file: Path, *, keep_worker: bool, keep_ad
 
 
 def _token(path: Path, mode: int, keep: bool) -> str:
+    """A kept file must be ours (or root's) and no more open than `mode`; a new one is written safely."""
     try:
         if keep and path.exists():
-            if path.stat().st_mode & stat.S_IROTH:
-                raise AccessError(f"{path} is readable by every user: chmod o-rwx {path}")
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode) or info.st_uid not in (os.getuid(), 0):
+                raise AccessError(f"{path} must be a plain file owned by memd's user (or root)")
+            if stat.S_IMODE(info.st_mode) & ~mode:
+                raise AccessError(f"{path} is open to more users than it should be: chmod {mode:o} {path}")
             return read_token(path)
-        token = secrets.token_hex(32)
         path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        folder = path.parent.lstat()
+        if folder.st_uid not in (os.getuid(), 0) or folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise AccessError(f"{path.parent} must belong to memd's user and be writable by it alone")
+        token = secrets.token_hex(32)
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)     # O_EXCL: no planted link
         with os.fdopen(fd, "w") as f:
             os.fchmod(f.fileno(), mode)          # whatever the umask says
             f.write(token + "\n")
@@ -71,6 +78,15 @@ def _token(path: Path, mode: int, keep: bool) -> str:
         return token
     except (OSError, TokenError) as exc:
         raise AccessError(f"cannot set up the token file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def remove_if_ours(path: Path, token: str) -> None:
+    """At exit: a newer memd may have written its own token there since; leave that one."""
+    try:
+        if read_token(path) == token:
+            path.unlink()
+    except (OSError, TokenError):
+        pass
 
 
 def _deny(code: grpc.StatusCode, message: str, streaming: bool) -> grpc.RpcMethodHandler:
@@ -109,7 +125,7 @@ class AccessControl(grpc.aio.ServerInterceptor):
         if role is None:
             reason = "no token" if token is None else "a wrong token"
             log.warning("call refused", method=method, reason=reason)
-            hint = (f"members of memd's group read it from {c.worker_file}, or set $MEMD_TOKEN / ${TOKEN_FILE_ENV}"
+            hint = (f"members of memd's group read it from {c.worker_file}, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
                     if token is None else "memd writes new tokens at every start: read the file again")
             return _deny(grpc.StatusCode.UNAUTHENTICATED, f"{method} with {reason}: {hint}", streaming)
         if method in ADMIN_METHODS and role != "admin":

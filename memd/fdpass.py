@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -26,16 +27,26 @@ TOKEN_BYTES = 16
 TOKEN_TTL_S = 60.0
 
 
-def trusted(pid: int, uid: int, gid: int) -> bool:
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)      # Linux >= 4.13
+
+
+def peer_groups(conn: socket.socket) -> set[int]:
+    """The connecting process's supplementary groups, as the kernel recorded them at connect()."""
+    size = 64 * 4
+    while True:
+        try:
+            raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE and size < (1 << 18):
+                size *= 4
+                continue
+            return set()
+        return set(struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4]))
+
+
+def trusted(uid: int, gid: int, groups: set[int]) -> bool:
     """memd's user, root, or a process in memd's group (primary or supplementary)."""
-    if uid in (0, os.getuid()) or gid == os.getgid():
-        return True
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            groups = next((line.split()[1:] for line in status if line.startswith("Groups:")), [])
-    except OSError:
-        return False
-    return str(os.getgid()) in groups
+    return uid in (0, os.getuid()) or os.getgid() == gid or os.getgid() in groups
 
 
 class FdServer:
@@ -83,17 +94,17 @@ class FdServer:
     async def _hand_over(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         with conn:
-            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                struct.calcsize("3i")))
-            if not trusted(pid, uid, gid):
-                log.warning("pool handle refused", reason="peer is not memd's user or group", pid=pid, uid=uid,
-                            gid=gid)
-                with contextlib.suppress(OSError):
-                    await loop.sock_sendall(conn, b"NO")
-                return
             try:
                 token = await asyncio.wait_for(self._read_token(conn), 5.0)
             except (TimeoutError, OSError):
+                return
+            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+            if not trusted(uid, gid, peer_groups(conn)):
+                log.warning("pool handle refused", reason="peer is not memd's user or group", pid=pid, uid=uid,
+                            gid=gid)
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(conn, b"NO")     # the token stays good for the worker it was issued to
                 return
             deadline = self._tokens.pop(token, None)
             try:

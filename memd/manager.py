@@ -143,6 +143,9 @@ class KvManager:
         """
         self.workers.pop(worker_id, None)
         parked = freed = 0
+        for seq in self.seqs.values():
+            if seq.preempted_by == worker_id:
+                seq.preempted_by = None          # the request that waited for it failed with its worker
         for seq in [s for s in self.seqs.values() if s.owner == worker_id]:
             if seq.num_committed == 0 and seq.session_id is None:
                 self.release_blocks(seq.block_ids)
@@ -254,6 +257,7 @@ class KvManager:
             txn.journal.record(_set_blocks, seq, list(seq.block_ids))
         self._park(seq)
         mode = self.revoked.get(seq.seq_id)
+        seq.preempted_by = txn.worker.worker_id if op.preempt else None
         if op.preempt:
             txn.counters["preemptions"] += 1
             txn.evict_after.append((seq, mode or "swap", "forced" if mode else None))
@@ -274,6 +278,7 @@ class KvManager:
                 f"this worker serves {worker.model!r} (block size {worker.block_size})")
         self._check_fits(len(seq.token_ids) + len(append) + op.reserve, seq.block_size)
         self._save(txn, seq)
+        seq.preempted_by = None
         self._cancel_swap_out(txn, seq)
         seq.token_ids.extend(append)
         if seq.state is SeqState.DROPPED:
@@ -388,7 +393,7 @@ class KvManager:
         txn.saved.add(seq.seq_id)
         # Within a Step the lists only grow (Park journals the table it cuts), so lengths restore them.
         txn.journal.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
-                           len(seq.token_ids), len(seq.hashes), seq.slots)
+                           len(seq.token_ids), len(seq.hashes), seq.slots, seq.preempted_by)
 
     def _create(self, txn: _Txn, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -516,8 +521,9 @@ def _set_blocks(seq: Sequence, blocks: list[int]) -> None:
 
 
 def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,
-             num_tokens: int, num_hashes: int, slots: list[int]) -> None:
+             num_tokens: int, num_hashes: int, slots: list[int], preempted_by: int | None) -> None:
     seq.state, seq.owner, seq.num_committed, seq.slots = state, owner, num_committed, slots
+    seq.preempted_by = preempted_by
     del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
     del seq.hashes[num_hashes:]

@@ -31,6 +31,20 @@ EXIT_CODES = """exit codes:
   130  interrupted"""
 
 
+def worker_id(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a worker id from 1 (memctl workers lists them): {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds from 0: {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memctl", description="Inspect and steer a running memd.", epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("workers", parents=[as_json], help="attached workers: running sequences, drain, last heartbeat")
     seqs = sub.add_parser("sequences", parents=[as_json], help="sequences with their state, owner, size and heat")
     seqs.add_argument("--state", choices=STATES)
-    seqs.add_argument("--worker", type=int, metavar="ID", help="only those running on this worker")
+    seqs.add_argument("--worker", type=worker_id, metavar="ID", help="only those running on this worker")
     evict = sub.add_parser("evict", parents=[as_json],
                            help="free pages now: swap out or drop sequences (their token ids stay)",
                            description="A running sequence is revoked: its worker preempts it, then memd "
@@ -59,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     target = evict.add_mutually_exclusive_group(required=True)
     target.add_argument("--seq", type=int, help="sequence id")
     target.add_argument("--session", help="session id")
-    target.add_argument("--idle", type=float, metavar="SECONDS", help="every parked or swapped sequence idle this long")
+    target.add_argument("--idle", type=seconds, metavar="SECONDS",
+                        help="every parked or swapped sequence idle this long")
     target.add_argument("--blocks", type=int, metavar="N", help="the coldest parked sequences until N blocks are free")
-    target.add_argument("--worker", type=int, metavar="ID", help="every sequence running on this worker")
+    target.add_argument("--worker", type=worker_id, metavar="ID", help="every sequence running on this worker")
     mode = evict.add_mutually_exclusive_group()
     mode.add_argument("--swap", dest="mode", action="store_const", const="swap",
                       help="copy pages to the host swap tier (the default; drops when swap is off or full)")
@@ -70,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     drain = sub.add_parser("drain", parents=[as_json], help="stop admitting requests, wait for running ones to end",
                            description="Workers refuse new requests (UNAVAILABLE, so a balancer retries elsewhere) "
                                        "and finish the running ones; the drain lasts until --undo or the worker "
-                                       "re-attaches. Exit 0 once nothing runs, 1 if --wait passes first.")
-    drain.add_argument("--worker", type=int, metavar="ID", help="one worker (default: every worker, and new ones)")
-    drain.add_argument("--wait", type=float, default=300.0, metavar="SECONDS",
+                                       "re-attaches. Exit 0 once nothing runs or waits to resume, 1 if --wait "
+                                       "passes first.")
+    drain.add_argument("--worker", type=worker_id, metavar="ID",
+                       help="one worker (default: every worker, and new ones)")
+    drain.add_argument("--wait", type=seconds, default=300.0, metavar="SECONDS",
                        help="wait this long for running sequences to end (default: 300; 0: do not wait)")
     drain.add_argument("--undo", action="store_true", help="end the drain: admit requests again")
     sub.add_parser("check", parents=[as_json], help="verify the invariants; exit 1 listing violations")

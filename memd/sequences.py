@@ -47,6 +47,7 @@ class Sequence:
     heat: float = 0.0
     heat_at: float = 0.0
     slots: list[int] = field(default_factory=list)      # swap slots of its pages, in block order (SWAPPED)
+    preempted_by: int | None = None     # the worker that preempted it and waits to resume it (a drain waits too)
 
     @property
     def num_full_blocks(self) -> int:

@@ -38,6 +38,7 @@ from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, result_to_proto
 
 log = structlog.get_logger("memd")
+MEMD_SERVICE = pb.DESCRIPTOR.services_by_name["Memd"].full_name
 
 # Effects larger than this run off the event loop, so other workers' Steps
 # are answered while a big page copy is in flight.
@@ -372,8 +373,10 @@ class MemdService(pb_grpc.MemdServicer):
         return self.drain_all or worker_id in self.draining
 
     def _running_on(self, worker_ids: list[int]) -> int:
+        """Sequences these workers run, or preempted and mean to resume: what a drain waits for."""
         owners = set(worker_ids)
-        return sum(1 for s in self.manager.seqs.values() if s.state is SeqState.RUNNING and s.owner in owners)
+        return sum(1 for s in self.manager.seqs.values()
+                   if (s.state is SeqState.RUNNING and s.owner in owners) or s.preempted_by in owners)
 
     # ---- admin ---------------------------------------------------------
 
@@ -423,7 +426,7 @@ class MemdService(pb_grpc.MemdServicer):
                                 running=self._running_on([w.worker_id]), draining=self.is_draining(w.worker_id))
                    for w in m.workers.values()]
         return pb.SnapshotReply(taken_at=now, block_bytes=m.geometry.block_bytes, blocks=blocks,
-                                sequences=sequences, workers=workers)
+                                sequences=sequences, workers=workers, generation=self.generation)
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:
         target = request.WhichOneof("target")
@@ -489,11 +492,17 @@ class MemdService(pb_grpc.MemdServicer):
 
 
 class RpcCounter(grpc.aio.ServerInterceptor):
-    """Counts calls per method as they arrive: memctl top's RPC rate, kvpool_memd_rpcs_total."""
+    """Counts Memd calls per method as they arrive: memctl top's RPC rate, kvpool_memd_rpcs_total.
+
+    Placed after access control, it counts admitted calls only; names outside the
+    service (a typo, a scan) are not counted, so the label set stays the service's methods.
+    """
 
     def __init__(self, service: MemdService) -> None:
         self.rpcs = service.rpcs
+        self.methods = {f"/{MEMD_SERVICE}/{m.name}": m.name for m in pb.DESCRIPTOR.services_by_name["Memd"].methods}
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
-        self.rpcs[details.method.rpartition("/")[2]] += 1
+        if (method := self.methods.get(details.method)) is not None:
+            self.rpcs[method] += 1
         return await continuation(details)

@@ -33,7 +33,8 @@ class SnapshotError(ValueError):
 def document(reply: pb.SnapshotReply) -> dict[str, Any]:
     """A snapshot as plain data: the same for JSON and msgpack, ids as numbers."""
     return {
-        "kvpool_snapshot": FORMAT_VERSION, "taken_at": reply.taken_at, "block_bytes": reply.block_bytes,
+        "kvpool_snapshot": FORMAT_VERSION, "generation": reply.generation, "taken_at": reply.taken_at,
+        "block_bytes": reply.block_bytes,
         "blocks": [{**{f: getattr(b, f) for f in BLOCK_FIELDS}, "seq_ids": list(b.seq_ids), "owners": list(b.owners)}
                    for b in reply.blocks],
         "sequences": [{**{f: getattr(s, f) for f in SEQ_FIELDS}, "block_ids": list(s.block_ids)}
@@ -71,7 +72,10 @@ def _held(seq: dict[str, Any]) -> int:
 
 
 def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """What changed from snapshot `a` to the later `b`."""
+    """What changed from snapshot `a` to the later `b`, both of one memd run."""
+    if a.get("generation") != b.get("generation"):
+        raise SnapshotError("the snapshots come from different memd runs (it restarted in between): sequence ids "
+                            "and clocks do not compare; take both from the running memd")
     seqs_a = {s["seq_id"]: s for s in a["sequences"]}
     seqs_b = {s["seq_id"]: s for s in b["sequences"]}
     both = [seqs_b[i] for i in seqs_b.keys() & seqs_a.keys()]

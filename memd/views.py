@@ -146,7 +146,8 @@ def render_drained(data: dict[str, Any], worker_id: int) -> str:
         return f"{who} admits requests again"
     if data["drained"]:
         return f"{who} drained: nothing running; draining now: {data['draining'] or 'none'}"
-    return f"{who} still runs {data['running']} sequence(s): not drained yet (the drain stays on)"
+    return (f"{who} still has {data['running']} sequence(s) running or preempted and waiting to resume: "
+            "not drained yet (the drain stays on)")
 
 
 def as_json(data: Any) -> str:

@@ -100,8 +100,10 @@ class MemdClient:
         self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
         # Called with (seq_id, reason) for each sequence memd revokes.
         self.on_revoke: Callable[[int, str], None] = lambda seq_id, reason: None
-        # An operator's drain (True) or its end (False): stop or resume admitting requests.
+        # An operator's drain (True) or its end (False): stop or resume admitting requests. memd may say
+        # it before attach() returns, so the state is also kept here for whoever installs the callback late.
         self.on_drain: Callable[[bool], None] = lambda draining: None
+        self.draining = False
 
     @classmethod
     async def attach(cls, address: str | None = None, *, model: str = "default", block_size: int = 0,
@@ -162,6 +164,7 @@ class MemdClient:
                         log.exception("on_revoke failed", seq=down.seq_id)
                 elif down.event in ("drain", "undrain"):
                     log.info(f"memd says {down.event}", reason=down.reason)
+                    self.draining = down.event == "drain"
                     try:
                         self.on_drain(down.event == "drain")
                     except Exception:

@@ -20,6 +20,8 @@ from typing import Any
 
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "UNSET"})()
 NOT_SETTINGS = {"help", "config", "print_config", "command"}
+# Variables with a daemon's prefix that are not its settings: clients read them.
+CLIENT_VARIABLES = {"MEMD_ADDRESS", "INFERD_ADDRESS"}
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
@@ -83,10 +85,19 @@ class Layers:
         except ConfigError as exc:
             print(f"{program}: {exc}", file=sys.stderr)
             return 2
+        for name in self.unknown_variables():
+            print(f"{program}: warning: ${name} is not a setting of {program}; ignored "
+                  f"(see {program} --print-config)", file=sys.stderr)
         if args.print_config:
             sys.stdout.write(self.render(args))
             return 0
         return None
+
+    def unknown_variables(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        """Prefixed variables that set nothing: a typo, or a leftover such as MEMD_ARGS from an old unit file."""
+        environ = os.environ if environ is None else environ
+        known = {self.env_name(dest) for dest in self.actions} | {f"{self.prefix}_CONFIG"} | CLIENT_VARIABLES
+        return sorted(name for name in environ if name.startswith(f"{self.prefix}_") and name not in known)
 
     def render(self, args: argparse.Namespace) -> str:
         """The settings in effect as a TOML file that reproduces them, each with where it came from."""

@@ -4,12 +4,12 @@ gRPC does not tell a server who is at the other end of a Unix socket (no
 SO_PEERCRED), so memd writes two random tokens next to its socket and every
 call presents one in the ``kvpool-token`` metadata:
 
-- ``memd.sock.token`` (0640, memd's group): workers and read-only tools
-  (Attach, Session, Step, Stats, Check);
+- ``memd.sock.token`` (0640, memd's group): workers (Attach, and with it
+  the pool; Session, Step) and the read-only Stats and Check;
 - ``memd.sock.admin-token`` (0600, memd's user): also Snapshot, Evict and Drain.
 
-A client reads the file next to the socket it calls; ``$MEMD_TOKEN`` or
-``$MEMD_TOKEN_FILE`` take precedence (over TCP they are the only way).
+A client reads the file next to the socket it calls; ``$KVPOOL_TOKEN`` or
+``$KVPOOL_TOKEN_FILE`` take precedence (over TCP they are the only way).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from shared import address as addr
 
 TOKEN_KEY = "kvpool-token"
-TOKEN_ENV, TOKEN_FILE_ENV = "MEMD_TOKEN", "MEMD_TOKEN_FILE"
+TOKEN_ENV, TOKEN_FILE_ENV = "KVPOOL_TOKEN", "KVPOOL_TOKEN_FILE"
 
 
 class TokenError(RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -79,7 +80,7 @@ async def test_a_call_without_a_token_is_unauthenticated_and_changes_nothing(mem
     err = await refused(memd, method, ())
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
     assert err.details() == (f"{method} with no token: members of memd's group read it from {token_file(memd)}, "
-                             "or set $MEMD_TOKEN / $MEMD_TOKEN_FILE")
+                             "or set $KVPOOL_TOKEN / $KVPOOL_TOKEN_FILE")
     assert await fingerprint(memd) == before
 
 
@@ -104,7 +105,7 @@ async def test_the_worker_token_cannot_make_admin_calls(memd, method):
 
 
 async def test_workers_and_read_only_tools_need_only_the_worker_token(memd, monkeypatch):
-    monkeypatch.setenv("MEMD_TOKEN", token_file(memd).read_text().strip())
+    monkeypatch.setenv("KVPOOL_TOKEN", token_file(memd).read_text().strip())
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
         assert client.pool is not None                     # the pool handle comes with an authenticated Attach
     rc, out, err = await memctl("--address", memd.address, "stats", "--json")
@@ -113,7 +114,7 @@ async def test_workers_and_read_only_tools_need_only_the_worker_token(memd, monk
     assert rc == 1 and out == ""
     assert err.strip() == (f"memctl: permission denied: Evict needs the admin token "
                            f"({token_file(memd, admin=True)}, readable by memd's user only)")
-    rc, _, err = await memctl("--address", memd.address, "stats", env={"MEMD_TOKEN": "nonsense"})
+    rc, _, err = await memctl("--address", memd.address, "stats", env={"KVPOOL_TOKEN": "nonsense"})
     assert rc == 1 and err.startswith("memctl: unauthenticated: Stats with a wrong token")
 
 
@@ -156,5 +157,40 @@ async def test_the_pool_handle_goes_to_no_other_user_even_through_an_open_socket
     assert answer.stdout.strip() == "NO", answer.stderr
     event = await memd.log.wait_for("pool handle refused", uid=65534)
     assert event["reason"] == "peer is not memd's user or group"
+    with socket.socket(socket.AF_UNIX) as mine:          # the token still works for the worker it was issued to
+        mine.connect(handle["socket"])
+        mine.sendall(handle["token"])
+        msg, fds, _, _ = socket.recv_fds(mine, 2, 1)
+    assert msg == b"OK" and len(fds) == 1
+    os.close(fds[0])
     await memd.stop()
     shutil.rmtree(open_dir, ignore_errors=True)
+
+
+async def test_token_files_the_operator_gives_must_be_private_and_plain(tmp_path):
+    from test_memd_startup import run_memd
+    sock = f"unix:{tmp_path}/m.sock"
+    admin, worker = tmp_path / "admin.token", tmp_path / "worker.token"
+    admin.write_text("a" * 64)
+    admin.chmod(0o640)                           # group-readable: every worker would be an admin
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", sock,
+                             "--admin-token-file", str(admin))
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        f"memd: {admin} is open to more users than it should be: chmod 600 {admin}")
+    worker.symlink_to(admin)
+    admin.chmod(0o600)
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", sock,
+                             "--token-file", str(worker))
+    assert rc == 1 and err.strip().splitlines()[-1].endswith("must be a plain file owned by memd's user (or root)")
+    assert not (tmp_path / "m.sock.admin-token").exists()         # a failed start leaves no token behind
+
+
+async def test_a_start_that_fails_late_removes_its_token_files(tmp_path):
+    from test_memd_startup import run_memd
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", f"unix:{tmp_path}/m.sock",
+                                 "--metrics-port", str(taken.getsockname()[1]))
+    assert rc == 1 and "cannot serve metrics" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -66,6 +66,13 @@ def test_bad_settings_in_a_file_are_named(tmp_path, text, message):
         settle(["--config", str(conf)])
 
 
+def test_variables_that_set_nothing_are_pointed_out():
+    _, layers = settle([])
+    environ = {"MEMD_ARGS": "--pool-bytes 1GiB", "MEMD_POOL_BYTES": "1GiB", "MEMD_ADDRESS": "unix:/x",
+               "MEMD_CONFIG": "/etc/kvpool/memd.toml"}
+    assert layers.unknown_variables(environ) == ["MEMD_ARGS"]
+
+
 def test_a_bad_environment_value_is_named():
     with pytest.raises(ConfigError, match=r"\$MEMD_SWAP_RATIO: must not be negative"):
         settle([], {"MEMD_SWAP_RATIO": "-1"})

@@ -338,3 +338,21 @@ async def test_a_request_carries_its_id_into_the_logs_of_both_daemons(memd_facto
     opened = await memd.log.wait_for("seq open", seq=finished["seq"])
     parked = await memd.log.wait_for("seq park", seq=finished["seq"])
     assert opened["session"] == "s-9" and parked["state"] == "parked" and opened["worker"] == parked["worker"]
+
+
+async def test_a_worker_that_attaches_during_a_drain_of_all_admits_nothing(memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    rc, out, err = await memctl(memd.address, "drain", "--wait", "0")
+    assert rc == 0 and out.startswith("every worker drained"), err
+    inferd = await inferd_factory(model_dir, memd.address)      # told at once, even while it maps the pool
+
+    async def not_serving() -> bool:
+        return await health(inferd) == "NOT_SERVING"
+    await wait_until(not_serving)
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(channel, "Anyone?", 3)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+    rc, out, _ = await memctl(memd.address, "workers", "--json")
+    assert [w["draining"] for w in json.loads(out)] == [True]

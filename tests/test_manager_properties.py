@@ -57,7 +57,7 @@ def dump(manager: KvManager) -> dict[str, Any]:
     pool = manager.pool
     return {
         "seqs": {sid: (s.model, s.block_size, s.owner, s.state, tuple(s.block_ids), s.num_committed,
-                       tuple(s.token_ids), tuple(s.hashes), s.session_id, tuple(s.slots))
+                       tuple(s.token_ids), tuple(s.hashes), s.session_id, tuple(s.slots), s.preempted_by)
                  for sid, s in manager.seqs.items()},
         "swap_jobs": {sid: id(job) for sid, job in manager.swap_jobs.items()},
         "swap_free": manager.swap.free_slots() if manager.swap else [],

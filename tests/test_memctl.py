@@ -240,3 +240,35 @@ async def test_evict_and_check_answer_in_json_too(memd):
     assert rc == 0 and json.loads(out) == {"swapped": [], "dropped": [seq_id], "revoked": [], "blocks_freed": 3}
     rc, out, _ = await memctl("--address", memd.address, "check", "--json")
     assert rc == 0 and json.loads(out) == {"ok": True, "violations": []}
+
+
+async def test_a_drain_waits_for_preempted_sequences_too(memd):
+    from shared.ops import Free, Resume
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        opened, = await client.step(Open(list(range(20))))
+        await client.step(Extend(opened.seq_id, commit_to=20), Park(opened.seq_id, preempt=True))
+        rc, out, _ = await memctl("--address", memd.address, "drain", "--worker", str(client.worker_id),
+                                  "--wait", "0", "--json")
+        assert rc == 1 and json.loads(out)["running"] == 1        # its request waits to resume: not drained
+        waiting = asyncio.create_task(memctl("--address", memd.address, "drain", "--worker", str(client.worker_id),
+                                             "--wait", "60"))
+        rc, out, _ = await memctl("--address", memd.address, "workers", "--json")
+        assert json.loads(out)[0]["draining"] is True
+        await client.step(Resume(seq_id=opened.seq_id))
+        await client.step(Free(opened.seq_id))
+        rc, out, err = await waiting
+        assert rc == 0 and out.startswith(f"worker {client.worker_id} drained"), err
+    rc, _, err = await memctl("--address", memd.address, "drain", "--worker", "0")
+    assert rc == 2 and "must be a worker id from 1" in err
+    rc, _, err = await memctl("--address", memd.address, "drain", "--wait", "inf")
+    assert rc == 2 and "must be a finite number of seconds" in err
+
+
+def test_diff_refuses_snapshots_of_two_memd_runs():
+    import pytest
+
+    from memd.snapshots import SnapshotError, diff
+    empty = {"kvpool_snapshot": 1, "taken_at": 1.0, "block_bytes": 4096, "blocks": [], "sequences": [], "workers": []}
+    assert diff({**empty, "generation": 7}, {**empty, "generation": 7})["used_blocks"] == [0, 0]
+    with pytest.raises(SnapshotError, match="different memd runs"):
+        diff({**empty, "generation": 7}, {**empty, "generation": 8})

@@ -91,7 +91,7 @@ async def test_memd_serves_over_tcp_only_with_tokens(memd_factory, tmp_path, mon
     rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", "127.0.0.1:0")
     assert rc == 1 and err.strip().splitlines()[-1] == (
         "memd: listening on TCP needs --token-file and --admin-token-file: clients on other hosts present a copy "
-        "of the token ($MEMD_TOKEN_FILE)")
+        "of the token ($KVPOOL_TOKEN_FILE)")
     worker_token = tmp_path / "worker.token"
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "1MiB", "--listen", "127.0.0.1:0",
                               "--token-file", str(worker_token), "--admin-token-file", str(tmp_path / "admin.token"),
@@ -101,7 +101,7 @@ async def test_memd_serves_over_tcp_only_with_tokens(memd_factory, tmp_path, mon
     with pytest.raises(MemdError) as refused:
         await MemdClient.attach(address, block_size=16)
     assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
-    monkeypatch.setenv("MEMD_TOKEN_FILE", str(worker_token))
+    monkeypatch.setenv("KVPOOL_TOKEN_FILE", str(worker_token))
     async with await MemdClient.attach(address, block_size=16) as client:   # the pool fd comes over a side socket
         assert client.pool is not None and client.pool.pages.shape == (16, 65536)
     assert any((tmp_path / "kvpool").glob("memd-*.fd"))

@@ -51,12 +51,13 @@ def test_a_typo_in_a_unit_is_caught(tmp_path):
     assert "Unknown key" in verify(installed(tmp_path, "ProtectSytem=strict"), "memd.service")
 
 
-def test_the_units_run_hardened_as_the_kvpool_user():
-    for unit in ("memd.service", "inferd@.service"):
+def test_the_units_run_hardened_as_users_of_their_own():
+    for unit, user in (("memd.service", "kvpool"), ("inferd@.service", "kvpool-worker")):
         lines = set((UNITS / unit).read_text().splitlines())
-        for setting in ("Type=notify", "User=kvpool", "Group=kvpool", "NoNewPrivileges=yes", "ProtectSystem=strict",
+        for setting in ("Type=notify", f"User={user}", f"Group={user}", "NoNewPrivileges=yes", "ProtectSystem=strict",
                         "ProtectHome=yes", "PrivateTmp=yes", "CapabilityBoundingSet=", "UMask=0007"):
             assert setting in lines, f"{unit} lacks {setting}"
+    assert "SupplementaryGroups=kvpool" in (UNITS / "inferd@.service").read_text().splitlines()
     memd = (UNITS / "memd.service").read_text()
     assert "LimitMEMLOCK=infinity" in memd and "RuntimeDirectory=memd" in memd
     inferd = (UNITS / "inferd@.service").read_text()

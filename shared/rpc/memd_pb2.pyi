@@ -334,18 +334,20 @@ class WorkerRow(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., last_seen: _Optional[float] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SnapshotReply(_message.Message):
-    __slots__ = ("taken_at", "block_bytes", "blocks", "sequences", "workers")
+    __slots__ = ("taken_at", "block_bytes", "blocks", "sequences", "workers", "generation")
     TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     taken_at: float
     block_bytes: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRow]
     sequences: _containers.RepeatedCompositeFieldContainer[SeqRow]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerRow]
-    def __init__(self, taken_at: _Optional[float] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRow, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[SeqRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, taken_at: _Optional[float] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRow, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[SeqRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("seq_id", "session_id", "idle_s", "blocks", "worker_id", "mode")
