@@ -26,10 +26,11 @@ from grpc_reflection.v1alpha import reflection
 
 from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
 from memd.fdpass import FdServer
+from memd.interceptors import RequestDecoder, RpcCounter
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
 from memd.metrics import MemdMetrics
-from memd.service import MemdService, RpcCounter
+from memd.service import MemdService
 from memd.swap import allocate_swap
 from shared import address as addr
 from shared.config import Layers, add_config_flags
@@ -211,7 +212,8 @@ async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str
         metrics = MemdMetrics(service, asyncio.get_running_loop())
         metrics.serve(args.metrics_port, args.metrics_host)
         service.step_seconds = metrics.step_seconds
-    server = grpc.aio.server(interceptors=[AccessControl(credentials), RpcCounter(service)], options=[
+    server = grpc.aio.server(interceptors=[AccessControl(credentials), RpcCounter(service.rpcs), RequestDecoder()],
+                             options=[
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 256 << 20),
         ("grpc.so_reuseport", 0),

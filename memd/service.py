@@ -38,7 +38,6 @@ from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, result_to_proto
 
 log = structlog.get_logger("memd")
-MEMD_SERVICE = pb.DESCRIPTOR.services_by_name["Memd"].full_name
 
 # Effects larger than this run off the event loop, so other workers' Steps
 # are answered while a big page copy is in flight.
@@ -489,20 +488,3 @@ class MemdService(pb_grpc.MemdServicer):
             await self._changes(left)
         draining = sorted(w for w in m.workers if self.is_draining(w))
         return pb.DrainReply(worker_ids=draining, running=self._running_on(targets))
-
-
-class RpcCounter(grpc.aio.ServerInterceptor):
-    """Counts Memd calls per method as they arrive: memctl top's RPC rate, kvpool_memd_rpcs_total.
-
-    Placed after access control, it counts admitted calls only; names outside the
-    service (a typo, a scan) are not counted, so the label set stays the service's methods.
-    """
-
-    def __init__(self, service: MemdService) -> None:
-        self.rpcs = service.rpcs
-        self.methods = {f"/{MEMD_SERVICE}/{m.name}": m.name for m in pb.DESCRIPTOR.services_by_name["Memd"].methods}
-
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
-        if (method := self.methods.get(details.method)) is not None:
-            self.rpcs[method] += 1
-        return await continuation(details)

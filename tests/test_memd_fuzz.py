@@ -1,0 +1,127 @@
+"""memd under random and malformed requests from several clients: it answers each with a clear status, never
+crashes, and `memctl check` stays clean (the bad-input half of fault isolation)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared import tokens
+from shared.launch import spawn_ready
+from shared.rpc import memd_pb2 as pb
+from shared.rpc import memd_pb2_grpc as pb_grpc
+
+# What a bad request may get: each names the problem. Never UNKNOWN, INTERNAL or a dead memd.
+CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+         grpc.StatusCode.OUT_OF_RANGE}
+U32, U64 = 2**32 - 1, 2**64 - 1
+
+seq_ids = st.one_of(st.integers(0, 24), st.sampled_from([U64, 2**63]))
+token_lists = st.lists(st.one_of(st.integers(0, 64), st.just(U32)), max_size=48)
+counts = st.one_of(st.integers(0, 80), st.sampled_from([U32, 2**31]))
+names = st.one_of(st.sampled_from(["", "s1", "s2"]), st.text(max_size=300))
+ops = st.one_of(
+    st.builds(lambda s, t, r, c: pb.Op(open=pb.OpenOp(session_id=s, token_ids=t, reserve=r, continue_session=c)),
+              names, token_lists, counts, st.booleans()),
+    st.builds(lambda i, a, c, r: pb.Op(extend=pb.ExtendOp(seq_id=i, append=a, commit_to=c, reserve=r)),
+              seq_ids, token_lists, counts, counts),
+    st.builds(lambda i, a, c, p: pb.Op(park=pb.ParkOp(seq_id=i, append=a, commit_to=c, preempt=p)),
+              seq_ids, token_lists, counts, st.booleans()),
+    st.builds(lambda i, r: pb.Op(resume=pb.ResumeOp(seq_id=i, reserve=r)), seq_ids, counts),
+    st.builds(lambda s, r: pb.Op(resume=pb.ResumeOp(session_id=s, reserve=r)), names, counts),
+    st.builds(lambda i: pb.Op(free=pb.FreeOp(seq_id=i)), seq_ids),
+    st.builds(lambda s: pb.Op(free=pb.FreeOp(session_id=s)), names),
+    st.builds(lambda i, s: pb.Op(fork=pb.ForkOp(seq_id=i, session_id=s)), seq_ids, names),
+    st.just(pb.Op()),
+)
+calls = st.one_of(
+    st.tuples(st.just("step"), st.integers(0, 2), st.lists(ops, max_size=6), counts),
+    st.tuples(st.just("foreign"), st.integers(0, 2), st.lists(ops, max_size=3)),         # another's id, no lease
+    st.tuples(st.just("garbage"), st.sampled_from(["Step", "Attach", "Evict", "Drain"]), st.binary(max_size=64)),
+    st.tuples(st.just("evict"), st.one_of(
+        st.builds(lambda i: pb.EvictRequest(seq_id=i), seq_ids),
+        st.builds(lambda s: pb.EvictRequest(session_id=s), names),
+        st.builds(lambda n: pb.EvictRequest(blocks=n), st.integers(0, U64)),
+        st.builds(lambda s: pb.EvictRequest(idle_s=s), st.floats(allow_nan=True, allow_infinity=True)),
+        st.builds(lambda w: pb.EvictRequest(worker_id=w), seq_ids),
+        st.builds(lambda m: pb.EvictRequest(seq_id=1, mode=m), st.text(max_size=8)))),
+    st.tuples(st.just("attach"), st.integers(0, 2**32), st.text(max_size=300)),
+)
+
+
+@pytest.fixture(scope="module")
+def memd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    workdir = tmp_path_factory.mktemp("fuzz")
+    address = f"unix:{workdir}/memd.sock"
+    proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB",
+                        "--listen", address, "--lease-timeout", "30"], workdir, stderr=subprocess.DEVNULL)
+    yield proc, address
+    proc.terminate()
+    proc.wait(30)
+
+
+async def drive(address: str, plan: list[tuple]) -> None:
+    admin_md = tokens.metadata(tokens.find_token(address, admin=True))
+    worker_md = tokens.metadata(tokens.find_token(address))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.MemdStub(channel)
+        workers = []
+        for i, model in enumerate(("m", "m", "other")):
+            reply = await stub.Attach(pb.AttachRequest(name=f"fuzz-{i}", model=model, block_size=4),
+                                      metadata=worker_md)
+            workers.append((reply.worker_id, reply.lease))
+        for call in plan:
+            try:
+                if call[0] == "step":
+                    worker_id, lease = workers[call[1]]
+                    await stub.Step(pb.StepRequest(worker_id=worker_id, lease=lease, ops=call[2],
+                                                   wanted_blocks=call[3] % (U32 + 1)), metadata=worker_md)
+                elif call[0] == "foreign":
+                    await stub.Step(pb.StepRequest(worker_id=workers[call[1]][0], ops=call[2]), metadata=worker_md)
+                elif call[0] == "garbage":
+                    raw = channel.unary_unary(f"/kvpool.memd.v1.Memd/{call[1]}")
+                    await raw(call[2], metadata=admin_md)
+                elif call[0] == "evict":
+                    await stub.Evict(call[1], metadata=admin_md)
+                elif call[0] == "attach":
+                    await stub.Attach(pb.AttachRequest(name=call[2], block_size=call[1] % (U32 + 1)),
+                                      metadata=worker_md)
+            except grpc.aio.AioRpcError as err:
+                assert err.code() in CLEAR, (call, err.code(), err.details())
+                assert err.details() and "\n" not in err.details().strip(), (call, err.details())
+        check = await stub.Check(pb.CheckRequest(), metadata=admin_md)
+        assert check.ok, check.violations
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(calls, min_size=1, max_size=12))
+def test_memd_answers_random_and_malformed_requests_clearly_and_stays_consistent(memd, plan):
+    proc, address = memd
+    asyncio.run(drive(address, plan))
+    assert proc.poll() is None, "memd died"
+
+
+def test_an_oversized_request_is_refused_and_memd_goes_on(memd):
+    proc, address = memd
+
+    async def huge() -> grpc.StatusCode:
+        md = tokens.metadata(tokens.find_token(address))
+        async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
+            stub = pb_grpc.MemdStub(ch)
+            op = pb.Op(open=pb.OpenOp(token_ids=[U32] * (20 << 20)))      # 5-byte varints: 100 MiB, past 64 MiB
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Step(pb.StepRequest(worker_id=1, ops=[op]), metadata=md)
+            assert (await stub.Check(pb.CheckRequest(), metadata=tokens.metadata(
+                tokens.find_token(address, admin=True)))).ok
+            return err.value.code()
+
+    assert asyncio.run(huge()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert proc.poll() is None
