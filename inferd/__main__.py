@@ -22,6 +22,7 @@ from inferd.checkpoint import CheckpointError
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
 from shared.config import Layers, add_config_flags
+from shared.decoding import RequestDecoder
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
@@ -85,7 +86,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port:
         metrics = InferdMetrics(link, asyncio.get_running_loop())
         metrics.serve(args.metrics_port, args.metrics_host)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[RequestDecoder()])
     pb_grpc.add_InferdServicer_to_server(InferdService(link, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
 from memd.fdpass import FdServer
-from memd.interceptors import RequestDecoder, RpcCounter
+from memd.interceptors import RpcCounter
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
 from memd.metrics import MemdMetrics
@@ -34,6 +34,7 @@ from memd.service import MemdService
 from memd.swap import allocate_swap
 from shared import address as addr
 from shared.config import Layers, add_config_flags
+from shared.decoding import RequestDecoder
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
