@@ -162,9 +162,12 @@ class Scheduler:
             return
         for request in [r for r in self.waiting if not r.preempted and not r.seq_id]:
             self.waiting.remove(request)
-            request.done = True
-            request.events.put_nowait(Event([], "", usage=self.usage(request),
-                                            error=GenerationError("UNAVAILABLE", DRAINING), index=request.index))
+            self._fail(request, GenerationError("UNAVAILABLE", DRAINING))
+
+    def _fail(self, request: Request, error: GenerationError) -> None:
+        """A request that holds nothing in memd ends with `error` as its final event."""
+        request.done = True
+        request.events.put_nowait(Event([], "", usage=self.usage(request), error=error, index=request.index))
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         request.cancel(reason)
@@ -226,8 +229,7 @@ class Scheduler:
         for request in [*self.waiting, *self.running, *pending]:
             if id(request) not in failed:
                 failed.add(id(request))
-                request.done = True
-                request.events.put_nowait(Event([], "", usage=self.usage(request), error=error, index=request.index))
+                self._fail(request, error)
         resets = [done for done, _ in self._resets] + [o for k, o, _ in self._inflight if k == "reset"]
         for done in resets:
             if not done.done():

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
 from memd.fdpass import FdServer
-from memd.interceptors import RpcCounter
+from memd.interceptors import MEMD_SERVICE, RpcCounter
 from memd.manager import KvManager
 from memd.memory import PoolMemoryError, allocate_pool
 from memd.metrics import MemdMetrics
@@ -39,13 +39,11 @@ from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_s
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
-from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
 
 log = structlog.get_logger("memd")
 MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
-MEMD_SERVICE = pb.DESCRIPTOR.services_by_name["Memd"].full_name
 
 
 class StartupError(RuntimeError):

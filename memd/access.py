@@ -24,11 +24,11 @@ from pathlib import Path
 import grpc
 import structlog
 
+from memd.interceptors import MEMD_SERVICE
 from shared.tokens import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_KEY, TokenError, read_token
 
 log = structlog.get_logger("memd")
 
-MEMD_SERVICE = "kvpool.memd.v1.Memd"
 ADMIN_METHODS = frozenset({"Snapshot", "Evict", "Drain"})
 STREAMING_METHODS = frozenset({"Session"})
 

@@ -23,7 +23,6 @@ from shared.client import MemdAdmin, MemdError
 from shared.tokens import TokenError
 
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-STATES = ["running", "parked", "swapped", "dropped"]
 EXIT_CODES = """exit codes:
   0    done
   1    bad news or refused: check found violations, a drain timed out, memd refused
@@ -64,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("after").complete = shtab.FILE
     sub.add_parser("workers", parents=[as_json], help="attached workers: running sequences, drain, last heartbeat")
     seqs = sub.add_parser("sequences", parents=[as_json], help="sequences with their state, owner, size and heat")
-    seqs.add_argument("--state", choices=STATES)
+    seqs.add_argument("--state", choices=views.STATE_ORDER)
     seqs.add_argument("--worker", type=worker_id, metavar="ID", help="only those running on this worker")
     evict = sub.add_parser("evict", parents=[as_json],
                            help="free pages now: swap out or drop sequences (their token ids stay)",

@@ -12,6 +12,7 @@ the two snapshots, and what appeared and went.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +84,14 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     def used(doc: dict[str, Any]) -> int:
         return sum(1 for block in doc["blocks"] if block["ref_count"] > 0)
 
-    def states(doc: dict[str, Any]) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for seq in doc["sequences"]:
-            counts[seq["state"]] = counts.get(seq["state"], 0) + 1
-        return counts
-
+    states_a = Counter(seq["state"] for seq in a["sequences"])
+    states_b = Counter(seq["state"] for seq in b["sequences"])
     workers_a = {w["worker_id"] for w in a["workers"]}
     workers_b = {w["worker_id"] for w in b["workers"]}
     return {
         "elapsed_s": b["taken_at"] - a["taken_at"],
         "used_blocks": [used(a), used(b)],
-        "sequences": {state: [states(a).get(state, 0), states(b).get(state, 0)]
-                      for state in sorted(states(a).keys() | states(b).keys())},
+        "sequences": {state: [states_a[state], states_b[state]] for state in sorted(states_a.keys() | states_b.keys())},
         # Held by no sequence: nothing will ever free them.
         "orphaned_blocks": [blk["block_id"] for blk in b["blocks"] if blk["ref_count"] > 0 and not blk["seq_ids"]],
         "grew": sorted(({"seq_id": s["seq_id"], "session_id": s["session_id"], "state": s["state"],

@@ -13,12 +13,13 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from memd.sequences import SeqState
 from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS
 from shared.rpc import memd_pb2 as pb
 from shared.sizes import format_size
 
 SNAPSHOT_COLUMNS = ["block_id", "ref_count", "last_access", "seq_id", "state", "heat", "owner"]
-STATE_ORDER = ["running", "parked", "swapped", "dropped"]
+STATE_ORDER = [state.value for state in SeqState]
 EVICTION_REASONS = ("idle", "pressure", "forced")
 PRESSURE_COUNTERS = ("swap_outs", "swap_ins", "drops", "preemptions")
 

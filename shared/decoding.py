@@ -14,14 +14,30 @@ from google.protobuf.message import DecodeError
 
 
 class RequestDecoder(grpc.aio.ServerInterceptor):
-    """Unary requests (with a unary or a streamed reply) that do not decode are refused with a one-line reason."""
+    """Unary requests (with a unary or a streamed reply) that do not decode are refused with a one-line reason.
+
+    Last in the chain, so its continuation yields the registered handler: wrapped once per method, then
+    reused, which keeps the per-call cost on the Step path to a dict lookup.
+    """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}      # registered methods only: a bounded set
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        if (wrapped := self._wrapped.get(details.method)) is not None:
+            return wrapped
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None:
+            return None                   # no such method: nothing to keep
+        self._wrapped[details.method] = self._wrap(handler, details.method)
+        return self._wrapped[details.method]
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler, path: str) -> grpc.RpcMethodHandler:
+        if handler.request_streaming or handler.request_deserializer is None:
             return handler
         decode = handler.request_deserializer
-        method = details.method.rpartition("/")[2]
+        method = path.rpartition("/")[2]
 
         async def decoded(raw: bytes, context: grpc.aio.ServicerContext) -> object:
             try:
