@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
 import sys
 import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from conftest import ROOT
@@ -88,25 +91,32 @@ async def test_a_metrics_port_in_use_fails_at_start_in_one_line(tmp_path):
     assert err.decode().strip().splitlines()[-1].startswith(f"memd: cannot serve metrics on 127.0.0.1:{port}")
 
 
-async def test_under_a_watchdog_memd_pings_from_its_loop_with_the_pool_in_its_status(tmp_path):
-    notify_path = tmp_path / "notify"
+@contextlib.asynccontextmanager
+async def memd_on_a_notify_socket(tmp_path: Path, **env: str) -> AsyncIterator[tuple[socket.socket, Path]]:
+    """A 16-block memd whose sd_notify datagrams arrive on the yielded socket, as systemd would get them."""
+    notify_path, sock = tmp_path / "notify", tmp_path / "m.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
         listener.bind(str(notify_path))
         listener.setblocking(False)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB",
-            "--listen", f"unix:{tmp_path}/m.sock", cwd=ROOT, stderr=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "200000"})
+            "--listen", f"unix:{sock}", cwd=ROOT, stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "NOTIFY_SOCKET": str(notify_path), **env})
         try:
-            loop, messages = asyncio.get_running_loop(), []
-
-            async def pings() -> None:
-                while sum("WATCHDOG=1" in m for m in messages) < 3:
-                    messages.append((await loop.sock_recv(listener, 4096)).decode())
-            await asyncio.wait_for(pings(), 60)
+            yield listener, sock
         finally:
             proc.terminate()
             await proc.wait()
+
+
+async def test_under_a_watchdog_memd_pings_from_its_loop_with_the_pool_in_its_status(tmp_path):
+    async with memd_on_a_notify_socket(tmp_path, WATCHDOG_USEC="200000") as (listener, _):
+        loop, messages = asyncio.get_running_loop(), []
+
+        async def pings() -> None:
+            while sum("WATCHDOG=1" in m for m in messages) < 3:
+                messages.append((await loop.sock_recv(listener, 4096)).decode())
+        await asyncio.wait_for(pings(), 60)
     first_ping = next(i for i, m in enumerate(messages) if "WATCHDOG=1" in m)
     assert any("READY=1" in m for m in messages[:first_ping + 1])      # ready before (or with) the first ping
     status = [line for line in messages[first_ping].split("\n") if line.startswith("STATUS=")]
@@ -117,24 +127,13 @@ async def test_ready_comes_only_once_the_socket_answers_calls(tmp_path):
     # systemd starts inferd@ units the moment memd says READY=1: by then a call must succeed on the
     # first try, with no retry and no wait for the channel to become ready.
     from shared.rpc import memd_pb2, memd_pb2_grpc
-    notify_path, sock = tmp_path / "notify", tmp_path / "m.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
-        listener.bind(str(notify_path))
-        listener.setblocking(False)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "memd", "--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB",
-            "--listen", f"unix:{sock}", cwd=ROOT, stderr=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
-        try:
-            loop = asyncio.get_running_loop()
-            while b"READY=1" not in (await asyncio.wait_for(loop.sock_recv(listener, 4096), 60)).split(b"\n"):
-                pass
-            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660      # the service group may connect
-            async with grpc.aio.insecure_channel(f"unix:{sock}") as channel:
-                reply = await memd_pb2_grpc.MemdStub(channel).Stats(
-                    memd_pb2.StatsRequest(), wait_for_ready=False, timeout=10,
-                    metadata=tokens.metadata(tokens.find_token(f"unix:{sock}")))
-            assert reply.total_blocks == 16
-        finally:
-            proc.terminate()
-            await proc.wait()
+    async with memd_on_a_notify_socket(tmp_path) as (listener, sock):
+        loop = asyncio.get_running_loop()
+        while b"READY=1" not in (await asyncio.wait_for(loop.sock_recv(listener, 4096), 60)).split(b"\n"):
+            pass
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660      # the service group may connect
+        async with grpc.aio.insecure_channel(f"unix:{sock}") as channel:
+            reply = await memd_pb2_grpc.MemdStub(channel).Stats(
+                memd_pb2.StatsRequest(), wait_for_ready=False, timeout=10,
+                metadata=tokens.metadata(tokens.find_token(f"unix:{sock}")))
+        assert reply.total_blocks == 16
