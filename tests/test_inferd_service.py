@@ -312,6 +312,8 @@ async def test_a_drain_refuses_new_requests_lets_running_ones_finish_and_undo_en
             return await health(inferd) == "SERVING"
         await wait_until(serving)
         assert len(await generate(channel, "Someone new.", 4)) == 4
+    states, used, ok = await memd_state(memd)               # refused and finished requests left nothing running
+    assert states["running"] == 0 and used == 0 and ok
     rc, _, err = await memctl(memd.address, "drain", "--worker", "999")
     assert rc == 1 and err.strip() == "memctl: not found: no worker 999 is attached (memctl workers)"
 
