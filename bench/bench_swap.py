@@ -1,6 +1,6 @@
 """How fast memd swaps, and what a swap storm does to everyone else's Steps.
 
-    .venv/bin/python bench/bench_swap.py [--seconds 5] [--json]
+    .venv/bin/python bench/bench_swap.py [--seconds 5] [--json] [--device cpu|cuda:N]
 
 1. Bandwidth: memd's swap-out and swap-in copies (memd.swap, the code memd
    runs) of a sequence's pages, against one plain `copy_` of the same bytes
@@ -8,6 +8,8 @@
    pool (every other page), as they are after a while of serving; contiguous
    pages are reported too. Measured twice, in fresh processes: with glibc's
    defaults, and with the GLIBC_TUNABLES that systemd/memd.service sets.
+   With --device cuda:N the pool is memd's GPU pool (CudaMemory) and the
+   swap tier its pinned host memory (PinnedSwap): device<->host DMA, once.
 2. Step latency: a probe client sends small Steps (allocate one page, free
    one) to a real memd, first on a quiet memd, then while another process
    swaps 16 sequences out and back in without pause (forced evictions and
@@ -69,6 +71,42 @@ def bench_bandwidth(block_bytes: int, moved_bytes: int, repeats: int) -> dict:
     finally:
         swap.close()
         pool.close()
+
+
+def bench_bandwidth_cuda(device: str, block_bytes: int, moved_bytes: int, repeats: int) -> dict:
+    """The same copies with memd's GPU pool and pinned swap tier; the raw copy_ is one DMA, synchronized."""
+    from memd.memory import CudaMemory
+    from memd.swap import PinnedSwap
+
+    count = moved_bytes // block_bytes
+    pool = CudaMemory(device, 2 * count, block_bytes)
+    swap = PinnedSwap(pool, count, block_bytes)
+    moved = count * block_bytes
+    raw_pool, raw_swap = pool.pages.view(-1)[:moved], swap.slots.view(-1)[:moved]
+
+    def raw(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(pool.index)
+
+    scattered = [(2 * i, i) for i in range(count)]
+    back = [(slot, block) for block, slot in scattered]
+    raw_out, swap_out, raw_in, swap_in, contiguous = best_times([
+        lambda: raw(raw_swap, raw_pool), lambda: swap.copy_out(scattered),
+        lambda: raw(raw_pool, raw_swap), lambda: swap.copy_in(back),
+        lambda: swap.copy_out([(i, i) for i in range(count)])], repeats)
+    # The round trip must be exact: what went out (pages 0, 2, 4, ...) comes back.
+    pool.pages[0::2][:count].fill_(0x5A)
+    swap.copy_out(scattered)
+    pool.pages.zero_()
+    swap.copy_in(back)
+    exact = bool((pool.pages[0::2][:count] == 0x5A).all())
+    gib = moved / (1 << 30)
+    return {"block_bytes": block_bytes, "moved_bytes": moved, "locked": swap.locked, "device": pool.device,
+            "round_trip_exact": exact,
+            "raw_out_gib_s": gib / raw_out, "raw_in_gib_s": gib / raw_in,
+            "swap_out_gib_s": gib / swap_out, "swap_in_gib_s": gib / swap_in,
+            "swap_out_contiguous_gib_s": gib / contiguous,
+            "out_ratio": raw_out / swap_out, "in_ratio": raw_in / swap_in}
 
 
 def measure(pool: ShmMemory, swap: HostSwap, count: int, block_bytes: int, repeats: int) -> dict:
@@ -135,13 +173,13 @@ def percentiles(latencies: list[float]) -> dict:
     return {"steps": len(latencies), "p50_ms": qs[49] * 1e3, "p99_ms": qs[98] * 1e3}
 
 
-def bench_steps(seconds: float) -> dict:
+def bench_steps(seconds: float, device: str = "cpu") -> dict:
     page = parse_size(PAGE_FOR_STEPS)
     pool = 4 * STORM_SEQS * STORM_BLOCKS * page                  # room for the storm and the probe
     with tempfile.TemporaryDirectory(prefix="swap-bench-") as tmp:
         address = f"unix:{tmp}/memd.sock"
         os.environ["GLIBC_TUNABLES"] = NON_TEMPORAL_TUNABLE          # as systemd/memd.service starts memd
-        memd = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", str(pool), "--block-bytes", str(page),
+        memd = spawn_ready(["memd", "--device", device, "--pool-bytes", str(pool), "--block-bytes", str(page),
                             "--swap-ratio", "0.5", "--free-watermark", "0", "--listen", address,
                             "--log-level", "warning"], Path(tmp))
         storm_proc = None
@@ -175,8 +213,14 @@ async def swap_counters(address: str) -> dict:
 
 # ---- report ---------------------------------------------------------------------
 
-def bandwidth_runs(moved: int, repeats: int) -> dict[str, list[dict]]:
+def bandwidth_runs(moved: int, repeats: int, device: str = "cpu") -> dict[str, list[dict]]:
     """The bandwidth table in fresh processes: glibc's default, and memd.service's GLIBC_TUNABLES."""
+    if device != "cpu":                      # DMA between the GPU and pinned memory: glibc plays no part
+        out = subprocess.run([sys.executable, __file__, "--bandwidth-only", "--moved", str(moved), "--repeats",
+                              str(repeats), "--device", device], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"the {device} bandwidth run failed:\n{out.stderr[-4000:]}")
+        return {f"pinned host <-> {device}": json.loads(out.stdout.splitlines()[-1])}
     runs = {}
     for label, tunables in (("glibc default", ""), ("memd.service tunable", NON_TEMPORAL_TUNABLE)):
         env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -189,7 +233,8 @@ def bandwidth_runs(moved: int, repeats: int) -> dict[str, list[dict]]:
 
 
 def report(res: dict) -> str:
-    rows = [["glibc", "page", "raw copy_ out", "memd swap-out", "ratio", "raw copy_ in", "memd swap-in", "ratio",
+    first = "glibc" if res.get("device", "cpu") == "cpu" else "copies"
+    rows = [[first, "page", "raw copy_ out", "memd swap-out", "ratio", "raw copy_ in", "memd swap-in", "ratio",
              "swap-out (contiguous)"]]
     for label, b in ((label, b) for label, table_rows in res["bandwidth"].items() for b in table_rows):
         rows.append([label, format_size(b["block_bytes"]), f"{b['raw_out_gib_s']:.2f} GiB/s",
@@ -220,19 +265,27 @@ def main() -> None:
     p.add_argument("--moved", default="256MiB", help="bytes per bandwidth copy (default: 256MiB)")
     p.add_argument("--repeats", type=int, default=5, help="bandwidth repeats, best kept (default: 5)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.add_argument("--device", default="cpu",
+                   help="memd's pool: cpu (shared memory, host swap; the default) or cuda:N (GPU pool, pinned swap)")
     p.add_argument("--storm", metavar="ADDRESS", help=argparse.SUPPRESS)     # the storm's own process
     p.add_argument("--bandwidth-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.storm:
         asyncio.run(storm(args.storm))
         return
+    if args.bandwidth_only and args.device != "cpu":
+        print(json.dumps([bench_bandwidth_cuda(args.device, parse_size(page), parse_size(args.moved), args.repeats)
+                          for page in ("64KiB", "1MiB", "8MiB")]))
+        return
     if args.bandwidth_only:
         print(json.dumps([bench_bandwidth(parse_size(page), parse_size(args.moved), args.repeats)
                           for page in ("64KiB", "1MiB", "8MiB")]))
         return
     res: dict = {"cores": os.cpu_count(), "seconds": args.seconds, "repeats": args.repeats}
-    res["bandwidth"] = bandwidth_runs(parse_size(args.moved), args.repeats)
-    res["steps"] = bench_steps(args.seconds)
+    if args.device != "cpu":
+        res["device"] = args.device
+    res["bandwidth"] = bandwidth_runs(parse_size(args.moved), args.repeats, args.device)
+    res["steps"] = bench_steps(args.seconds, args.device)
     print(report(res))
     if args.json:
         print(json.dumps(res))

@@ -62,5 +62,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if gen is not None and probs.device != gen.device:
+            probs = probs.to(gen.device)        # a seed's generator lives on the CPU: same draws on any device
         chosen[row] = int(torch.multinomial(probs, 1, generator=gen))
     return chosen

@@ -125,6 +125,7 @@ class Scheduler:
         self._wanted = 0                                 # free blocks the head of the queue waits for
         self.preemptions = 0
         self.draining = False                            # an operator's drain: admit nothing new
+        self.carried: list[Request] = []                 # unstarted when memd failed: for the next attachment
         client.on_revoke = self._on_revoke
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
@@ -206,7 +207,8 @@ class Scheduler:
                 if not await self.iteration():
                     await self._idle()
             except MemdError as err:
-                self.fail_all(GenerationError("UNAVAILABLE", f"memd failed: {err.message}"))
+                self.carried += self.fail_all(GenerationError("UNAVAILABLE", f"memd failed: {err.message}"),
+                                              keep_unstarted=True)
                 raise
             except Exception as err:
                 log.exception("scheduler failed")
@@ -220,8 +222,17 @@ class Scheduler:
             await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
         await self.client.step(wanted_blocks=self._wanted)   # only the free-page count comes back
 
-    def fail_all(self, error: GenerationError) -> None:
-        """memd is gone (or the scheduler broke): every request and reset fails; memd reclaims with the lease."""
+    def fail_all(self, error: GenerationError, *, keep_unstarted: bool = False) -> list[Request]:
+        """memd is gone (or the scheduler broke): requests and resets fail; memd reclaims with the lease.
+
+        `keep_unstarted`: requests that never reached memd (queued, nothing
+        generated) do not fail: they are returned, to wait for the next
+        attachment (`adopt`); they hold nothing that memd's going could lose.
+        """
+        kept = [r for r in self.waiting if not r.seq_id and not r.preempted and not r.generated
+                and not r.cancelled and r.fork_of is None] if keep_unstarted else []
+        for request in kept:
+            self.waiting.remove(request)
         pending = [request for _, request, _ in self._ending] + self._inflight_requests()
         pending += [child for _, _, group in self._forks for child in group] + self._unforked
         pending += [request for request, _ in self._preempting]
@@ -244,10 +255,17 @@ class Scheduler:
         self._revoked.clear()
         self._wanted = 0
         self._inflight = []
+        return kept
+
+    def adopt(self, requests: list[Request]) -> None:
+        """Queue requests an earlier attachment kept (`fail_all(keep_unstarted=True)`), in arrival order."""
+        self.waiting.extend(requests)
+        if requests:
+            self._wake.set()
 
     async def close(self) -> None:
         """Let a forward pass in flight finish (it writes into pages memd may hand out next), then stop."""
-        if self._forward_job is not None:
+        if self._forward_job is not None and not self._forward_job.cancelled():
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._forward_job)
         self._compute.shutdown(wait=True)
@@ -534,7 +552,9 @@ class Scheduler:
         batch = build_batch([(take, r.computed, r.table) for r, take in chunks], self.block_size,
                             self.model.device)
         self._forward_job = asyncio.get_running_loop().run_in_executor(self._compute, self.model.forward, batch)
-        logits = await self._forward_job
+        # Shielded: cancelling the scheduler cannot stop the thread writing pages, so the job must
+        # stay awaitable for close(), which waits for it before the pool may be let go.
+        logits = await asyncio.shield(self._forward_job)
         self._forward_job = None
         finishing = []
         for row, (request, take) in enumerate(chunks):

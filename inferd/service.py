@@ -2,9 +2,11 @@
 
 `MemdLink` attaches to memd, maps the pool, builds the decoder over it and
 runs the scheduler. When memd fails (the lease stream ends, a Step cannot
-reach it) every request in flight fails with UNAVAILABLE and a clear message,
-and the link attaches again with backoff: the worker serves again as soon as
-memd is back, without a restart.
+reach it) the requests that reached memd fail with UNAVAILABLE and a clear
+message; queued ones that had not started wait. The link stops using the old
+pool (the forward pass in flight finishes first), then attaches again with
+backoff and maps the new pool afresh: the worker serves again as soon as
+memd is back, without a restart, and never touches an older pool.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class MemdLink:
         # Health follows whether requests can be served: attached to memd and not draining.
         self.on_serving: Callable[[bool], Awaitable[None]] | None = None
         self._health: asyncio.Future[None] | None = None      # the health update a drain started
+        # Requests that had not started when memd went away: they wait for the next attachment.
+        self._carried: list[Request] = []
 
     async def run(self) -> None:
         backoff = 0.2
@@ -85,6 +89,8 @@ class MemdLink:
         model = PagedDecoder(self.config, self.weights, kv, device=client.pool.pages.device)
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
                               max_batch_tokens=self.max_batch_tokens)
+        scheduler.adopt(self._carried)
+        self._carried = []
         self.scheduler = scheduler
         self.attached.set()
         client.on_drain = self._drained
@@ -109,7 +115,8 @@ class MemdLink:
                 await running
             # The pass in flight still writes pages: finish it before memd can hand them out.
             await scheduler.close()
-            scheduler.fail_all(GenerationError("UNAVAILABLE", "memd went away; the worker is reconnecting"))
+            self._carried = scheduler.carried + scheduler.fail_all(
+                GenerationError("UNAVAILABLE", "memd went away; the worker is reconnecting"), keep_unstarted=True)
             with contextlib.suppress(Exception):
                 await client.close()
         log.warning("lost memd; reconnecting")

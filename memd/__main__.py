@@ -28,9 +28,10 @@ from memd.access import AccessControl, AccessError, Credentials, provision, remo
 from memd.fdpass import FdServer
 from memd.interceptors import MEMD_SERVICE, RpcCounter
 from memd.manager import KvManager
-from memd.memory import PoolMemoryError, allocate_pool
+from memd.memory import PoolMemoryError, allocate_pool, resolve_device
 from memd.metrics import MemdMetrics
 from memd.service import MemdService
+from memd.state import TMPFS, Layout, Recovered, StateDir, StateError, WriteAheadLog, restore
 from memd.swap import allocate_swap
 from shared import address as addr
 from shared.config import Layers, add_config_flags
@@ -44,6 +45,7 @@ from shared.sizes import format_size, parse_size
 
 log = structlog.get_logger("memd")
 MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
+NO_STATE = Path("none")    # --state-dir none
 
 
 class StartupError(RuntimeError):
@@ -119,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: a fresh one at every start, next to the socket: SOCKET.token)")
     p.add_argument("--admin-token-file", type=Path,
                    help="the admin token (owner-only), as --token-file (default: SOCKET.admin-token)")
+    p.add_argument("--state-dir", type=Path,
+                   help="where the pool file, swap file and journal live, so parked sessions outlive a memd crash "
+                        "or restart; put it on tmpfs; 'none' = keep nothing (default: SOCKET.state beside a Unix "
+                        "socket, none on TCP)")
+    p.add_argument("--journal-fsync", default="never", choices=["never", "always"],
+                   help="fsync the journal after every change: only worth it on a disk, not on tmpfs (default: never)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
@@ -192,21 +200,88 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
                 remove_if_ours(path, token)
 
 
+def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout) -> tuple[StateDir | None,
+                                                                                     Recovered | None]:
+    """The state directory, locked, and what the memd before this one left in it.
+
+    A journal that cannot be read, or pool and swap files without one, are
+    removed (logged): they cannot be trusted, and they hold memory.
+    """
+    path = args.state_dir
+    if path is None and sock_path is not None:
+        path = Path(f"{sock_path}.state")
+    if path is None or path == NO_STATE:
+        return None, None
+    state = StateDir(path)
+    state.lock()
+    try:
+        found = state.read()
+    except StateError as exc:
+        state.discard(str(exc))
+        return state, None
+    if found is None:
+        state.discard("pool files without a journal")
+        return state, None
+    h = found.header
+    if (h.get("backend"), h.get("num_blocks"), h.get("block_bytes")) != \
+            (layout.backend, layout.num_blocks, layout.block_bytes) or layout.backend != "shm":
+        with contextlib.suppress(FileNotFoundError):
+            state.pool.unlink()          # another pool now: its pages mean nothing
+    if (h.get("swap_slots"), h.get("block_bytes")) != (layout.swap_slots, layout.block_bytes) \
+            or layout.backend != "shm":
+        with contextlib.suppress(FileNotFoundError):
+            state.swap.unlink()
+    return state, found
+
+
 async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
                    credentials: Credentials) -> None:
-    memory = allocate_pool(args.device, geometry.num_blocks, geometry.block_bytes)
+    device = resolve_device(args.device)
     swap_slots = 0 if args.disable_swap else int(geometry.num_blocks * args.swap_ratio)
-    swap = allocate_swap(memory, swap_slots, geometry.block_bytes) if swap_slots else None
+    layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes, swap_slots)
+    state, found = open_state(args, sock_path, layout)
+    try:
+        await serve_pool(args, geometry, target, sock_path, credentials, device, layout, state, found)
+    except BaseException:
+        if state is not None and found is None and not state.served:
+            state.forget()          # what a start that never served made: it holds memory and nothing else
+        raise
+
+
+async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
+                     credentials: Credentials, device: str, layout: Layout, state: StateDir | None,
+                     found: Recovered | None) -> None:
+    swap_slots = layout.swap_slots
+    keep_files = state is not None and layout.backend == "shm"
+    memory = allocate_pool(device, geometry.num_blocks, geometry.block_bytes, state.pool if keep_files else None)
+    swap = allocate_swap(memory, swap_slots, geometry.block_bytes,
+                         state.swap if keep_files else None) if swap_slots else None
     manager = KvManager(geometry, heat_decay=args.heat_decay, heat_interval_s=args.heat_interval,
                         swap_slots=swap_slots, idle_ttl_s=args.idle_ttl,
                         watermark_blocks=math.ceil(geometry.num_blocks * args.free_watermark))
+    wal = None
+    if state is not None:
+        if found is not None:
+            restored = restore(found, pool_kept=getattr(memory, "reopened", False),
+                               swap_kept=getattr(swap, "reopened", False), num_blocks=geometry.num_blocks,
+                               num_slots=swap_slots)
+            manager.adopt(restored.sequences, found.max_seq_id + 1)
+            log.info("recovered the sequences of the memd before", state_dir=str(state.path),
+                     sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
+                     torn_record=found.torn, previous_pid=found.header.get("pid"))
+        wal = WriteAheadLog(state, layout, fsync=args.journal_fsync == "always")
+        wal.checkpoint(manager)
+        if keep_files and (fs := state.filesystem()) not in TMPFS and geometry.pool_bytes >= 1 << 30:
+            # Correct either way, but a large pool's pages written back to a disk cost I/O for nothing.
+            log.warning("the state directory is not on tmpfs: the kernel writes the pool's pages back to its "
+                        "disk; use a directory under /run or /dev/shm", state_dir=str(state.path), filesystem=fs)
     fd_server = None
     if memory.backend == "shm":
         fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
         fd_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
     service = MemdService(manager, memory, fd_server, lease_timeout_s=args.lease_timeout,
-                          generation=time.time_ns(), swap=swap)
+                          generation=time.time_ns(), swap=swap, wal=wal)
     if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
         metrics = MemdMetrics(service, asyncio.get_running_loop())
         metrics.serve(args.metrics_port, args.metrics_host)
@@ -248,8 +323,11 @@ async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str
              pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
              swap=format_size(swap_slots * geometry.block_bytes) if swap else "off",
              swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
+             state_dir=str(state.path) if state is not None else "none",
              swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
              metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
+    if state is not None:
+        state.served = True
     notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
                       f"listening on {target}")
     tasks = [reaper, police]
@@ -272,6 +350,8 @@ async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str
     if sock_path is not None:
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
+    if wal is not None:
+        wal.close()
     memory.close()
 
 
@@ -285,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         geometry = plan(args)
         uvloop.run(serve(args, geometry))
-    except (GeometryError, PoolMemoryError, StartupError, MetricsPortError, AccessError) as exc:
+    except (GeometryError, PoolMemoryError, StartupError, MetricsPortError, AccessError, StateError) as exc:
         print(f"memd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -152,6 +152,7 @@ class Evictor:
         job.blocks_freed = m.release_blocks(seq.block_ids)
         seq.block_ids = []
         seq.state = SeqState.SWAPPED
+        m.changed.add(seq.seq_id)
         m.counters["swap_outs"] += 1
         m.counters["swap_out_blocks"] += len(job.slots)
         if job.reason:
@@ -176,6 +177,7 @@ class Evictor:
             m.swap.give(seq.slots)
         seq.block_ids, seq.slots, seq.hashes, seq.num_committed = [], [], [], 0
         seq.state = SeqState.DROPPED
+        m.changed.add(seq.seq_id)
         m.counters["drops"] += 1
         if reason:
             m.counters[f"evictions_{reason}"] += 1

@@ -69,6 +69,7 @@ class _Txn:
     read_slots: list[int] = field(default_factory=list)
     evict_after: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
     register_after: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -83,6 +84,8 @@ class StepOutcome:
     # Swapped-in full blocks (sequence, index, block) to offer the prefix cache once their copy landed:
     # `register_swapped_in` after the effects.
     register_after: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # Sequences whose pages the effects fill (swap-ins, a fork's copy): `settle` them once the effects are done.
+    pending: set[int] = field(default_factory=set)
 
 
 class KvManager:
@@ -102,6 +105,11 @@ class KvManager:
         self.heat_decay, self.heat_interval_s = heat_decay, heat_interval_s
         self._next_seq = 1
         self._next_worker = 1
+        # For the journal (memd.state): sequences changed since its last flush, and those whose
+        # pages a Step's effects are still filling (they come back DROPPED if memd dies first).
+        self.changed: set[int] = set()
+        self.pending: set[int] = set()
+        self.retokened: set[int] = set()     # token ids cut back (a retried turn): journal them whole
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
 
     # ---- workers -------------------------------------------------------
@@ -136,24 +144,30 @@ class KvManager:
         return [w.worker_id for w in self.workers.values() if now - w.last_seen > lease_timeout_s]
 
     def reclaim(self, worker_id: int) -> tuple[int, int]:
-        """A worker is gone: park its running sequences at their committed length.
+        """A worker is gone: park its sessions' sequences at their committed length, marked interrupted.
 
-        Sequences with nothing committed and no session to find them by are
-        freed. Returns (parked, freed).
+        Those it ran, and those it had preempted and meant to resume. A
+        sequence without a session is freed: only that worker knew its id
+        (its full blocks stay in the prefix cache). Returns (parked, freed).
         """
         self.workers.pop(worker_id, None)
         parked = freed = 0
-        for seq in self.seqs.values():
-            if seq.preempted_by == worker_id:
-                seq.preempted_by = None          # the request that waited for it failed with its worker
-        for seq in [s for s in self.seqs.values() if s.owner == worker_id]:
-            if seq.num_committed == 0 and seq.session_id is None:
+        for seq in [s for s in self.seqs.values() if s.owner == worker_id or s.preempted_by == worker_id]:
+            if seq.session_id is None:
+                self.swap_jobs.pop(seq.seq_id, None)     # a copy in flight gives its slots back when done
                 self.release_blocks(seq.block_ids)
+                if seq.slots:
+                    assert self.swap is not None
+                    self.swap.give(seq.slots)
                 self.forget(seq)
                 freed += 1
-            else:
+                continue
+            if seq.state is SeqState.RUNNING:
                 self._park(seq)
-                parked += 1
+            seq.preempted_by = None
+            seq.interrupted = True               # its turn failed: the retry of it replaces it (_retry_turn)
+            self.changed.add(seq.seq_id)
+            parked += 1
         self.counters["reclaims"] += 1
         return parked, freed
 
@@ -179,6 +193,8 @@ class KvManager:
         now = time.monotonic()
         for seq in txn.touched.values():
             self._touch(seq, now)
+        self.changed.update(txn.touched)
+        self.pending.update(txn.pending)
         self.counters.update(txn.counters)
         self.counters["steps"] += 1
         self.counters["ops"] += len(results)
@@ -191,7 +207,35 @@ class KvManager:
         # A page this Step took and gave back needs no effect: it is free again, and
         # zeroed when next handed out. Late effects on a free page could hit its next tenant.
         return StepOutcome(results, [e for e in txn.effects if self.pool.ref[e[2]] > 0], txn.read_slots,
-                           txn.evict_after, txn.register_after)
+                           txn.evict_after, txn.register_after, txn.pending)
+
+    def settle(self, seq_ids: set[int]) -> None:
+        """The effects filling these sequences' pages are done: the journal may count on their pages now."""
+        self.pending -= seq_ids
+        self.changed |= seq_ids
+
+    def adopt(self, seqs: list[Sequence], next_seq: int) -> None:
+        """Take over sequences recovered from an earlier memd's journal (memd.state.restore checked them).
+
+        Every page's content is unknown now, so all are zeroed before reuse;
+        the prefix index is rebuilt from the adopted sequences' token ids.
+        """
+        self.pool.dirty[:] = b"\x01" * self.pool.num_blocks
+        for seq in seqs:
+            self.seqs[seq.seq_id] = seq
+            if seq.session_id:
+                self.sessions[seq.session_id] = seq.seq_id
+            for block in seq.block_ids:
+                self.pool.incref(block)
+            if self.swap is not None and seq.slots:
+                self.swap.claim(seq.slots)
+            chain = self.hasher.chain(seq.model, seq.token_ids, seq.block_size, 0, b"", seq.num_full_blocks)
+            seq.hashes = [digest for digest, _ in chain]
+            if seq.state is SeqState.PARKED:
+                for block, (digest, chunk) in zip(seq.block_ids, chain, strict=False):
+                    self.pool.register(block, digest, chunk)
+        self._next_seq = max(self._next_seq, next_seq)
+        self.changed.clear()
 
     def register_swapped_in(self, blocks: list[tuple[Sequence, int, int]]) -> None:
         """The swap-in copies are done: their full blocks may serve prefix hits now, not before.
@@ -278,8 +322,14 @@ class KvManager:
                 f"this worker serves {worker.model!r} (block size {worker.block_size})")
         self._check_fits(len(seq.token_ids) + len(append) + op.reserve, seq.block_size)
         self._save(txn, seq)
-        seq.preempted_by = None
         self._cancel_swap_out(txn, seq)
+        if seq.preempted_by is None and append:        # a new turn, not a preempted request coming back
+            if seq.interrupted:
+                append = self._retry_turn(txn, seq, append)
+            else:
+                seq.turn_start = len(seq.token_ids)
+        seq.interrupted = False
+        seq.preempted_by = None
         seq.token_ids.extend(append)
         if seq.state is SeqState.DROPPED:
             cached = self._match_prefix(txn, seq)
@@ -291,6 +341,42 @@ class KvManager:
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         txn.counters["resumes"] += 1
         return _result(seq, 0, cached, history=True)
+
+    def _retry_turn(self, txn: _Txn, seq: Sequence, prompt: list[int]) -> list[int]:
+        """A turn whose worker died replaced by the next one: keep what the two have in common.
+
+        A client whose turn failed (its worker was killed, memd restarted)
+        sends it again. What the failed turn committed of the same prompt is
+        kept, so prefill goes on where it stopped; the rest of it (tokens
+        sampled, a different prompt) goes, so the answer is what an
+        uninterrupted turn gives. Returns the part of `prompt` still to append.
+        """
+        done = seq.token_ids[seq.turn_start:]
+        same = 0
+        while same < min(len(done), len(prompt)) and done[same] == prompt[same]:
+            same += 1
+        cut = seq.turn_start + same
+        txn.journal.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
+        del seq.token_ids[cut:]
+        self.retokened.add(seq.seq_id)
+        # The last token of the history is left to compute: its logits are the first the worker samples from.
+        limit = cut if same < len(prompt) else cut - 1
+        if limit % seq.block_size and limit // seq.block_size < seq.num_full_blocks:
+            # That block was full: maybe shared, and in the prefix cache. It is never written again:
+            # keep only whole blocks and recompute the few tokens past them.
+            limit -= limit % seq.block_size
+        if seq.num_committed > limit:
+            seq.num_committed = limit
+            keep = blocks_for(limit, seq.block_size)
+            if seq.state is SeqState.SWAPPED:
+                txn.read_slots += seq.slots[keep:]          # given back once the Step is done
+                seq.slots = seq.slots[:keep]
+            else:
+                self.release_blocks(seq.block_ids[keep:])
+                del seq.block_ids[keep:]
+            del seq.hashes[seq.num_full_blocks:]
+        txn.counters["turns_retried"] += 1
+        return prompt[same:]
 
     def _free(self, txn: _Txn, op: Free) -> OpResult:
         seq = self.find(op.seq_id, op.session_id)
@@ -315,7 +401,7 @@ class KvManager:
             raise PoolExhausted(1, 0)
         child = Sequence(self._next_seq, parent.model, parent.block_size, parent.owner, SeqState.RUNNING,
                          list(parent.block_ids[:full]), parent.num_committed, list(parent.token_ids),
-                         list(parent.hashes), op.session_id or None)
+                         list(parent.hashes), op.session_id or None, turn_start=parent.turn_start)
         self._next_seq += 1
         for block in child.block_ids:
             self.pool.incref(block)
@@ -323,6 +409,7 @@ class KvManager:
             # The only block either side will write: copy it now rather than share it.
             dst, _ = self.pool.allocate()
             txn.effects.append(("copy", parent.block_ids[full], dst))
+            txn.pending.add(child.seq_id)
             child.block_ids.append(dst)
         self._create(txn, child)
         txn.counters["forks"] += 1
@@ -393,7 +480,8 @@ class KvManager:
         txn.saved.add(seq.seq_id)
         # Within a Step the lists only grow (Park journals the table it cuts), so lengths restore them.
         txn.journal.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
-                           len(seq.token_ids), len(seq.hashes), seq.slots, seq.preempted_by)
+                           len(seq.token_ids), len(seq.hashes), seq.slots, seq.preempted_by, seq.turn_start,
+                           seq.interrupted)
 
     def _create(self, txn: _Txn, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -404,6 +492,7 @@ class KvManager:
         txn.journal.record(self.forget, seq)
 
     def forget(self, seq: Sequence, journal: Journal | None = None) -> None:
+        self.changed.add(seq.seq_id)
         del self.seqs[seq.seq_id]
         if seq.session_id:
             del self.sessions[seq.session_id]
@@ -471,6 +560,7 @@ class KvManager:
                     raise PoolExhausted(len(seq.slots) - i, 0)
                 block, _ = self.pool.allocate()
                 txn.effects.append(("swap_in", slot, block))
+                txn.pending.add(seq.seq_id)
                 if chunk is not None:
                     txn.register_after.append((seq, i, block))
                 copies += 1
@@ -507,6 +597,7 @@ class KvManager:
         self.release_blocks(seq.block_ids[keep:])
         del seq.block_ids[keep:]
         seq.state, seq.owner = SeqState.PARKED, None
+        self.changed.add(seq.seq_id)
 
     def release_blocks(self, blocks: list[int]) -> int:
         return sum(self.pool.decref(block) for block in blocks)
@@ -520,10 +611,15 @@ def _set_blocks(seq: Sequence, blocks: list[int]) -> None:
     seq.block_ids[:] = blocks
 
 
+def _set_lists(seq: Sequence, token_ids: list[int], block_ids: list[int], hashes: list[bytes]) -> None:
+    seq.token_ids[:], seq.block_ids[:], seq.hashes[:] = token_ids, block_ids, hashes
+
+
 def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,
-             num_tokens: int, num_hashes: int, slots: list[int], preempted_by: int | None) -> None:
+             num_tokens: int, num_hashes: int, slots: list[int], preempted_by: int | None, turn_start: int,
+             interrupted: bool) -> None:
     seq.state, seq.owner, seq.num_committed, seq.slots = state, owner, num_committed, slots
-    seq.preempted_by = preempted_by
+    seq.preempted_by, seq.turn_start, seq.interrupted = preempted_by, turn_start, interrupted
     del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
     del seq.hashes[num_hashes:]

@@ -34,12 +34,18 @@ class PoolMemory(Protocol):
     def close(self) -> None: ...
 
 
-def allocate_pool(device: str, num_blocks: int, block_bytes: int) -> PoolMemory:
-    """`device` is "auto", "cpu" or "cuda[:N]"; "auto" picks CUDA when a GPU is usable."""
+def resolve_device(device: str) -> str:
+    """"auto" is "cuda" when a GPU is usable, else "cpu"."""
     if device == "auto":
-        device = "cuda" if _gpu_present() else "cpu"
+        return "cuda" if _gpu_present() else "cpu"
+    return device
+
+
+def allocate_pool(device: str, num_blocks: int, block_bytes: int, path: Path | None = None) -> PoolMemory:
+    """`device` is "auto", "cpu" or "cuda[:N]"; `path`: a pool file to reopen or create (shm only)."""
+    device = resolve_device(device)
     if device == "cpu":
-        return ShmMemory(num_blocks, block_bytes)
+        return ShmMemory(num_blocks, block_bytes, path)
     if device.startswith("cuda"):
         return CudaMemory(device, num_blocks, block_bytes)
     raise PoolMemoryError(f"unknown device {device!r}: use auto, cpu or cuda:N")
@@ -74,31 +80,31 @@ def available_host_memory() -> int | None:
 
 
 class ShmMemory:
-    """A memfd: anonymous, sealed to its size, freed when the last mapping and fd go.
+    """Shared memory for the pool: a memfd, or a file in memd's state directory that outlives memd.
 
-    memd needs no tensor library for it: zeroing and copying pages are memset
-    and memmove on the mapping (ctypes releases the GIL for both).
+    The memfd is anonymous and sealed to its size, freed when the last mapping
+    and fd go. The file (`path`, on tmpfs) is what lets parked sessions
+    survive a memd crash (memd.state); an existing one of the right size is
+    reopened with its pages as they were (`reopened`). memd needs no tensor
+    library for either: zeroing and copying pages are memset and memmove on
+    the mapping (ctypes releases the GIL for both).
     """
 
     backend = "shm"
     device = "cpu"
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int, path: Path | None = None) -> None:
         size = num_blocks * block_bytes
+        self.size, self.block_bytes = size, block_bytes
+        self.reopened = path is not None and path.exists() and path.stat().st_size == size
         available = available_host_memory()
-        if available is not None and size > available:
+        if not self.reopened and available is not None and size > available:
             raise PoolMemoryError(
                 f"pool of {format_size(size)} does not fit: {format_size(available)} of host memory available")
-        self.size, self.block_bytes = size, block_bytes
-        self.fd = os.memfd_create("kvpool-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            # Populate now so a short machine fails at start-up, not under load.
-            os.posix_fallocate(self.fd, 0, size)
-        except OSError as exc:
-            os.close(self.fd)
-            raise PoolMemoryError(f"cannot allocate a pool of {format_size(size)}: {exc.strerror}") from None
-        # Sealed: no process can shrink the file under another's mapping.
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        self.fd = open_backing_file(path, size, "kvpool-pool", "pool")
+        if path is None:
+            # Sealed: no process can shrink the memfd under another's mapping.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self._base = ctypes.addressof(self._anchor)
@@ -127,6 +133,26 @@ class ShmMemory:
         del self._anchor
         self._map.close()
         os.close(self.fd)
+
+
+def open_backing_file(path: Path | None, size: int, name: str, what: str) -> int:
+    """An fd of `size` bytes, every page allocated now: a memfd, or `path` reopened (its pages kept) or created."""
+    if path is None:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    else:
+        try:
+            if path.exists() and path.stat().st_size != size:
+                path.unlink()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise PoolMemoryError(f"cannot open the {what} file {path}: {exc.strerror}") from None
+    try:
+        # Populate now so a short machine fails at start-up, not under load.
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        raise PoolMemoryError(f"cannot allocate a {what} of {format_size(size)}: {exc.strerror}") from None
+    return fd
 
 
 class CudaMemory:

@@ -272,6 +272,11 @@ class SwapSlots:
         """A copy is done with these slots; they now belong to a sequence."""
         self.in_copy.difference_update(slots)
 
+    def claim(self, slots: list[int]) -> None:
+        """Mark slots as held by a sequence (one recovered from the journal)."""
+        taken = set(slots)
+        self._free = [slot for slot in self._free if slot not in taken]
+
     def give(self, slots: list[int]) -> None:
         self.in_copy.difference_update(slots)
         self._free.extend(reversed(slots))

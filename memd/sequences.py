@@ -48,6 +48,8 @@ class Sequence:
     heat_at: float = 0.0
     slots: list[int] = field(default_factory=list)      # swap slots of its pages, in block order (SWAPPED)
     preempted_by: int | None = None     # the worker that preempted it and waits to resume it (a drain waits too)
+    turn_start: int = 0                 # tokens of history before the turn now running (or last run) began
+    interrupted: bool = False           # that turn never ended: its worker died, or memd did
 
     @property
     def num_full_blocks(self) -> int:

@@ -30,6 +30,7 @@ from memd.fdpass import FdServer
 from memd.manager import Effect, KvManager, StepOutcome
 from memd.memory import PoolMemory
 from memd.sequences import SeqState, SwapOut
+from memd.state import WriteAheadLog
 from memd.swap import SwapMemory, run_effects
 from shared.logs import enabled
 from shared.ops import Op
@@ -64,8 +65,10 @@ def _revocation(seq_id: int, mode: str) -> pb.SessionDown:
 
 class MemdService(pb_grpc.MemdServicer):
     def __init__(self, manager: KvManager, memory: PoolMemory, fd_server: FdServer | None, *,
-                 lease_timeout_s: float, generation: int, swap: SwapMemory | None = None) -> None:
+                 lease_timeout_s: float, generation: int, swap: SwapMemory | None = None,
+                 wal: WriteAheadLog | None = None) -> None:
         self.manager = manager
+        self.wal = wal
         self.memory = memory
         self.swap = swap
         self.fd_server = fd_server
@@ -165,6 +168,7 @@ class MemdService(pb_grpc.MemdServicer):
         if worker_id not in self.manager.workers:
             return
         parked, freed = self.manager.reclaim(worker_id)
+        self.persist()
         self.draining.discard(worker_id)
         self._settled()
         log.info("worker reclaimed", worker=worker_id, reason=reason, parked=parked, freed=freed)
@@ -198,7 +202,9 @@ class MemdService(pb_grpc.MemdServicer):
         except KvError as err:
             log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops), error=str(err))
             self.manager.counters["steps_refused"] += 1
+            self.persist()          # evictions made on the way stand
             await _abort(context, err, self.manager.pool.num_free)
+        self.persist()              # write-ahead: journaled before the worker may write a page it was given
         results = [result_to_proto(r) for r in outcome.results]
         # The Step is committed: what follows must finish even if the client cancels or its deadline passes.
         await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome, results)))
@@ -259,8 +265,10 @@ class MemdService(pb_grpc.MemdServicer):
             if outcome.effects:
                 await self._apply(outcome.effects)
             self.manager.register_swapped_in(outcome.register_after)
+            self.manager.settle(outcome.pending)
         finally:
             self.manager.release_slots(outcome.read_slots)
+            self.persist()
         if outcome.evict_after:
             await self._evict_parked(outcome.evict_after, results)
 
@@ -280,6 +288,7 @@ class MemdService(pb_grpc.MemdServicer):
 
     def _start(self, evicted: Evicted) -> list[asyncio.Task[bool]]:
         """Launch the copies of swap-outs the manager began; drops are already done."""
+        self.persist()
         if evicted.dropped:
             log.info("dropped", seq_ids=evicted.dropped, blocks_freed=evicted.blocks_freed)
         tasks = []
@@ -304,6 +313,7 @@ class MemdService(pb_grpc.MemdServicer):
             self.manager.evictions.abort_swap_out(job)
             return False
         done = self.manager.evictions.finish_swap_out(job)
+        self.persist()
         if done:
             log.info("swapped out", seq=job.seq.seq_id, blocks=len(job.slots), blocks_freed=job.blocks_freed,
                      reason=job.reason or "preempted")
@@ -321,6 +331,15 @@ class MemdService(pb_grpc.MemdServicer):
                 self._start(self.manager.evictions.sweep(time.monotonic()))
             except Exception:        # a bug must not silently end the policy: log it, sweep again
                 log.exception("eviction sweep failed")
+
+    def persist(self) -> None:
+        """Journal what changed (memd.state), if memd keeps a state directory.
+
+        Called after every change and before any reply that hands out a page, so
+        the journal never lags behind what a worker may have written.
+        """
+        if self.wal is not None:
+            self.wal.flush(self.manager)
 
     async def _apply(self, effects: list[Effect]) -> None:
         """Zero, copy and swap in pages before the reply; the Step's state change is already made.
@@ -355,6 +374,7 @@ class MemdService(pb_grpc.MemdServicer):
             await asyncio.wait(set(self._swap_tasks))
         self._swapper.shutdown(wait=True)
         self._copier.shutdown(wait=True)
+        self.persist()
 
     def _settled(self) -> None:
         """Sequences changed state: wake whoever waits for that (a drain)."""

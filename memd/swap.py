@@ -22,12 +22,13 @@ import resource
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Protocol
 
 import structlog
 
 from memd.manager import Effect
-from memd.memory import CudaMemory, PoolMemory, PoolMemoryError, ShmMemory, available_host_memory
+from memd.memory import CudaMemory, PoolMemory, PoolMemoryError, ShmMemory, available_host_memory, open_backing_file
 from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
@@ -62,12 +63,13 @@ def latency_test_delay() -> float:
     return delay
 
 
-def allocate_swap(pool: PoolMemory, num_slots: int, block_bytes: int) -> SwapMemory:
+def allocate_swap(pool: PoolMemory, num_slots: int, block_bytes: int, path: Path | None = None) -> SwapMemory:
+    """`path`: a swap file to reopen or create beside a pool file (shm only), so swapped sessions survive memd."""
     delay = latency_test_delay()
     if delay:
         log.warning("SWAP_LATENCY_TEST set: every swap copy is delayed", delay_s=delay)
     if isinstance(pool, ShmMemory):
-        return HostSwap(pool, num_slots, block_bytes, delay)
+        return HostSwap(pool, num_slots, block_bytes, delay, path)
     if isinstance(pool, CudaMemory):
         return PinnedSwap(pool, num_slots, block_bytes, delay)
     raise PoolMemoryError(f"no swap tier for the {pool.backend} backend")
@@ -86,16 +88,28 @@ def runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
 
 
 class HostSwap:
-    """Anonymous host memory, populated and locked at start-up; memmove copies (the GIL is released)."""
+    """Host memory, populated and locked at start-up; memmove copies (the GIL is released).
 
-    def __init__(self, pool: ShmMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0) -> None:
+    Anonymous, or a file in memd's state directory (`path`) whose slots a restarted memd reopens (`reopened`).
+    """
+
+    def __init__(self, pool: ShmMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0,
+                 path: Path | None = None) -> None:
         size = num_slots * block_bytes
+        self.reopened = path is not None and path.exists() and path.stat().st_size == size
         available = available_host_memory()
-        if available is not None and size > available:
+        if not self.reopened and available is not None and size > available:
             raise PoolMemoryError(f"swap tier of {format_size(size)} does not fit: {format_size(available)} "
                                   "of host memory available (lower --swap-ratio or use --disable-swap)")
         self.num_slots, self.block_bytes, self.delay_s = num_slots, block_bytes, delay_s
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        if path is None:
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        else:
+            fd = open_backing_file(path, size, "kvpool-swap", "swap tier")
+            try:
+                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            finally:
+                os.close(fd)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self._base = ctypes.addressof(self._anchor)
         self._pool_base = pool.base

@@ -22,6 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak-seconds", type=float, default=20.0,
+                     help="how long tests/test_soak.py keeps its load on (default: 20)")
+
+
+@pytest.fixture
+def soak_seconds(request: pytest.FixtureRequest) -> float:
+    return float(request.config.getoption("--soak-seconds"))
+
+
 class LogWatch:
     """memd's JSON log lines as events a test can await."""
 

@@ -133,8 +133,8 @@ class KvManagerMachine(RuleBasedStateMachine):
 
     def draw_op(self, data: st.DataObject, worker: int, extra: int) -> Op:
         kind = data.draw(st.sampled_from(("open", "extend", "park", "resume", "free", "fork")))
-        if kind == "open":
-            return Open(data.draw(tokens), data.draw(reserves), data.draw(sessions))
+        if kind == "open":     # a session's next turn (or the retry of one that failed) half of the time
+            return Open(data.draw(tokens), data.draw(reserves), data.draw(sessions), data.draw(st.booleans()))
         if kind == "resume":
             if data.draw(st.booleans()):
                 return Resume(session_id=data.draw(st.sampled_from((*SESSIONS, "nope"))),
@@ -156,6 +156,9 @@ class KvManagerMachine(RuleBasedStateMachine):
         # Releases never evict a cached block, takes may: predict hits only up to the first take.
         takes = [i for i, op in enumerate(ops) if not isinstance(op, Free | Park)]
         expected_hit = bool(takes) and isinstance(ops[takes[0]], Open) and self.expected_cached(ops[takes[0]], worker)
+        # An Open that continues a session already there resumes it: its cached count is the history's.
+        resuming = {i for i, op in enumerate(ops) if isinstance(op, Open) and op.continue_session
+                    and op.session_id in manager.sessions}
         try:
             outcome = manager.step(worker, ops)
         except KvError as exc:
@@ -168,8 +171,8 @@ class KvManagerMachine(RuleBasedStateMachine):
             return
         event(f"step of {len(ops)} op(s) applied")
         assert len(outcome.results) == len(ops)
-        for op, result in zip(ops, outcome.results, strict=True):
-            if isinstance(op, Open):
+        for i, (op, result) in enumerate(zip(ops, outcome.results, strict=True)):
+            if isinstance(op, Open) and i not in resuming:
                 limit = (len(op.token_ids) - 1) // BLOCK_SIZE if op.token_ids else 0
                 assert result.num_cached % BLOCK_SIZE == 0
                 assert result.num_cached <= limit * BLOCK_SIZE
@@ -183,7 +186,8 @@ class KvManagerMachine(RuleBasedStateMachine):
     def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[tuple[str, int, int]]) -> None:
         """A page is zeroed only if written before, and a written page is never handed out as it is."""
         pool, targets = self.manager.pool, set()
-        releases = any(isinstance(op, Free | Park) for op in ops)
+        # The retry of an interrupted turn (an Open continuing its session) releases what it does not keep.
+        releases = any(isinstance(op, Free | Park) or (isinstance(op, Open) and op.continue_session) for op in ops)
         for effect, src, dst in effects:
             assert effect in ("zero", "copy", "swap_in")
             if effect == "swap_in":
@@ -328,16 +332,17 @@ class KvManagerMachine(RuleBasedStateMachine):
     @rule(slot=st.integers(0, len(MODELS) - 1))
     def reclaim_and_reattach(self, slot: int) -> None:
         gone = self.slots[slot]
-        running = {sid: (s.num_committed, s.session_id) for sid, s in self.manager.seqs.items() if s.owner == gone}
+        running = {sid: (s.num_committed, s.session_id) for sid, s in self.manager.seqs.items()
+                   if s.owner == gone or s.preempted_by == gone}
         self.manager.reclaim(gone)
         self.slots[slot] = attach(self.manager, MODELS[slot])
         for sid, (committed, session) in running.items():
             seq = self.manager.seqs.get(sid)
-            if committed == 0 and session is None:
+            if session is None:
                 assert seq is None
             else:
-                assert seq is not None and seq.state is SeqState.PARKED and seq.owner is None
-                assert seq.num_committed == committed
+                assert seq is not None and seq.state is not SeqState.RUNNING and seq.owner is None
+                assert seq.num_committed == committed and seq.interrupted and seq.preempted_by is None
 
     @precondition(lambda self: self.manager.seqs)
     @rule(data=st.data())
@@ -551,3 +556,47 @@ def test_a_sequence_preempted_and_freed_in_one_step_is_not_swapped_out():
     assert outcome.evict_after == [] and manager.swap_jobs == {}
     assert manager.counters["preemptions"] == 1
     free_everything(manager)
+
+
+def test_a_turn_retried_after_its_worker_died_keeps_the_prefill_it_shares_and_nothing_else():
+    m = new_manager()
+    first, second = attach(m, "m"), attach(m, "m")
+    history = open_and_commit(m, first, [1, 2, 3, 4, 5], session_id="chat")
+    m.step(first, [Park(history, commit_to=5)])                        # turn 1 ended
+    prompt = [6, 7, 8, 9, 10, 11]
+    resumed, = m.step(first, [Open(prompt, reserve=4, session_id="chat", continue_session=True)]).results
+    m.step(first, [Extend(history, append=[42], commit_to=11)])         # prefill done, one token sampled
+    m.reclaim(first)                                                    # kill -9 mid-decode
+    seq = m.seqs[history]
+    assert seq.interrupted and seq.num_committed == 11 and seq.token_ids[-1] == 42
+
+    retried, = m.step(second, [Open(prompt, reserve=1, session_id="chat", continue_session=True)]).results
+    assert retried.token_ids == [1, 2, 3, 4, 5, *prompt]               # the sampled token is gone
+    assert retried.num_committed == 10 and retried.num_cached == 10   # the prefill is not done again, but
+    #                                                                   the last token: its logits are needed
+    assert not seq.interrupted and m.counters["turns_retried"] == 1
+    m.step(second, [Park(history, commit_to=11)])
+    m.reclaim(second)                                                   # nothing running: nothing interrupted
+    assert not seq.interrupted
+
+    changed = [6, 7, 99]
+    m.step(second := attach(m, "m"), [Open(changed, session_id="chat", continue_session=True)])
+    m.reclaim(second)
+    third = attach(m, "m")
+    again, = m.step(third, [Open(changed, session_id="chat", continue_session=True)]).results
+    assert again.token_ids == [1, 2, 3, 4, 5, *prompt, *changed] and again.num_committed == 11
+    assert resumed.seq_id == retried.seq_id == again.seq_id == history
+    assert m.violations() == []
+
+
+def test_a_different_prompt_replaces_the_failed_turn_from_where_they_part():
+    m = new_manager()
+    worker = attach(m, "m")
+    seq_id = open_and_commit(m, worker, [1, 2, 3, 4, 5, 6, 7, 8, 9], session_id="chat")
+    m.reclaim(worker)                                                  # the first turn never ended
+    worker = attach(m, "m")
+    retried, = m.step(worker, [Open([1, 2, 3, 4, 5, 0], session_id="chat", continue_session=True)]).results
+    assert retried.token_ids == [1, 2, 3, 4, 5, 0]
+    # Token 5 sat in a full block, which is never written again: only whole blocks are kept.
+    assert retried.num_committed == 4 and len(m.seqs[seq_id].block_ids) == 2
+    assert m.violations() == []

@@ -1,0 +1,158 @@
+"""memd's journal (memd.state): whatever memd did, the journal read back rebuilds the same sequences.
+
+The manager state machine of test_manager_properties runs with a journal; after
+every rule the journal is read back into a fresh manager, as a memd restarted
+after kill -9 would, and must give every sequence back as recovery promises
+(RUNNING ones parked at their committed length), with no invariant broken.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import invariant
+
+import memd.state
+from memd.manager import KvManager
+from memd.sequences import SeqState, blocks_for
+from memd.state import Layout, StateDir, StateError, WriteAheadLog, restore
+from shared.ops import Open, Park, Resume
+from tests.test_manager_properties import NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
+
+LAYOUT = Layout("shm", NUM_BLOCKS, 4096, SWAP_SLOTS)
+
+
+def expected_after_restart(manager: KvManager) -> dict[int, tuple]:
+    """What recovery promises for each live sequence."""
+    out = {}
+    for seq in manager.seqs.values():
+        state, blocks, slots, committed = seq.state, list(seq.block_ids), list(seq.slots), seq.num_committed
+        interrupted = seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None
+        if interrupted and seq.session_id is None:
+            continue
+        if state is SeqState.RUNNING:
+            state, blocks = SeqState.PARKED, blocks[:blocks_for(committed, seq.block_size)]
+        if seq.seq_id in manager.pending:
+            state, blocks, slots, committed = SeqState.DROPPED, [], [], 0
+        out[seq.seq_id] = (seq.model, seq.block_size, seq.session_id, state, blocks, slots, committed,
+                           list(seq.token_ids), seq.turn_start, interrupted)
+    return out
+
+
+def recovered(state: StateDir) -> KvManager:
+    found = state.read()
+    assert found is not None and not found.torn
+    restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
+    assert restored.discarded == 0 and restored.dropped.keys() <= {"pages being filled when memd stopped"}
+    fresh = new_manager()
+    fresh.adopt(restored.sequences, found.max_seq_id + 1)
+    return fresh
+
+
+class JournaledMachine(KvManagerMachine):
+    """The manager state machine, journaled; each rule ends with a flush, as memd's service does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvpool-journal-"))
+        self.state = StateDir(self.dir)
+        self.wal = WriteAheadLog(self.state, LAYOUT, fsync=False)
+        self.wal.checkpoint(self.manager)
+        self._threshold, memd.state.CHECKPOINT_RECORDS = memd.state.CHECKPOINT_RECORDS, 8   # checkpoint often
+
+    def _flush_and_recover(self) -> None:
+        self.wal.flush(self.manager)
+        fresh = recovered(self.state)
+        got = {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
+                          s.token_ids, s.turn_start, s.interrupted) for s in fresh.seqs.values()}
+        assert got == expected_after_restart(self.manager)
+        assert fresh.violations() == []
+        # The restarted manager works: a new sequence gets an id never used before.
+        worker = attach(fresh, "m")
+        opened, = fresh.step(worker, [Open([1, 2, 3])]).results
+        assert opened.seq_id > max(self.manager.seqs, default=0)
+
+    @invariant()
+    def the_journal_rebuilds_the_state(self) -> None:
+        self._flush_and_recover()
+
+    def teardown(self) -> None:
+        try:
+            self._flush_and_recover()
+        finally:
+            memd.state.CHECKPOINT_RECORDS = self._threshold
+            self.wal.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            super().teardown()
+
+
+JournaledMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_the_journal_rebuilds_what_the_manager_did = JournaledMachine.TestCase
+
+
+# ---- examples ------------------------------------------------------------
+
+
+def journaled(path: Path, *, fsync: bool = False) -> tuple[StateDir, KvManager, WriteAheadLog, int]:
+    """A manager with a journal in `path`, and one attached worker."""
+    state, manager = StateDir(path), new_manager()
+    wal = WriteAheadLog(state, LAYOUT, fsync=fsync)
+    wal.checkpoint(manager)
+    return state, manager, wal, attach(manager, "m")
+
+
+def test_a_record_torn_by_a_crash_is_ignored_and_what_came_before_stands(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path, fsync=True)
+    opened, = manager.step(worker, [Open([1, 2, 3, 4, 5], session_id="kept")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=5)])
+    wal.flush(manager)
+    manager.step(worker, [Resume(session_id="kept", reserve=1)])
+    wal.flush(manager)
+    wal.close()
+    data = state.journal.read_bytes()
+    last = len(msgpack.packb(["S", opened.seq_id]))          # about a record's head: cut inside the last one
+    state.journal.write_bytes(data[:-last])
+    found = state.read()
+    assert found is not None and found.torn
+    fresh_state = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
+    seq, = fresh_state.sequences
+    assert (seq.state, seq.num_committed, seq.token_ids) == (SeqState.PARKED, 5, [1, 2, 3, 4, 5])
+
+
+def test_records_that_do_not_fit_the_pool_come_back_dropped_with_their_tokens(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    for session in ("a", "b"):
+        opened, = manager.step(worker, [Open(list(range(9)), session_id=session)]).results
+        manager.step(worker, [Park(opened.seq_id, commit_to=9)])
+    wal.flush(manager)
+    found = state.read()
+    assert found is not None
+    small = restore(found, pool_kept=True, swap_kept=True, num_blocks=2, num_slots=SWAP_SLOTS)
+    assert small.dropped == {"block table does not fit the pool": 2}
+    assert all(s.state is SeqState.DROPPED and s.token_ids == list(range(9)) for s in small.sequences)
+    gone = restore(found, pool_kept=False, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
+    assert gone.dropped == {"pool not reopened": 2}
+
+
+@pytest.mark.parametrize("content", [b"", b"\xc1garbage", msgpack.packb(["H", {"format": "kvpool-journal",
+                                                                               "version": 99}])])
+def test_a_file_that_is_not_a_current_journal_is_refused(tmp_path, content):
+    state = StateDir(tmp_path)
+    state.journal.write_bytes(content)
+    with pytest.raises(StateError):
+        state.read()
+
+
+def test_one_memd_at_a_time_holds_a_state_directory(tmp_path):
+    first, second = StateDir(tmp_path), StateDir(tmp_path)
+    first.lock()
+    with pytest.raises(StateError, match="in use by another memd"):
+        second.lock()

@@ -1,0 +1,168 @@
+"""A worker dies (kill -9) or hangs (SIGSTOP) in the middle of a turn; the client retries it on another.
+
+Real memd and inferd processes. The retried turn must answer exactly what an
+uninterrupted one does (greedy), memd must reclaim the dead worker at once
+(its lease stream breaks) and the hung one after the lease, and at the end
+nothing runs, nothing leaks and memd's invariants hold.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+
+from shared.rpc import inferd_pb2 as pb
+from shared.rpc import inferd_pb2_grpc as pb_grpc
+from tests.test_inferd_service import memd_state, model_dir, wait_until
+from tests.test_memd_restart import attachments, memd_flags, turn
+
+__all__ = ["model_dir"]
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(150))      # a few hundred tokens
+QUESTION = "What happened next, and why?"
+
+
+def worker_id(inferd, nth: int = 0) -> int:
+    return [e for e in inferd.log.events if e.get("event") == "attached to memd"][nth]["worker"]
+
+
+async def session_row(memd, session: str):
+    async with memd.admin() as admin:
+        rows = [s for s in (await admin.snapshot(blocks=False)).sequences if s.session_id == session]
+    return rows[0] if rows else None
+
+
+async def start_turn(channel: grpc.aio.Channel, session: str, prompt: str, max_tokens: int):
+    return pb_grpc.InferdStub(channel).Generate(pb.GenerateRequest(
+        prompt=prompt, session_id=session, max_tokens=max_tokens, ignore_eos=True))
+
+
+async def clean(memd) -> None:
+    states, _, ok = await memd_state(memd)
+    assert states["running"] == 0 and ok
+    async with memd.admin() as admin:
+        snapshot = await admin.snapshot()
+    held = {b for s in snapshot.sequences for b in s.block_ids}
+    assert all(row.ref_count == 0 or row.block_id in held for row in snapshot.blocks)     # no orphan page
+
+
+async def test_a_worker_killed_mid_prefill_loses_nothing_and_the_retry_answers_the_same(
+        memd_factory, inferd_factory, model_dir):
+    # The reference runs on a memd of its own: a prefix cached here would spare the slow worker its prefill.
+    alone = await memd_factory(*memd_flags(model_dir), name="memd-reference")
+    expected = await turn(await inferd_factory(model_dir, alone.address, name="reference"), "reference",
+                          LONG_PROMPT, 8)
+    memd = await memd_factory(*memd_flags(model_dir))
+    slow = await inferd_factory(model_dir, memd.address, "--max-batch-tokens", "1", name="slow")   # a token a pass
+    other = await inferd_factory(model_dir, memd.address, name="other")
+
+    async with grpc.aio.insecure_channel(slow.address) as channel:
+        call = await start_turn(channel, "chat", LONG_PROMPT, 8)
+
+        async def prefilling() -> bool:
+            row = await session_row(memd, "chat")
+            return row is not None and row.state == "running"
+        await wait_until(prefilling)
+        await slow.kill()
+        reclaimed = await memd.log.wait_for("worker reclaimed", worker=worker_id(slow))
+        assert reclaimed["reason"] == "stream broken"
+        streamed = []
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                streamed += reply.token_ids
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and streamed == []    # killed before a token
+    row = await session_row(memd, "chat")
+    assert row.state == "parked"
+
+    retried = await turn(other, "chat", LONG_PROMPT, 8)
+    assert retried["token_ids"] == expected["token_ids"]
+    await clean(memd)
+
+
+async def test_a_worker_killed_mid_decode_the_retry_answers_as_if_nothing_happened(
+        memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory(*memd_flags(model_dir))
+    first = await inferd_factory(model_dir, memd.address, name="first")
+    second = await inferd_factory(model_dir, memd.address, name="second")
+    for session in ("chat", "reference"):
+        await turn(second, session, LONG_PROMPT, 6)
+    expected = await turn(second, "reference", QUESTION, 300)
+
+    async with grpc.aio.insecure_channel(first.address) as channel:
+        call = await start_turn(channel, "chat", QUESTION, 300)
+        streamed = []
+        while len(streamed) < 100:                          # well into the answer: blocks committed on the way
+            streamed += (await call.read()).token_ids
+        await first.kill()
+    await memd.log.wait_for("worker reclaimed", worker=worker_id(first))
+    row = await session_row(memd, "chat")
+    assert row.state == "parked" and row.num_committed > expected["usage"]["prompt_tokens"]   # decode committed
+
+    retried = await turn(second, "chat", QUESTION, 300)
+    assert retried["token_ids"][:len(streamed)] == streamed
+    assert retried["token_ids"] == expected["token_ids"]
+    assert retried["usage"]["cached_tokens"] > expected["usage"]["cached_tokens"]   # the failed turn's prefill kept
+    async with memd.admin() as admin:
+        assert (await admin.stats()).counters["turns_retried"] == 1
+    await clean(memd)
+
+
+async def test_a_worker_killed_while_memd_swaps_its_preempted_turn_out(memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory(*memd_flags(model_dir), env={"SWAP_LATENCY_TEST": "1.5"})
+    first = await inferd_factory(model_dir, memd.address, name="first")
+    second = await inferd_factory(model_dir, memd.address, name="second")
+    expected = await turn(second, "reference", LONG_PROMPT, 200)
+
+    async with grpc.aio.insecure_channel(first.address) as channel:
+        call = await start_turn(channel, "chat", LONG_PROMPT, 200)
+        assert (await call.read()).token_ids
+        async with memd.admin() as admin:                   # the operator takes the running turn's pages
+            evicted = await admin.evict(session_id="chat", mode="swap")
+        assert evicted.revoked
+
+        async def swapping_out() -> bool:                   # the worker preempted it; memd copies it out (1.5 s)
+            row = await session_row(memd, "chat")
+            return row is not None and row.state == "parked"
+        await wait_until(swapping_out)
+        await first.kill()
+    await memd.log.wait_for("worker reclaimed", worker=worker_id(first))
+    await memd.log.wait_for("swapped out")
+    assert (await session_row(memd, "chat")).state == "swapped"
+
+    retried = await turn(second, "chat", LONG_PROMPT, 200)
+    assert retried["token_ids"] == expected["token_ids"]
+    await clean(memd)
+
+
+async def test_a_hung_worker_is_reclaimed_after_its_lease_and_attaches_again_when_it_wakes(
+        memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory(*memd_flags(model_dir), "--lease-timeout", "2")
+    hung = await inferd_factory(model_dir, memd.address, name="hung")
+    idle = await inferd_factory(model_dir, memd.address, name="idle")
+    expected = await turn(idle, "reference", LONG_PROMPT, 300)
+
+    async with grpc.aio.insecure_channel(hung.address) as channel:
+        call = await start_turn(channel, "chat", LONG_PROMPT, 300)
+        assert (await call.read()).token_ids
+        hung.proc.send_signal(signal.SIGSTOP)
+        reclaimed = await memd.log.wait_for("worker reclaimed", worker=worker_id(hung))
+        assert reclaimed["reason"] == "lease expired"
+        retried = await turn(idle, "chat", LONG_PROMPT, 300)
+        assert retried["token_ids"] == expected["token_ids"]
+
+        hung.proc.send_signal(signal.SIGCONT)            # it wakes: memd no longer knows its lease
+        code = None
+        try:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+        assert code == grpc.StatusCode.UNAVAILABLE        # its turn is over: the client was answered elsewhere
+    await attachments(hung, 2)
+    again = await turn(hung, "after", "Hello again", 5)
+    assert len(again["token_ids"]) == 5
+    # The idle worker sent nothing for many lease periods: its heartbeats alone kept it.
+    assert memd.log.find("worker reclaimed", worker=worker_id(idle)) is None
+    await clean(memd)
