@@ -94,12 +94,13 @@ def bench_bandwidth_cuda(device: str, block_bytes: int, moved_bytes: int, repeat
         lambda: raw(raw_swap, raw_pool), lambda: swap.copy_out(scattered),
         lambda: raw(raw_pool, raw_swap), lambda: swap.copy_in(back),
         lambda: swap.copy_out([(i, i) for i in range(count)])], repeats)
-    # The round trip must be exact: what went out (pages 0, 2, 4, ...) comes back.
-    pool.pages[0::2][:count].fill_(0x5A)
+    # The round trip must be exact: what went out (pages 0, 2, 4, ..., each marked) comes back, each in its place.
+    marks = (torch.arange(count, device=pool.pages.device) % 251 + 1).to(torch.uint8)[:, None]
+    pool.pages[0::2][:count].copy_(marks.expand(-1, block_bytes))
     swap.copy_out(scattered)
     pool.pages.zero_()
     swap.copy_in(back)
-    exact = bool((pool.pages[0::2][:count] == 0x5A).all())
+    exact = bool((pool.pages[0::2][:count] == marks).all())
     gib = moved / (1 << 30)
     return {"block_bytes": block_bytes, "moved_bytes": moved, "locked": swap.locked, "device": pool.device,
             "round_trip_exact": exact,

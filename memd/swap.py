@@ -41,6 +41,13 @@ COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 # (systemd/memd.service sets it); memd says at start-up whether it is.
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 PARALLEL_BYTES = 4 << 20         # smaller copies are not worth a hand-off to the threads
+# CUDA: scattered small pages cost one DMA each (64 KiB pages moved at 16% of a plain copy on an
+# H200). Pages below GATHER_BELOW_BYTES, past GATHER_RUNS runs, are gathered on the GPU into a
+# staging buffer of up to STAGING_BYTES and moved in a few large DMAs: 64 KiB pages then move at
+# 65-68%. Pages of 1 MiB and up already move at 83-97% one DMA each, and gathering costs them.
+GATHER_RUNS = 8
+GATHER_BELOW_BYTES = 1 << 20
+STAGING_BYTES = 64 << 20
 
 
 class SwapMemory(Protocol):
@@ -185,25 +192,59 @@ class PinnedSwap:
                                   f"{exc}") from None
         self.pages = pool.pages
         self.locked = True            # cudaHostAlloc memory is page-locked
-        # One stream per direction: a swap-in (a Step waits for it) never queues behind a swap-out.
+        # One stream per direction: a swap-in (a Step waits for it) never queues behind a swap-out,
+        # each with its own staging buffer (None where the GPU had no room left: one DMA per run then).
         self._out_stream = torch.cuda.Stream(pool.index)
         self._in_stream = torch.cuda.Stream(pool.index)
+        rows = max(1, min(num_slots, STAGING_BYTES // block_bytes))
+        self._staging: dict[str, torch.Tensor] = {}
+        if block_bytes < GATHER_BELOW_BYTES:
+            try:
+                self._staging = {d: torch.empty((rows, block_bytes), dtype=torch.uint8, device=self.pages.device)
+                                 for d in ("out", "in")}
+            except torch.cuda.OutOfMemoryError:
+                log.warning("no GPU memory left for swap staging buffers: small pages swap one DMA at a time")
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy(pairs, self.pages, self.slots, self._out_stream)
+        self._copy(pairs, "out", self._out_stream)
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy(pairs, self.slots, self.pages, self._in_stream)
+        self._copy(pairs, "in", self._in_stream)
 
-    def _copy(self, pairs: list[tuple[int, int]], src: object, dst: object, stream: object) -> None:
+    def _copy(self, pairs: list[tuple[int, int]], direction: str, stream: object) -> None:
         import torch
 
         if self.delay_s:
             time.sleep(self.delay_s)
         with torch.cuda.stream(stream):
-            for a, b, n in runs(pairs):
-                dst[b:b + n].copy_(src[a:a + n], non_blocking=True)   # type: ignore[index]
+            self.move(pairs, direction)
         stream.synchronize()                                           # type: ignore[attr-defined]
+
+    def move(self, pairs: list[tuple[int, int]], direction: str) -> None:
+        """Queue the copies on the current stream: (block, slot) pairs out, (slot, block) pairs in."""
+        import torch
+
+        src, dst = (self.pages, self.slots) if direction == "out" else (self.slots, self.pages)
+        spans = list(runs(pairs))
+        staging = self._staging.get(direction)
+        if staging is None or len(spans) < GATHER_RUNS:
+            for a, b, n in spans:
+                dst[b:b + n].copy_(src[a:a + n], non_blocking=True)
+            return
+        rows = staging.shape[0]
+        for start in range(0, len(pairs), rows):
+            chunk = pairs[start:start + rows]
+            n = len(chunk)
+            if direction == "out":       # gather the pages on the GPU, then DMA by runs of slots
+                blocks = torch.tensor([block for block, _ in chunk], device=self.pages.device)
+                torch.index_select(self.pages, 0, blocks, out=staging[:n])
+                for row, slot, count in runs([(i, slot) for i, (_, slot) in enumerate(chunk)]):
+                    self.slots[slot:slot + count].copy_(staging[row:row + count], non_blocking=True)
+            else:                        # DMA by runs of slots, then scatter to the pages on the GPU
+                for slot, row, count in runs([(slot, i) for i, (slot, _) in enumerate(chunk)]):
+                    staging[row:row + count].copy_(self.slots[slot:slot + count], non_blocking=True)
+                blocks = torch.tensor([block for _, block in chunk], device=self.pages.device)
+                self.pages.index_copy_(0, blocks, staging[:n])
 
     def close(self) -> None:
         """Freed with the process."""

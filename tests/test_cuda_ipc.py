@@ -230,3 +230,27 @@ async def test_seeded_sampling_on_a_gpu_pool_is_reproducible(memd_factory, infer
     assert finish == "length" and len(first) == 16
     assert first == again
     await assert_settled(memd, parked=0)
+
+
+@pytest.mark.timeout(150)
+async def test_a_gpu_memd_killed_gives_its_chats_back_dropped_and_they_answer_the_same(memd_factory, inferd_factory,
+                                                                                      checkpoint):
+    """On cuda the pool dies with memd; the journal does not: sessions come back dropped, and recompute."""
+    memd = await gpu_memd(memd_factory, checkpoint)
+    inferd = await inferd_factory(checkpoint, memd.address)
+    turn1_prompt, turn2_prompt = PROMPTS[4], [80, 90, 100, 110, 120]
+    for session in ("chat", "reference"):
+        await generate(inferd.address, turn1_prompt, 16, session=session)
+    expected, _, _ = await generate(inferd.address, turn2_prompt, 12, session="reference")
+
+    await memd.kill()
+    await inferd.log.wait_for("lost memd; reconnecting")
+    again = await gpu_memd(memd_factory, checkpoint, "--listen", memd.address)
+    recovered = await again.log.wait_for("recovered the sequences of the memd before")
+    assert recovered["sequences"] == {"dropped": 2} and recovered["dropped"] == {"pool not reopened": 2}
+    while sum(e.get("event") == "attached to memd" for e in inferd.log.events) < 2:
+        await asyncio.sleep(0.1)     # inferd's log is another process's: no event to await
+    out2, usage2, _ = await generate(inferd.address, turn2_prompt, 12, session="chat")
+    assert out2 == expected
+    print(f"after the restart: cached_tokens {usage2.cached_tokens} of {usage2.prompt_tokens} (recomputed)")
+    await assert_settled(again, parked=1)

@@ -121,6 +121,28 @@ def test_a_split_swap_copy_moves_every_byte_once(parts):
     assert max(sum(n for _, _, n in share) for share in shares) <= -(-38 // parts)
 
 
+@pytest.mark.parametrize("staging_rows", [None, 3, 64])
+def test_gpu_swap_gathers_scattered_pages_and_scatters_them_back(staging_rows):
+    """PinnedSwap.move's gather/scatter through a staging buffer, on CPU tensors (the GPU run checks CUDA)."""
+    import torch
+
+    from memd.swap import PinnedSwap
+
+    swap = PinnedSwap.__new__(PinnedSwap)
+    swap.pages = torch.randint(0, 256, (40, 8), dtype=torch.uint8)
+    swap.slots = torch.zeros((24, 8), dtype=torch.uint8)
+    swap._staging = {} if staging_rows is None else {d: torch.empty((staging_rows, 8), dtype=torch.uint8)
+                                                        for d in ("out", "in")}
+    blocks = [3, 17, 5, 6, 7, 30, 1, 22, 9, 11, 38, 0, 25]          # scattered: more runs than GATHER_RUNS
+    slots = [20, 21, 22, 23, 0, 1, 2, 9, 10, 4, 5, 6, 7]
+    swap.move(list(zip(blocks, slots, strict=True)), "out")
+    assert torch.equal(swap.slots[slots], swap.pages[blocks])
+    back = [39, 2, 12, 14, 16, 18, 8, 27, 33, 35, 13, 19, 10]
+    expected = swap.slots[slots].clone()
+    swap.move(list(zip(slots, back, strict=True)), "in")
+    assert torch.equal(swap.pages[back], expected)
+
+
 def test_a_refused_step_that_parked_then_resumed_restores_the_block_table_in_order():
     # Found by the state machine: Park cut the table, Resume in the same Step grew it again, a later op
     # failed, and the rollback put the pages back in the wrong order.
