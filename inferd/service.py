@@ -26,7 +26,7 @@ from inferd.checkpoint import ModelConfig, load_tokenizer, load_weights, read_co
 from inferd.metrics import InferdMetrics
 from inferd.model import PagedDecoder
 from inferd.sampling import BadParams, SamplingParams
-from inferd.scheduler import GenerationError, Request, Scheduler
+from inferd.scheduler import Event, GenerationError, Request, Scheduler
 from shared.client import MemdClient, MemdError
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
@@ -34,6 +34,7 @@ from shared.rpc import inferd_pb2_grpc as pb_grpc
 log = structlog.get_logger("inferd")
 
 DEFAULT_MAX_TOKENS = 64
+CARRY_S = 30.0      # how long requests that had not started wait for memd to come back
 REQUEST_ID_KEY = "x-request-id"
 
 
@@ -64,6 +65,7 @@ class MemdLink:
         self._health: asyncio.Future[None] | None = None      # the health update a drain started
         # Requests that had not started when memd went away: they wait for the next attachment.
         self._carried: list[Request] = []
+        self._carried_at = 0.0
 
     async def run(self) -> None:
         backoff = 0.2
@@ -74,6 +76,8 @@ class MemdLink:
                                                  name=f"inferd:{os.getpid()}")
             except (MemdError, OSError, RuntimeError) as err:
                 log.warning("memd unavailable; retrying", error=str(err), retry_in_s=backoff)
+                if self._carried and asyncio.get_running_loop().time() - self._carried_at > CARRY_S:
+                    self._fail_carried()
                 await asyncio.sleep(backoff)      # backoff between attempts, not a wait for an event
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -117,10 +121,20 @@ class MemdLink:
             await scheduler.close()
             self._carried = scheduler.carried + scheduler.fail_all(
                 GenerationError("UNAVAILABLE", "memd went away; the worker is reconnecting"), keep_unstarted=True)
+            self._carried_at = asyncio.get_running_loop().time()
             with contextlib.suppress(Exception):
                 await client.close()
         log.warning("lost memd; reconnecting")
 
+
+    def _fail_carried(self) -> None:
+        """memd stayed away too long: the queued requests kept for it fail after all."""
+        error = GenerationError("UNAVAILABLE", f"memd has been unreachable for over {CARRY_S:g} s; retry later")
+        for request in self._carried:
+            request.done = True
+            request.events.put_nowait(Event([], "", error=error, index=request.index))
+        log.warning("gave up queued requests: memd is still away", requests=len(self._carried))
+        self._carried = []
 
     def _drained(self, on: bool) -> None:
         scheduler = self.scheduler

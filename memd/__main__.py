@@ -28,10 +28,10 @@ from memd.access import AccessControl, AccessError, Credentials, provision, remo
 from memd.fdpass import FdServer
 from memd.interceptors import MEMD_SERVICE, RpcCounter
 from memd.manager import KvManager
-from memd.memory import PoolMemoryError, allocate_pool, resolve_device
+from memd.memory import PoolMemoryError, allocate_pool, available_host_memory, resolve_device
 from memd.metrics import MemdMetrics
 from memd.service import MemdService
-from memd.state import TMPFS, Layout, Recovered, StateDir, StateError, WriteAheadLog, restore
+from memd.state import TMPFS, Layout, Recovered, StateDir, StateError, WriteAheadLog, boot_id, restore
 from memd.swap import allocate_swap
 from shared import address as addr
 from shared.config import Layers, add_config_flags
@@ -223,15 +223,30 @@ def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout)
         state.discard("pool files without a journal")
         return state, None
     h = found.header
+    rebooted = h.get("boot_id") != boot_id()     # pages on a disk may have outlived the machine, half written
     if (h.get("backend"), h.get("num_blocks"), h.get("block_bytes")) != \
-            (layout.backend, layout.num_blocks, layout.block_bytes) or layout.backend != "shm":
+            (layout.backend, layout.num_blocks, layout.block_bytes) or layout.backend != "shm" or rebooted:
         with contextlib.suppress(FileNotFoundError):
             state.pool.unlink()          # another pool now: its pages mean nothing
     if (h.get("swap_slots"), h.get("block_bytes")) != (layout.swap_slots, layout.block_bytes) \
-            or layout.backend != "shm":
+            or layout.backend != "shm" or rebooted:
         with contextlib.suppress(FileNotFoundError):
             state.swap.unlink()
     return state, found
+
+
+def check_room(state: StateDir, needed: int) -> None:
+    """The pool and swap files must fit their file system (a /run tmpfs is often 10-20% of RAM)."""
+    have = sum(p.stat().st_size for p in (state.pool, state.swap) if p.exists())
+    memory = available_host_memory()
+    if memory is not None and needed - have > memory:
+        return                                   # allocating says it better: the host has not the memory
+    st = os.statvfs(state.path)
+    free = st.f_bavail * st.f_frsize
+    if needed - have > free - (16 << 20):      # and room for the journal
+        raise StartupError(f"the state directory {state.path} has {format_size(free)} free; the pool and swap tier "
+                           f"need {format_size(needed)}: give its file system room (tmpfs size=), point --state-dir "
+                           "at /dev/shm, or use --state-dir none")
 
 
 async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
@@ -253,6 +268,8 @@ async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: s
                      found: Recovered | None) -> None:
     swap_slots = layout.swap_slots
     keep_files = state is not None and layout.backend == "shm"
+    if keep_files:
+        check_room(state, geometry.pool_bytes + swap_slots * geometry.block_bytes)
     memory = allocate_pool(device, geometry.num_blocks, geometry.block_bytes, state.pool if keep_files else None)
     swap = allocate_swap(memory, swap_slots, geometry.block_bytes,
                          state.swap if keep_files else None) if swap_slots else None
@@ -270,7 +287,10 @@ async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: s
                      sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
                      torn_record=found.torn, previous_pid=found.header.get("pid"))
         wal = WriteAheadLog(state, layout, fsync=args.journal_fsync == "always")
-        wal.checkpoint(manager)
+        try:
+            wal.checkpoint(manager)
+        except OSError as exc:
+            raise StartupError(f"cannot write the journal in {state.path}: {exc.strerror}") from None
         if keep_files and (fs := state.filesystem()) not in TMPFS and geometry.pool_bytes >= 1 << 30:
             # Correct either way, but a large pool's pages written back to a disk cost I/O for nothing.
             log.warning("the state directory is not on tmpfs: the kernel writes the pool's pages back to its "

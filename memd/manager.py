@@ -221,7 +221,9 @@ class KvManager:
         the prefix index is rebuilt from the adopted sequences' token ids.
         """
         self.pool.dirty[:] = b"\x01" * self.pool.num_blocks
+        now = time.monotonic()
         for seq in seqs:
+            seq.heat_at, seq.last_access = min(seq.heat_at, now), min(seq.last_access, now)   # another boot's clock
             self.seqs[seq.seq_id] = seq
             if seq.session_id:
                 self.sessions[seq.session_id] = seq.seq_id

@@ -261,6 +261,11 @@ class MemdService(pb_grpc.MemdServicer):
 
     async def _after_commit(self, outcome: StepOutcome, results: list[pb.OpResult]) -> None:
         """Page effects, then what they free: swap slots read, prefix blocks now written, preemptions."""
+        m = self.manager
+        if (m.pending - outcome.pending).intersection(r.seq_id for r in outcome.results):
+            # A sequence an earlier Step's copies still fill (its worker died waiting for a swap-in, and
+            # this is the retry): the copier is FIFO, so a no-op queued now ends after those copies.
+            await asyncio.get_running_loop().run_in_executor(self._copier, lambda: None)
         try:
             if outcome.effects:
                 await self._apply(outcome.effects)

@@ -74,7 +74,15 @@ class Layout:
     def header(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "backend": self.backend, "num_blocks": self.num_blocks,
                 "block_bytes": self.block_bytes, "swap_slots": self.swap_slots, "pid": os.getpid(),
-                "written_at": time.time()}
+                "written_at": time.time(), "boot_id": boot_id()}
+
+
+def boot_id() -> str:
+    """This boot's id: pages kept on a disk across a reboot (or a power loss) are not trusted."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 @dataclass(slots=True)
@@ -110,8 +118,8 @@ class StateDir:
 
     def lock(self) -> None:
         try:
-            self.path.mkdir(mode=0o750, parents=True, exist_ok=True)
-            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise StateError(f"cannot use the state directory {self.path}: {exc.strerror}") from None
         try:
@@ -177,7 +185,7 @@ class StateDir:
             for record in unpacker:
                 _replay(record, found, tokens)
                 end = unpacker.tell()
-        except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+        except Exception:        # a garbled record, of any shape: what came before it stands
             pass
         found.torn = end < len(data)        # a record cut short or garbled: what came before it stands
         for seq_id, record in found.records.items():
@@ -241,7 +249,7 @@ class WriteAheadLog:
         for seq in manager.seqs.values():
             parts.append(self._seq_record(seq, manager))
         data = b"".join(parts)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             _write_all(fd, data)
             if self.fsync:
@@ -267,7 +275,10 @@ class WriteAheadLog:
     def flush(self, manager: KvManager) -> None:
         """Append the sequences changed since the last flush; call before replying to whoever changed them."""
         changed = manager.changed
-        if not changed or self._fd is None:
+        if self._fd is None:
+            changed.clear()                  # persistence given up (a write failed): nothing to record
+            return
+        if not changed:
             return
         parts = []
         for seq_id in changed:
@@ -282,13 +293,31 @@ class WriteAheadLog:
         if not parts:
             return
         data = b"".join(parts)
-        _write_all(self._fd, data)
-        if self.fsync:
-            os.fsync(self._fd)
-        self.records += len(parts)
-        self.bytes += len(data)
-        if self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
-            self.checkpoint(manager)
+        try:
+            _write_all(self._fd, data)
+            if self.fsync:
+                os.fsync(self._fd)
+            self.records += len(parts)
+            self.bytes += len(data)
+            if self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
+                self.checkpoint(manager)
+        except OSError as exc:
+            self.give_up(exc)
+
+    def give_up(self, exc: OSError) -> None:
+        """A write failed (a full tmpfs, say): remove the journal, which no longer tells the truth, and go on.
+
+        memd keeps serving from memory; a memd started after it finds pool files
+        without a journal and starts empty, rather than trusting a stale record.
+        """
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(OSError):
+            self.state.journal.unlink()
+        log.error("cannot write the journal: memd goes on, but its sessions will not survive it",
+                  journal=str(self.state.journal), error=exc.strerror or str(exc))
 
     def _seq_record(self, seq: Sequence, manager: KvManager) -> bytes:
         start = self._tokens_written.get(seq.seq_id, 0)
@@ -318,6 +347,8 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
     out = Restored()
     slots_taken: set[int] = set()
     sessions: dict[str, Sequence] = {}
+    full_blocks: set[int] = set()       # shareable: full committed blocks of some sequence
+    writable_blocks: set[int] = set()   # a sequence's partial last block: its own
 
     def drop(seq: Sequence, reason: str) -> None:
         seq.state, seq.block_ids, seq.slots, seq.num_committed = SeqState.DROPPED, [], [], 0
@@ -331,7 +362,9 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
                            session_id=r[SESSION] or None, last_access=float(r[LAST_ACCESS]),
                            heat=float(r[HEAT]), heat_at=float(r[HEAT_AT]), slots=[int(s) for s in r[SLOTS]],
                            turn_start=int(r[TURN_START]), interrupted=bool(r[MID_TURN]))
-        except (ValueError, TypeError):
+            if not isinstance(r[MODEL], str) or not isinstance(r[SESSION], str | None):
+                raise TypeError("model and session must be strings")
+        except Exception:        # any record that makes no sense is skipped
             out.discarded += 1
             continue
         if seq.block_size <= 0 or not 0 <= seq.num_committed <= len(seq.token_ids) \
@@ -344,6 +377,7 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
             continue                         # only its worker knew it, and its request failed with memd
         if seq.state is SeqState.RUNNING:
             seq.state, seq.block_ids = SeqState.PARKED, seq.block_ids[:needed]
+        if seq.state is not SeqState.SWAPPED:
             seq.slots = []
         if r[PENDING]:
             drop(seq, "pages being filled when memd stopped")
@@ -353,6 +387,14 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
             elif len(seq.block_ids) != needed or len(set(seq.block_ids)) != needed \
                     or any(not 0 <= b < num_blocks for b in seq.block_ids):
                 drop(seq, "block table does not fit the pool")
+            else:
+                full = seq.block_ids[:seq.num_full_blocks]
+                tail = set(seq.block_ids[seq.num_full_blocks:])
+                if writable_blocks.intersection(full) or not tail.isdisjoint(full_blocks | writable_blocks):
+                    drop(seq, "block table clashes with another sequence's")
+                else:
+                    full_blocks.update(full)
+                    writable_blocks.update(tail)
         elif seq.state is SeqState.SWAPPED:
             if not swap_kept:
                 drop(seq, "swap tier not reopened")

@@ -8,6 +8,7 @@ after kill -9 would, and must give every sequence back as recovery promises
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -156,3 +157,48 @@ def test_one_memd_at_a_time_holds_a_state_directory(tmp_path):
     first.lock()
     with pytest.raises(StateError, match="in use by another memd"):
         second.lock()
+
+
+def test_a_journal_that_cannot_be_written_is_given_up_and_removed_and_memd_goes_on(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open([1, 2, 3, 4, 5], session_id="kept")]).results
+    os.close(wal._fd)                                   # as a write on a full tmpfs would fail: EBADF here
+    wal.flush(manager)
+    assert not state.journal.exists() and not manager.changed
+    manager.step(worker, [Park(opened.seq_id, commit_to=5)])
+    wal.flush(manager)                                  # nothing to write to, nothing raised
+    assert not state.journal.exists() and not manager.changed
+
+
+def test_garbled_records_and_clashing_tables_are_never_trusted(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    for session in ("a", "b"):
+        opened, = manager.step(worker, [Open(list(range(6)), session_id=session)]).results
+        manager.step(worker, [Park(opened.seq_id, commit_to=6)])        # one full block, one partial
+    wal.flush(manager)
+    wal.close()
+    found = state.read()
+    assert found is not None
+    a, b = sorted(found.records)
+    found.records[b][memd.state.BLOCKS] = list(found.records[a][memd.state.BLOCKS])   # b claims a's pages
+    found.records[99] = ["S", 99, "parked", 7, 4, None, 0, [], [], 0.0, 0.0, 0.0, 0, [], False, 0, False]
+    restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
+    assert restored.dropped == {"block table clashes with another sequence's": 1} and restored.discarded == 1
+    fresh = new_manager()
+    fresh.adopt(restored.sequences, found.max_seq_id + 1)
+    assert fresh.violations() == []
+
+    with state.journal.open("ab") as f:               # a record of the wrong shape, then one past any int
+        f.write(msgpack.packb({"not": "a record"}) + msgpack.packb(["S", float("inf")]))
+    again = state.read()
+    assert again is not None and again.torn and set(again.records) == {a, b}
+
+
+def test_a_state_directory_too_small_for_the_pool_is_refused_in_one_line(tmp_path, monkeypatch):
+    from memd.__main__ import StartupError, check_room
+
+    small = os.statvfs_result((4096, 4096, 25000, 25000, 25000, 100, 100, 100, 0, 255))   # 100 MB free
+    monkeypatch.setattr(os, "statvfs", lambda path: small)
+    with pytest.raises(StartupError, match=r"has 97\.7 MiB free; the pool and swap tier need 128\.0 MiB"):
+        check_room(StateDir(tmp_path), 128 << 20)
+    check_room(StateDir(tmp_path), 1 << 10)                   # what fits goes through
