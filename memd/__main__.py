@@ -282,9 +282,10 @@ async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: s
             restored = restore(found, pool_kept=getattr(memory, "reopened", False),
                                swap_kept=getattr(swap, "reopened", False), num_blocks=geometry.num_blocks,
                                num_slots=swap_slots)
-            manager.adopt(restored.sequences, found.max_seq_id + 1)
+            manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences)
             log.info("recovered the sequences of the memd before", state_dir=str(state.path),
                      sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
+                     fenced={pid: len(b) for pid, b in restored.fences.items()},
                      torn_record=found.torn, previous_pid=found.header.get("pid"))
         wal = WriteAheadLog(state, layout, fsync=args.journal_fsync == "always")
         try:
@@ -330,6 +331,7 @@ async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: s
         os.chmod(sock_path, 0o660)
     for name in ("", MEMD_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service.watch_fences()                         # pages the workers of the memd before may still write
     reaper = asyncio.create_task(service.reap_expired(), name="reaper")
     police = asyncio.create_task(service.police(), name="eviction-policy")
 

@@ -25,6 +25,12 @@ def violations(m: KvManager) -> list[str]:
         for block in seq.block_ids:
             if 0 <= block < len(refs):
                 refs[block] += 1
+    for pid, blocks in m.fences.items():
+        for block in blocks:
+            if not 0 <= block < len(refs) or refs[block]:
+                problems.append(f"block {block} is fenced for pid {pid} but also held by a sequence or twice")
+            else:
+                refs[block] += 1
     for block, (counted, actual) in enumerate(zip(refs, m.pool.ref, strict=True)):
         if counted != actual:
             problems.append(f"block {block} has ref count {actual} but {counted} table reference(s)")

@@ -110,6 +110,10 @@ class KvManager:
         self.changed: set[int] = set()
         self.pending: set[int] = set()
         self.retokened: set[int] = set()     # token ids cut back (a retried turn): journal them whole
+        # Pages a worker that may still be running could write late (its turns' unwritten tails), kept
+        # from reuse by the pid of that worker until it exits or attaches again (memd.service watches).
+        self.fences: dict[int, list[int]] = {}
+        self.fences_changed: set[int] = set()
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
 
     # ---- workers -------------------------------------------------------
@@ -143,19 +147,27 @@ class KvManager:
     def expired_workers(self, now: float, lease_timeout_s: float) -> list[int]:
         return [w.worker_id for w in self.workers.values() if now - w.last_seen > lease_timeout_s]
 
-    def reclaim(self, worker_id: int) -> tuple[int, int]:
+    def reclaim(self, worker_id: int, *, fence: bool = False) -> tuple[int, int]:
         """A worker is gone: park its sessions' sequences at their committed length, marked interrupted.
 
         Those it ran, and those it had preempted and meant to resume. A
         sequence without a session is freed: only that worker knew its id
-        (its full blocks stay in the prefix cache). Returns (parked, freed).
+        (its full blocks stay in the prefix cache). `fence`: its process may
+        still be in a forward pass (a lease that expired, a stream that broke):
+        the pages that pass may write, past what was committed, are fenced
+        under its pid instead of freed (`lift`). Returns (parked, freed).
         """
-        self.workers.pop(worker_id, None)
+        worker = self.workers.pop(worker_id, None)
+        held: list[int] | None = [] if fence and worker is not None and worker.pid > 0 else None
         parked = freed = 0
         for seq in [s for s in self.seqs.values() if s.owner == worker_id or s.preempted_by == worker_id]:
             if seq.session_id is None:
                 self.swap_jobs.pop(seq.seq_id, None)     # a copy in flight gives its slots back when done
-                self.release_blocks(seq.block_ids)
+                writable = seq.num_full_blocks if held is not None and seq.state is SeqState.RUNNING \
+                    else len(seq.block_ids)
+                self.release_blocks(seq.block_ids[:writable])
+                if held is not None:
+                    held += seq.block_ids[writable:]
                 if seq.slots:
                     assert self.swap is not None
                     self.swap.give(seq.slots)
@@ -163,13 +175,24 @@ class KvManager:
                 freed += 1
                 continue
             if seq.state is SeqState.RUNNING:
-                self._park(seq)
+                self._park(seq, held)
             seq.preempted_by = None
             seq.interrupted = True               # its turn failed: the retry of it replaces it (_retry_turn)
             self.changed.add(seq.seq_id)
             parked += 1
+        if held and worker is not None:
+            self.fences.setdefault(worker.pid, []).extend(held)
+            self.fences_changed.add(worker.pid)
+            self.counters["pages_fenced"] += len(held)
         self.counters["reclaims"] += 1
         return parked, freed
+
+    def lift(self, pid: int) -> int:
+        """The process with `pid` exited or attached again: nothing it runs writes its fenced pages now."""
+        blocks = self.fences.pop(pid, [])
+        if blocks:
+            self.fences_changed.add(pid)
+        return self.release_blocks(blocks)
 
     # ---- steps ---------------------------------------------------------
 
@@ -214,7 +237,7 @@ class KvManager:
         self.pending -= seq_ids
         self.changed |= seq_ids
 
-    def adopt(self, seqs: list[Sequence], next_seq: int) -> None:
+    def adopt(self, seqs: list[Sequence], next_seq: int, fences: dict[int, list[int]] | None = None) -> None:
         """Take over sequences recovered from an earlier memd's journal (memd.state.restore checked them).
 
         Every page's content is unknown now, so all are zeroed before reuse;
@@ -236,6 +259,10 @@ class KvManager:
             if seq.state is SeqState.PARKED:
                 for block, (digest, chunk) in zip(seq.block_ids, chain, strict=False):
                     self.pool.register(block, digest, chunk)
+        for pid, blocks in (fences or {}).items():
+            for block in blocks:
+                self.pool.incref(block)
+            self.fences[pid] = list(blocks)
         self._next_seq = max(self._next_seq, next_seq)
         self.changed.clear()
 
@@ -594,9 +621,13 @@ class KvManager:
             seq.block_ids.append(block)
         txn.counters["blocks_allocated"] += needed
 
-    def _park(self, seq: Sequence) -> None:
+    def _park(self, seq: Sequence, fence: list[int] | None = None) -> None:
+        """Cut the table to the committed tokens; the pages cut go free, or to `fence` (reclaim)."""
         keep = blocks_for(seq.num_committed, seq.block_size)
-        self.release_blocks(seq.block_ids[keep:])
+        if fence is None:
+            self.release_blocks(seq.block_ids[keep:])
+        else:
+            fence += seq.block_ids[keep:]
         del seq.block_ids[keep:]
         seq.state, seq.owner = SeqState.PARKED, None
         self.changed.add(seq.seq_id)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +92,7 @@ class MemdService(pb_grpc.MemdServicer):
         self.drain_all = False
         self.draining: set[int] = set()
         self._activity: asyncio.Event | None = None
+        self._pidfds: dict[int, int] = {}      # fenced workers' processes (watch_fences)
 
     # ---- workers -------------------------------------------------------
 
@@ -100,6 +102,8 @@ class MemdService(pb_grpc.MemdServicer):
                                          request.bytes_per_token)
         except KvError as err:
             await _abort(context, err)
+        if worker.pid in self.manager.fences:
+            self.lift(worker.pid, "it attached again: its last pass is over")
         handle = self.memory.export()
         if self.fd_server is not None:
             handle |= {"socket": str(self.fd_server.path), "token": self.fd_server.issue()}
@@ -167,11 +171,42 @@ class MemdService(pb_grpc.MemdServicer):
     def reclaim(self, worker_id: int, reason: str) -> None:
         if worker_id not in self.manager.workers:
             return
-        parked, freed = self.manager.reclaim(worker_id)
+        # A worker that said goodbye finished its last pass first; any other may still be in one.
+        parked, freed = self.manager.reclaim(worker_id, fence=reason != "goodbye")
+        self.watch_fences()
         self.persist()
         self.draining.discard(worker_id)
         self._settled()
         log.info("worker reclaimed", worker=worker_id, reason=reason, parked=parked, freed=freed)
+
+    def watch_fences(self) -> None:
+        """Lift each pid's fence when its process exits (a pidfd turns readable); at once if it is gone."""
+        loop = asyncio.get_running_loop()
+        for pid in list(self.manager.fences):
+            if pid in self._pidfds:
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.lift(pid, "its process is gone")
+                continue
+            except OSError as exc:        # no pidfd here: the fence lasts until the worker attaches again
+                log.warning("cannot watch a fenced worker's process", pid=pid, error=exc.strerror)
+                self._pidfds[pid] = -1
+                continue
+            self._pidfds[pid] = pidfd
+            loop.add_reader(pidfd, self.lift, pid, "its process exited")
+            log.info("pages fenced until the worker's process exits or attaches again", pid=pid,
+                     blocks=len(self.manager.fences[pid]))
+
+    def lift(self, pid: int, why: str) -> None:
+        pidfd = self._pidfds.pop(pid, None)
+        if pidfd is not None and pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
+        freed = self.manager.lift(pid)
+        self.persist()
+        log.info("fence lifted", pid=pid, reason=why, blocks_freed=freed)
 
     async def reap_expired(self) -> None:
         """Reclaim workers whose heartbeats stopped; ends their stream if it is still open."""
@@ -375,6 +410,11 @@ class MemdService(pb_grpc.MemdServicer):
 
     async def close(self) -> None:
         """Wait for queued page effects and swap copies: the pool must outlive them."""
+        for pidfd in self._pidfds.values():
+            if pidfd >= 0:
+                asyncio.get_running_loop().remove_reader(pidfd)
+                os.close(pidfd)
+        self._pidfds.clear()
         if self._swap_tasks:
             await asyncio.wait(set(self._swap_tasks))
         self._swapper.shutdown(wait=True)
@@ -427,10 +467,13 @@ class MemdService(pb_grpc.MemdServicer):
             for block in seq.block_ids:
                 holders.setdefault(block, []).append(seq)
         blocks = []
+        fenced = {block for pages in m.fences.values() for block in pages}
         for block in range(0 if request.skip_blocks else m.pool.num_blocks):
             seqs = holders.get(block, [])
             if seqs:
                 state = ",".join(sorted({s.state.value for s in seqs}))
+            elif block in fenced:
+                state = "fenced"          # a reclaimed worker may still write it: out of use until it exits
             else:
                 state = "cached" if m.pool.hash_of[block] is not None else "free"
             blocks.append(pb.BlockRow(

@@ -93,7 +93,8 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "used_blocks": [used(a), used(b)],
         "sequences": {state: [states_a[state], states_b[state]] for state in sorted(states_a.keys() | states_b.keys())},
         # Held by no sequence: nothing will ever free them.
-        "orphaned_blocks": [blk["block_id"] for blk in b["blocks"] if blk["ref_count"] > 0 and not blk["seq_ids"]],
+        "orphaned_blocks": [blk["block_id"] for blk in b["blocks"]
+                            if blk["ref_count"] > 0 and not blk["seq_ids"] and blk.get("state") != "fenced"],
         "grew": sorted(({"seq_id": s["seq_id"], "session_id": s["session_id"], "state": s["state"],
                          "blocks": [_held(seqs_a[s["seq_id"]]), _held(s)]}
                         for s in both if _held(s) > _held(seqs_a[s["seq_id"]])),

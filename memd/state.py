@@ -91,6 +91,7 @@ class Recovered:
 
     header: dict[str, Any]
     records: dict[int, list[Any]]              # seq id -> its latest record
+    fences: dict[int, list[int]] = field(default_factory=dict)    # pid -> pages fenced for it
     max_seq_id: int = 0
     torn: bool = False                          # the last record was cut short by the crash
 
@@ -100,6 +101,7 @@ class Restored:
     """What recovery made of the records; logged at start-up."""
 
     sequences: list[Sequence] = field(default_factory=list)
+    fences: dict[int, list[int]] = field(default_factory=dict)    # pid -> pages its late writes may reach
     by_state: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)       # reason -> sequences that came back DROPPED
     discarded: int = 0                                          # records that made no sense
@@ -207,19 +209,28 @@ class StateDir:
 
 # A sequence record: ["S", seq_id, state, model, block_size, session_id, num_committed, block_ids, slots,
 #                     heat, heat_at, last_access, tokens_from, new_token_ids, pending, turn_start, mid_turn]
+#   (then owner_pid: the pid of the worker running it, 0 if none)
 # A removal: ["D", seq_id]
+# Fenced pages (KvManager.fences): ["F", pid, block_ids], [] once lifted
 SEQ_ID, STATE, MODEL, BLOCK_SIZE, SESSION, COMMITTED, BLOCKS, SLOTS, HEAT, HEAT_AT, LAST_ACCESS, TOKENS_FROM, \
-    TOKENS, PENDING, TURN_START, MID_TURN = range(1, 17)
+    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID = range(1, 18)
 
 
 def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None:
+    if record[0] == "F":
+        pid, blocks = int(record[1]), [int(b) for b in record[2]]
+        if blocks:
+            found.fences[pid] = blocks
+        else:
+            found.fences.pop(pid, None)
+        return
     kind, seq_id = record[0], int(record[1])
     found.max_seq_id = max(found.max_seq_id, seq_id)
     if kind == "D":
         found.records.pop(seq_id, None)
         tokens.pop(seq_id, None)
         return
-    if kind != "S" or len(record) != MID_TURN + 1:
+    if kind != "S" or len(record) != OWNER_PID + 1:
         raise ValueError(f"unknown record {kind!r}")
     have = tokens.setdefault(seq_id, [])
     start = int(record[TOKENS_FROM])
@@ -248,6 +259,8 @@ class WriteAheadLog:
         self._tokens_written = {}
         for seq in manager.seqs.values():
             parts.append(self._seq_record(seq, manager))
+        parts += [_pack(["F", pid, blocks]) for pid, blocks in manager.fences.items()]
+        manager.fences_changed.clear()
         data = b"".join(parts)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
@@ -277,10 +290,12 @@ class WriteAheadLog:
         changed = manager.changed
         if self._fd is None:
             changed.clear()                  # persistence given up (a write failed): nothing to record
+            manager.fences_changed.clear()
             return
-        if not changed:
+        if not changed and not manager.fences_changed:
             return
-        parts = []
+        parts = [_pack(["F", pid, manager.fences.get(pid, [])]) for pid in manager.fences_changed]
+        manager.fences_changed.clear()
         for seq_id in changed:
             seq = manager.seqs.get(seq_id)
             if seq is None:
@@ -327,7 +342,8 @@ class WriteAheadLog:
         return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,
                       seq.num_committed, seq.block_ids, seq.slots, seq.heat, seq.heat_at, seq.last_access,
                       start, seq.token_ids[start:], seq.seq_id in manager.pending, seq.turn_start,
-                      seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None])
+                      seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
+                      _owner_pid(seq, manager)])
 
     def close(self) -> None:
         if self._fd is not None:
@@ -349,6 +365,7 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
     sessions: dict[str, Sequence] = {}
     full_blocks: set[int] = set()       # shareable: full committed blocks of some sequence
     writable_blocks: set[int] = set()   # a sequence's partial last block: its own
+    late: dict[int, list[int]] = {pid: list(blocks) for pid, blocks in found.fences.items()} if pool_kept else {}
 
     def drop(seq: Sequence, reason: str) -> None:
         seq.state, seq.block_ids, seq.slots, seq.num_committed = SeqState.DROPPED, [], [], 0
@@ -373,9 +390,14 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
             out.discarded += 1
             continue
         needed = blocks_for(seq.num_committed, seq.block_size)
+        owner_pid = int(r[OWNER_PID]) if seq.state is SeqState.RUNNING else 0
         if seq.interrupted and seq.session_id is None:
-            continue                         # only its worker knew it, and its request failed with memd
+            if owner_pid > 0 and pool_kept:   # only its worker knew it; what that worker may still write is fenced
+                late.setdefault(owner_pid, []).extend(seq.block_ids[seq.num_full_blocks:])
+            continue
         if seq.state is SeqState.RUNNING:
+            if owner_pid > 0 and pool_kept:
+                late.setdefault(owner_pid, []).extend(seq.block_ids[needed:])
             seq.state, seq.block_ids = SeqState.PARKED, seq.block_ids[:needed]
         if seq.state is not SeqState.SWAPPED:
             seq.slots = []
@@ -414,7 +436,18 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
         out.sequences.append(seq)
     for seq in out.sequences:
         out.by_state[seq.state.value] = out.by_state.get(seq.state.value, 0) + 1
+    held = {b for seq in out.sequences for b in seq.block_ids}
+    for pid, blocks in late.items():       # pages a worker alive before may still write: fenced again
+        fenced = [b for b in dict.fromkeys(blocks) if 0 <= b < num_blocks and b not in held]
+        held.update(fenced)
+        if fenced:
+            out.fences[pid] = fenced
     return out
+
+
+def _owner_pid(seq: Sequence, manager: KvManager) -> int:
+    worker = manager.workers.get(seq.owner) if seq.owner is not None else None
+    return worker.pid if worker is not None else 0
 
 
 def _pack(obj: Any) -> bytes:

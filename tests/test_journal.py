@@ -45,13 +45,23 @@ def expected_after_restart(manager: KvManager) -> dict[int, tuple]:
     return out
 
 
+def expected_fences(manager: KvManager) -> set[int]:
+    """Pages a worker alive before the restart may still write: fenced ones, and its running turns' tails."""
+    out = {b for blocks in manager.fences.values() for b in blocks}
+    for seq in manager.seqs.values():
+        if seq.state is SeqState.RUNNING:
+            keep = seq.num_full_blocks if seq.session_id is None else blocks_for(seq.num_committed, seq.block_size)
+            out.update(seq.block_ids[keep:])
+    return out
+
+
 def recovered(state: StateDir) -> KvManager:
     found = state.read()
     assert found is not None and not found.torn
     restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
     assert restored.discarded == 0 and restored.dropped.keys() <= {"pages being filled when memd stopped"}
     fresh = new_manager()
-    fresh.adopt(restored.sequences, found.max_seq_id + 1)
+    fresh.adopt(restored.sequences, found.max_seq_id + 1, restored.fences)
     return fresh
 
 
@@ -72,8 +82,11 @@ class JournaledMachine(KvManagerMachine):
         got = {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
                           s.token_ids, s.turn_start, s.interrupted) for s in fresh.seqs.values()}
         assert got == expected_after_restart(self.manager)
+        assert {b for blocks in fresh.fences.values() for b in blocks} == expected_fences(self.manager)
         assert fresh.violations() == []
         # The restarted manager works: a new sequence gets an id never used before.
+        for pid in list(fresh.fences):
+            fresh.lift(pid)
         worker = attach(fresh, "m")
         opened, = fresh.step(worker, [Open([1, 2, 3])]).results
         assert opened.seq_id > max(self.manager.seqs, default=0)

@@ -85,6 +85,8 @@ def free_everything(manager: KvManager, jobs: list[SwapOut] = ()) -> None:
         worker = attach(manager, model)
         ids = [sid for sid, s in manager.seqs.items() if s.model == model]
         manager.release_slots(manager.step(worker, [Free(sid) for sid in ids]).read_slots)
+    for pid in list(manager.fences):
+        manager.lift(pid)
     assert manager.seqs == {}
     assert manager.sessions == {}
     assert manager.pool.num_free == NUM_BLOCKS
@@ -155,10 +157,11 @@ class KvManagerMachine(RuleBasedStateMachine):
         before = dump(manager)
         # Releases never evict a cached block, takes may: predict hits only up to the first take.
         takes = [i for i, op in enumerate(ops) if not isinstance(op, Free | Park)]
-        expected_hit = bool(takes) and isinstance(ops[takes[0]], Open) and self.expected_cached(ops[takes[0]], worker)
         # An Open that continues a session already there resumes it: its cached count is the history's.
         resuming = {i for i, op in enumerate(ops) if isinstance(op, Open) and op.continue_session
                     and op.session_id in manager.sessions}
+        expected_hit = bool(takes) and isinstance(ops[takes[0]], Open) and takes[0] not in resuming \
+            and self.expected_cached(ops[takes[0]], worker)
         try:
             outcome = manager.step(worker, ops)
         except KvError as exc:
@@ -329,12 +332,12 @@ class KvManagerMachine(RuleBasedStateMachine):
             self.jobs += self.manager.evictions.make_room(data.draw(st.integers(1, NUM_BLOCKS)),
                                                           reason="pressure").jobs
 
-    @rule(slot=st.integers(0, len(MODELS) - 1))
-    def reclaim_and_reattach(self, slot: int) -> None:
+    @rule(slot=st.integers(0, len(MODELS) - 1), fence=st.booleans())
+    def reclaim_and_reattach(self, slot: int, fence: bool) -> None:
         gone = self.slots[slot]
         running = {sid: (s.num_committed, s.session_id) for sid, s in self.manager.seqs.items()
                    if s.owner == gone or s.preempted_by == gone}
-        self.manager.reclaim(gone)
+        self.manager.reclaim(gone, fence=fence)
         self.slots[slot] = attach(self.manager, MODELS[slot])
         for sid, (committed, session) in running.items():
             seq = self.manager.seqs.get(sid)
@@ -343,6 +346,14 @@ class KvManagerMachine(RuleBasedStateMachine):
             else:
                 assert seq is not None and seq.state is not SeqState.RUNNING and seq.owner is None
                 assert seq.num_committed == committed and seq.interrupted and seq.preempted_by is None
+
+    @precondition(lambda self: self.manager.fences)
+    @rule(data=st.data())
+    def a_fenced_worker_exits(self, data: st.DataObject) -> None:
+        pid = data.draw(st.sampled_from(sorted(self.manager.fences)))
+        held = len(self.manager.fences[pid])
+        free = self.manager.pool.num_free
+        assert self.manager.lift(pid) == held and self.manager.pool.num_free == free + held
 
     @precondition(lambda self: self.manager.seqs)
     @rule(data=st.data())

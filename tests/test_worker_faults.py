@@ -161,8 +161,61 @@ async def test_a_hung_worker_is_reclaimed_after_its_lease_and_attaches_again_whe
             code = err.code()
         assert code == grpc.StatusCode.UNAVAILABLE        # its turn is over: the client was answered elsewhere
     await attachments(hung, 2)
+    # What its stalled pass might have written was fenced until now: it attached again, so that pass is over.
+    assert memd.log.find("fence lifted", reason="it attached again: its last pass is over") is not None
     again = await turn(hung, "after", "Hello again", 5)
     assert len(again["token_ids"]) == 5
     # The idle worker sent nothing for many lease periods: its heartbeats alone kept it.
     assert memd.log.find("worker reclaimed", worker=worker_id(idle)) is None
     await clean(memd)
+
+
+async def stats(memd):
+    async with memd.admin() as admin:
+        assert (await admin.check()).ok
+        return await admin.stats(), await admin.snapshot()
+
+
+async def test_pages_a_hung_worker_may_still_write_stay_fenced_until_its_process_exits(memd_factory, spawn_worker):
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB",
+                              "--lease-timeout", "1")
+    worker = await spawn_worker(memd.address)
+    chat, scratch = await worker.step(
+        {"kind": "open", "token_ids": list(range(20)), "reserve": 30, "session_id": "chat"},   # 4 pages
+        {"kind": "open", "token_ids": list(range(20)), "reserve": 40})                         # 4 pages
+    await worker.step({"kind": "extend", "seq_id": chat["seq_id"], "commit_to": 20},
+                      {"kind": "extend", "seq_id": scratch["seq_id"], "commit_to": 20})
+    worker.proc.send_signal(signal.SIGSTOP)          # hung mid-pass, as far as memd can tell
+    await memd.log.wait_for("worker reclaimed", worker=worker.worker_id)
+    fenced = await memd.log.wait_for("pages fenced until the worker's process exits or attaches again")
+    # The chat keeps its 2 committed pages; its 2 reserved ones, and the scratch turn's partial page and
+    # reserve (its one full page is free: nothing writes a full page), may take the hung pass's writes.
+    assert fenced["blocks"] == 5
+    reply, snapshot = await stats(memd)
+    assert reply.used_blocks == 2 + 5
+    assert sum(row.state == "fenced" for row in snapshot.blocks) == 5
+
+    await worker.kill()                               # the process is gone: nothing can write them now
+    lifted = await memd.log.wait_for("fence lifted")
+    assert lifted["blocks_freed"] == 5 and lifted["reason"] == "its process exited"
+    reply, _ = await stats(memd)
+    assert reply.used_blocks == 2
+
+
+async def test_a_restarted_memd_fences_what_the_workers_of_the_one_before_may_still_write(
+        memd_factory, spawn_worker):
+    flags = ("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB")
+    memd = await memd_factory(*flags)
+    worker = await spawn_worker(memd.address)
+    chat, = await worker.step({"kind": "open", "token_ids": list(range(20)), "reserve": 30, "session_id": "chat"})
+    await worker.step({"kind": "extend", "seq_id": chat["seq_id"], "commit_to": 20})
+    await memd.kill()                                 # the worker lives on, maybe mid-pass
+    again = await memd_factory(*flags, "--listen", memd.address)
+    recovered = await again.log.wait_for("recovered the sequences of the memd before")
+    assert recovered["sequences"] == {"parked": 1} and list(recovered["fenced"].values()) == [2]
+    reply, _ = await stats(again)
+    assert reply.used_blocks == 2 + 2
+    await worker.kill()
+    assert (await again.log.wait_for("fence lifted"))["blocks_freed"] == 2
+    reply, _ = await stats(again)
+    assert reply.used_blocks == 2 and reply.sequences["parked"] == 1
