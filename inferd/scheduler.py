@@ -99,6 +99,19 @@ class Request:
         for child in self.children:
             child.cancel(reason)
 
+    def fail(self, error: GenerationError) -> None:
+        """End with `error` as the final event; only for a request that holds nothing in memd."""
+        self.done = True
+        self.events.put_nowait(Event([], "", usage=self.usage(), error=error, index=self.index))
+
+    def usage(self) -> dict[str, float]:
+        n = len(self.generated)
+        end = time.monotonic()
+        ttft = (self.first_token_at - self.arrived) * 1000 if self.first_token_at else 0.0
+        tpot = (end - self.first_token_at) * 1000 / (n - 1) if n > 1 else 0.0
+        return {"prompt_tokens": self.num_prompt, "cached_tokens": self.num_cached,
+                "completion_tokens": n, "ttft_ms": ttft, "tpot_ms": tpot}
+
 
 class Scheduler:
     def __init__(self, client: MemdClient, model: PagedDecoder, tokenizer: Any, *, max_num_seqs: int = 16,
@@ -163,12 +176,7 @@ class Scheduler:
             return
         for request in [r for r in self.waiting if not r.preempted and not r.seq_id]:
             self.waiting.remove(request)
-            self._fail(request, GenerationError("UNAVAILABLE", DRAINING))
-
-    def _fail(self, request: Request, error: GenerationError) -> None:
-        """A request that holds nothing in memd ends with `error` as its final event."""
-        request.done = True
-        request.events.put_nowait(Event([], "", usage=self.usage(request), error=error, index=request.index))
+            request.fail(GenerationError("UNAVAILABLE", DRAINING))
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         request.cancel(reason)
@@ -240,7 +248,7 @@ class Scheduler:
         for request in [*self.waiting, *self.running, *pending]:
             if id(request) not in failed:
                 failed.add(id(request))
-                self._fail(request, error)
+                request.fail(error)
         resets = [done for done, _ in self._resets] + [o for k, o, _ in self._inflight if k == "reset"]
         for done in resets:
             if not done.done():
@@ -370,7 +378,7 @@ class Scheduler:
     def _retire_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
-            final = Event([], "", finish_reason=request.cancelled, usage=self.usage(request), index=request.index)
+            final = Event([], "", finish_reason=request.cancelled, usage=request.usage(), index=request.index)
             if request.preempted and request.seq_id and request.session_id is None:
                 request.done = True
                 self._ending.append((Free(request.seq_id), request, final))   # memd still holds it
@@ -481,7 +489,7 @@ class Scheduler:
             request[0].events.put_nowait(request[1])
         elif kind == "admit":
             request.done = True
-            final = Event([], "", usage=self.usage(request), error=GenerationError(err.code.name, err.message),
+            final = Event([], "", usage=request.usage(), error=GenerationError(err.code.name, err.message),
                           index=request.index)
             if request.preempted and request.seq_id and request.session_id is None:
                 self._ending.append((Free(request.seq_id), request, final))    # memd still holds it
@@ -622,7 +630,7 @@ class Scheduler:
         request.done = True
         if request in self.running:
             self.running.remove(request)
-        final = Event([], "", finish_reason=reason, usage=self.usage(request), error=error, index=request.index)
+        final = Event([], "", finish_reason=reason, usage=request.usage(), error=error, index=request.index)
         if request.seq_id:
             # A session keeps its turn (a reset's Free follows in the same Step); an error frees.
             keep = request.session_id is not None and (error is None or keep)
@@ -633,10 +641,3 @@ class Scheduler:
             request.events.put_nowait(final)
         self._wake.set()
 
-    def usage(self, request: Request) -> dict[str, float]:
-        n = len(request.generated)
-        end = time.monotonic()
-        ttft = (request.first_token_at - request.arrived) * 1000 if request.first_token_at else 0.0
-        tpot = (end - request.first_token_at) * 1000 / (n - 1) if n > 1 else 0.0
-        return {"prompt_tokens": request.num_prompt, "cached_tokens": request.num_cached,
-                "completion_tokens": n, "ttft_ms": ttft, "tpot_ms": tpot}

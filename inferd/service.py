@@ -26,7 +26,7 @@ from inferd.checkpoint import ModelConfig, load_tokenizer, load_weights, read_co
 from inferd.metrics import InferdMetrics
 from inferd.model import PagedDecoder
 from inferd.sampling import BadParams, SamplingParams
-from inferd.scheduler import Event, GenerationError, Request, Scheduler
+from inferd.scheduler import GenerationError, Request, Scheduler
 from shared.client import MemdClient, MemdError
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
@@ -131,8 +131,7 @@ class MemdLink:
         """memd stayed away too long: the queued requests kept for it fail after all."""
         error = GenerationError("UNAVAILABLE", f"memd has been unreachable for over {CARRY_S:g} s; retry later")
         for request in self._carried:
-            request.done = True
-            request.events.put_nowait(Event([], "", error=error, index=request.index))
+            request.fail(error)
         log.warning("gave up queued requests: memd is still away", requests=len(self._carried))
         self._carried = []
 

@@ -223,13 +223,13 @@ def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout)
         state.discard("pool files without a journal")
         return state, None
     h = found.header
-    rebooted = h.get("boot_id") != boot_id()     # pages on a disk may have outlived the machine, half written
-    if (h.get("backend"), h.get("num_blocks"), h.get("block_bytes")) != \
-            (layout.backend, layout.num_blocks, layout.block_bytes) or layout.backend != "shm" or rebooted:
+    # Pages on a disk may have outlived the machine, half written: another boot's are not reopened either.
+    files_usable = layout.backend == "shm" and h.get("boot_id") == boot_id()
+    if not files_usable or (h.get("backend"), h.get("num_blocks"), h.get("block_bytes")) != \
+            (layout.backend, layout.num_blocks, layout.block_bytes):
         with contextlib.suppress(FileNotFoundError):
             state.pool.unlink()          # another pool now: its pages mean nothing
-    if (h.get("swap_slots"), h.get("block_bytes")) != (layout.swap_slots, layout.block_bytes) \
-            or layout.backend != "shm" or rebooted:
+    if not files_usable or (h.get("swap_slots"), h.get("block_bytes")) != (layout.swap_slots, layout.block_bytes):
         with contextlib.suppress(FileNotFoundError):
             state.swap.unlink()
     return state, found

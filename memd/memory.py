@@ -79,6 +79,19 @@ def available_host_memory() -> int | None:
     return available
 
 
+def require_host_memory(what: str, size: int, advice: str = "") -> None:
+    """Refuse, in one line, an allocation the host cannot hold, before trying it."""
+    available = available_host_memory()
+    if available is not None and size > available:
+        raise PoolMemoryError(f"{what} of {format_size(size)} does not fit: {format_size(available)} of host "
+                              f"memory available{advice}")
+
+
+def kept_file(path: Path | None, size: int) -> bool:
+    """A backing file of exactly `size` bytes is there: reopened with its pages, not made again."""
+    return path is not None and path.exists() and path.stat().st_size == size
+
+
 class ShmMemory:
     """Shared memory for the pool: a memfd, or a file in memd's state directory that outlives memd.
 
@@ -96,11 +109,9 @@ class ShmMemory:
     def __init__(self, num_blocks: int, block_bytes: int, path: Path | None = None) -> None:
         size = num_blocks * block_bytes
         self.size, self.block_bytes = size, block_bytes
-        self.reopened = path is not None and path.exists() and path.stat().st_size == size
-        available = available_host_memory()
-        if not self.reopened and available is not None and size > available:
-            raise PoolMemoryError(
-                f"pool of {format_size(size)} does not fit: {format_size(available)} of host memory available")
+        self.reopened = kept_file(path, size)
+        if not self.reopened:
+            require_host_memory("pool", size)
         self.fd = open_backing_file(path, size, "kvpool-pool", "pool")
         if path is None:
             # Sealed: no process can shrink the memfd under another's mapping.
@@ -141,7 +152,7 @@ def open_backing_file(path: Path | None, size: int, name: str, what: str) -> int
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     else:
         try:
-            if path.exists() and path.stat().st_size != size:
+            if path.exists() and not kept_file(path, size):
                 path.unlink()
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:

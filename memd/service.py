@@ -199,11 +199,14 @@ class MemdService(pb_grpc.MemdServicer):
             log.info("pages fenced until the worker's process exits or attaches again", pid=pid,
                      blocks=len(self.manager.fences[pid]))
 
-    def lift(self, pid: int, why: str) -> None:
+    def _unwatch(self, pid: int) -> None:
         pidfd = self._pidfds.pop(pid, None)
         if pidfd is not None and pidfd >= 0:
             asyncio.get_running_loop().remove_reader(pidfd)
             os.close(pidfd)
+
+    def lift(self, pid: int, why: str) -> None:
+        self._unwatch(pid)
         freed = self.manager.lift(pid)
         self.persist()
         log.info("fence lifted", pid=pid, reason=why, blocks_freed=freed)
@@ -410,11 +413,8 @@ class MemdService(pb_grpc.MemdServicer):
 
     async def close(self) -> None:
         """Wait for queued page effects and swap copies: the pool must outlive them."""
-        for pidfd in self._pidfds.values():
-            if pidfd >= 0:
-                asyncio.get_running_loop().remove_reader(pidfd)
-                os.close(pidfd)
-        self._pidfds.clear()
+        for pid in list(self._pidfds):
+            self._unwatch(pid)
         if self._swap_tasks:
             await asyncio.wait(set(self._swap_tasks))
         self._swapper.shutdown(wait=True)

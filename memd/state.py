@@ -249,8 +249,7 @@ class WriteAheadLog:
         self.state, self.layout, self.fsync = state, layout, fsync
         self._fd: int | None = None
         self._tokens_written: dict[int, int] = {}
-        self.records = 0
-        self.bytes = 0
+        self.records = 0                     # appended since the last checkpoint
 
     def checkpoint(self, manager: KvManager) -> None:
         """Rewrite the journal from the live state: a new file, renamed over the old one."""
@@ -281,7 +280,7 @@ class WriteAheadLog:
             os.close(self._fd)
         os.lseek(fd, 0, os.SEEK_END)
         self._fd = fd
-        self.records, self.bytes = 0, len(data)
+        self.records = 0
         manager.changed.clear()
         manager.retokened.clear()
 
@@ -313,7 +312,6 @@ class WriteAheadLog:
             if self.fsync:
                 os.fsync(self._fd)
             self.records += len(parts)
-            self.bytes += len(data)
             if self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
                 self.checkpoint(manager)
         except OSError as exc:

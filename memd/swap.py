@@ -28,7 +28,15 @@ from typing import Protocol
 import structlog
 
 from memd.manager import Effect
-from memd.memory import CudaMemory, PoolMemory, PoolMemoryError, ShmMemory, available_host_memory, open_backing_file
+from memd.memory import (
+    CudaMemory,
+    PoolMemory,
+    PoolMemoryError,
+    ShmMemory,
+    kept_file,
+    open_backing_file,
+    require_host_memory,
+)
 from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
@@ -41,6 +49,7 @@ COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 # (systemd/memd.service sets it); memd says at start-up whether it is.
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 PARALLEL_BYTES = 4 << 20         # smaller copies are not worth a hand-off to the threads
+SWAP_ADVICE = " (lower --swap-ratio or use --disable-swap)"
 # CUDA: scattered small pages cost one DMA each (64 KiB pages moved at 16% of a plain copy on an
 # H200). Pages below GATHER_BELOW_BYTES, past GATHER_RUNS runs, are gathered on the GPU into a
 # staging buffer of up to STAGING_BYTES and moved in a few large DMAs: 64 KiB pages then move at
@@ -103,11 +112,9 @@ class HostSwap:
     def __init__(self, pool: ShmMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0,
                  path: Path | None = None) -> None:
         size = num_slots * block_bytes
-        self.reopened = path is not None and path.exists() and path.stat().st_size == size
-        available = available_host_memory()
-        if not self.reopened and available is not None and size > available:
-            raise PoolMemoryError(f"swap tier of {format_size(size)} does not fit: {format_size(available)} "
-                                  "of host memory available (lower --swap-ratio or use --disable-swap)")
+        self.reopened = kept_file(path, size)
+        if not self.reopened:
+            require_host_memory("swap tier", size, SWAP_ADVICE)
         self.num_slots, self.block_bytes, self.delay_s = num_slots, block_bytes, delay_s
         if path is None:
             self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
@@ -179,11 +186,7 @@ class PinnedSwap:
     def __init__(self, pool: CudaMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0) -> None:
         import torch
 
-        available = available_host_memory()
-        if available is not None and num_slots * block_bytes > available:
-            raise PoolMemoryError(f"swap tier of {format_size(num_slots * block_bytes)} does not fit: "
-                                  f"{format_size(available)} of host memory available (lower --swap-ratio or "
-                                  "use --disable-swap)")
+        require_host_memory("swap tier", num_slots * block_bytes, SWAP_ADVICE)
         self.num_slots, self.delay_s = num_slots, delay_s
         try:
             self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=True)
