@@ -54,16 +54,15 @@ class LogWatch:
         async with self._changed:
             self._changed.notify_all()
 
-    def find(self, event: str, **fields: Any) -> dict[str, Any] | None:
-        for e in self.events:
-            if e.get("event") == event and all(e.get(k) == v for k, v in fields.items()):
-                return e
-        return None
+    def find(self, event: str, nth: int = 1, **fields: Any) -> dict[str, Any] | None:
+        """The `nth` event of that name with those fields, None until there are that many."""
+        hits = [e for e in self.events if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
+        return hits[nth - 1] if len(hits) >= nth else None
 
-    async def wait_for(self, event: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+    async def wait_for(self, event: str, timeout: float = 30.0, nth: int = 1, **fields: Any) -> dict[str, Any]:
         async def found() -> dict[str, Any]:
             async with self._changed:
-                while (hit := self.find(event, **fields)) is None:
+                while (hit := self.find(event, nth, **fields)) is None:
                     if self._task.done():
                         raise AssertionError(f"memd exited before logging {event!r}: {self.raw[-5:]}")
                     await self._changed.wait()

@@ -248,8 +248,7 @@ async def test_a_gpu_memd_killed_gives_its_chats_back_dropped_and_they_answer_th
     again = await gpu_memd(memd_factory, checkpoint, "--listen", memd.address)
     recovered = await again.log.wait_for("recovered the sequences of the memd before")
     assert recovered["sequences"] == {"dropped": 2} and recovered["dropped"] == {"pool not reopened": 2}
-    while sum(e.get("event") == "attached to memd" for e in inferd.log.events) < 2:
-        await asyncio.sleep(0.1)     # inferd's log is another process's: no event to await
+    await inferd.log.wait_for("attached to memd", nth=2)
     out2, usage2, _ = await generate(inferd.address, turn2_prompt, 12, session="chat")
     assert out2 == expected
     print(f"after the restart: cached_tokens {usage2.cached_tokens} of {usage2.prompt_tokens} (recomputed)")

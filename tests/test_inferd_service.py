@@ -161,9 +161,7 @@ async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, mode
     attached = [e for e in inferd.log.events if e.get("event") == "attached to memd"]
     assert len(attached) == 1
 
-    async def reattached() -> bool:
-        return sum(e.get("event") == "attached to memd" for e in inferd.log.events) == 2
-    await wait_until(reattached)
+    await inferd.log.wait_for("attached to memd", nth=2)
     assert await health(inferd) == "SERVING"
     rc, out, err = await inferctl(inferd.address, "generate", "hello", "--max-tokens", "3", "--ignore-eos", "--json")
     assert rc == 0, err

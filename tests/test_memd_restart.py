@@ -15,7 +15,7 @@ import pytest
 
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
-from tests.test_inferd_service import health, inferctl, memd_state, model_dir, wait_until
+from tests.test_inferd_service import health, inferctl, memd_state, model_dir
 from tests.test_memd_startup import run_memd
 
 __all__ = ["model_dir"]      # the module-scoped checkpoint fixture, shared
@@ -35,9 +35,7 @@ async def turn(inferd, session: str, prompt: str, max_tokens: int) -> dict:
 
 
 async def attachments(inferd, count: int) -> None:
-    async def enough() -> bool:
-        return sum(e.get("event") == "attached to memd" for e in inferd.log.events) >= count
-    await wait_until(enough)
+    await inferd.log.wait_for("attached to memd", nth=count)
 
 
 async def test_parked_and_swapped_chats_survive_a_memd_kill_and_resume_with_the_same_answer(
