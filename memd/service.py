@@ -215,7 +215,14 @@ class MemdService(pb_grpc.MemdServicer):
         """Reclaim workers whose heartbeats stopped; ends their stream if it is still open."""
         interval = min(1.0, self.lease_timeout_s / 4)
         while True:
+            due = time.monotonic() + interval
             await asyncio.sleep(interval)     # a periodic sweep, not a wait for an event
+            late = time.monotonic() - due
+            if late > interval:
+                # memd itself did not run (a starved or stopped process): the heartbeats of that
+                # time may still sit unread on the sockets. Judge leases only once they were read.
+                log.warning("memd's event loop stalled; lease checks wait a round", stalled_s=round(late, 3))
+                continue
             for worker_id in self.manager.expired_workers(time.monotonic(), self.lease_timeout_s):
                 self.reclaim(worker_id, "lease expired")
                 outbox = self._outbox.get(worker_id)
