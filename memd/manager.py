@@ -154,8 +154,12 @@ class KvManager:
         sequence without a session is freed: only that worker knew its id
         (its full blocks stay in the prefix cache). `fence`: its process may
         still be in a forward pass (a lease that expired, a stream that broke):
-        the pages that pass may write, past what was committed, are fenced
-        under its pid instead of freed (`lift`). Returns (parked, freed).
+        every page that pass may write is fenced under its pid instead of freed
+        (`lift`) — the reserved tails, and the partly written last page too, so
+        a running session keeps only its whole blocks (the few tokens past them
+        are recomputed when it resumes). Kept, that page would go to the next
+        tenant once the session is evicted or reset, or to the session's next
+        writer, and a late write would land on their K/V. Returns (parked, freed).
         """
         worker = self.workers.pop(worker_id, None)
         held: list[int] | None = [] if fence and worker is not None and worker.pid > 0 else None
@@ -622,7 +626,12 @@ class KvManager:
         txn.counters["blocks_allocated"] += needed
 
     def _park(self, seq: Sequence, fence: list[int] | None = None) -> None:
-        """Cut the table to the committed tokens; the pages cut go free, or to `fence` (reclaim)."""
+        """Cut the table to the committed tokens; the pages cut go free, or to `fence` (reclaim).
+
+        With a fence, to the committed whole blocks: the partly written last page goes to the fence too.
+        """
+        if fence is not None:
+            seq.num_committed -= seq.num_committed % seq.block_size
         keep = blocks_for(seq.num_committed, seq.block_size)
         if fence is None:
             self.release_blocks(seq.block_ids[keep:])

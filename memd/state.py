@@ -394,7 +394,9 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
                 late.setdefault(owner_pid, []).extend(seq.block_ids[seq.num_full_blocks:])
             continue
         if seq.state is SeqState.RUNNING:
-            if owner_pid > 0 and pool_kept:
+            if owner_pid > 0 and pool_kept:       # as KvManager.reclaim fences: its whole blocks stay
+                seq.num_committed -= seq.num_committed % seq.block_size
+                needed = seq.num_full_blocks
                 late.setdefault(owner_pid, []).extend(seq.block_ids[needed:])
             seq.state, seq.block_ids = SeqState.PARKED, seq.block_ids[:needed]
         if seq.state is not SeqState.SWAPPED:

@@ -36,7 +36,8 @@ def expected_after_restart(manager: KvManager) -> dict[int, tuple]:
         interrupted = seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None
         if interrupted and seq.session_id is None:
             continue
-        if state is SeqState.RUNNING:
+        if state is SeqState.RUNNING:           # its worker may still write past its whole blocks
+            committed -= committed % seq.block_size
             state, blocks = SeqState.PARKED, blocks[:blocks_for(committed, seq.block_size)]
         if seq.seq_id in manager.pending:
             state, blocks, slots, committed = SeqState.DROPPED, [], [], 0
@@ -46,12 +47,12 @@ def expected_after_restart(manager: KvManager) -> dict[int, tuple]:
 
 
 def expected_fences(manager: KvManager) -> set[int]:
-    """Pages a worker alive before the restart may still write: fenced ones, and its running turns' tails."""
+    """Pages a worker alive before the restart may still write: fenced ones, and its running turns' pages
+    past their whole blocks."""
     out = {b for blocks in manager.fences.values() for b in blocks}
     for seq in manager.seqs.values():
         if seq.state is SeqState.RUNNING:
-            keep = seq.num_full_blocks if seq.session_id is None else blocks_for(seq.num_committed, seq.block_size)
-            out.update(seq.block_ids[keep:])
+            out.update(seq.block_ids[seq.num_full_blocks:])
     return out
 
 

@@ -337,6 +337,10 @@ class KvManagerMachine(RuleBasedStateMachine):
         gone = self.slots[slot]
         running = {sid: (s.num_committed, s.session_id) for sid, s in self.manager.seqs.items()
                    if s.owner == gone or s.preempted_by == gone}
+        for sid, (committed, session) in running.items():
+            seq = self.manager.seqs[sid]
+            if fence and seq.state is SeqState.RUNNING:    # a live worker may still write its partial page
+                running[sid] = (committed - committed % seq.block_size, session)
         self.manager.reclaim(gone, fence=fence)
         self.slots[slot] = attach(self.manager, MODELS[slot])
         for sid, (committed, session) in running.items():
