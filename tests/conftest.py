@@ -179,6 +179,13 @@ def reference(checkpoint: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def judge(reference: Any, checkpoint: Path) -> Any:
+    """Compares answers across batch shapes, tie-aware (tests/answers.py)."""
+    from tests.answers import Reference
+    return Reference(reference, checkpoint)
+
+
 @pytest.fixture
 async def memd(memd_factory: Callable[..., Any]) -> Daemon:
     """A memd on CPU shared memory: 64 pages of 4 KiB, 16 tokens per block by default."""

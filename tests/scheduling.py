@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import torch
-
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
 from inferd.model import PagedDecoder
 from inferd.sampling import SamplingParams
@@ -14,16 +12,6 @@ from inferd.scheduler import Request, Scheduler
 from shared.client import MemdClient
 
 BS = 4
-
-
-def greedy_reference(reference, tokens: list[int], n: int) -> list[int]:
-    tokens, out = list(tokens), []
-    with torch.inference_mode():
-        for _ in range(n):
-            nxt = int(reference(torch.tensor([tokens])).logits[0, -1].argmax())
-            tokens.append(nxt)
-            out.append(nxt)
-    return out
 
 
 async def start_scheduler(memd_factory, checkpoint, num_blocks: int = 256, memd_args: tuple[str, ...] = (),

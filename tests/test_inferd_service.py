@@ -15,6 +15,7 @@ import pytest
 from inferd.tiny import make_tiny_model
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
+from tests.answers import Reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,6 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def model_judge(model_dir) -> Reference:
+    """Compares answers of `model_dir` across batch shapes and processes, tie-aware."""
+    return Reference.load(model_dir)
 
 
 @pytest.fixture
@@ -214,7 +221,7 @@ async def generate(channel: grpc.aio.Channel, prompt: str, max_tokens: int) -> l
 
 
 async def test_a_pool_too_small_for_the_load_preempts_and_an_operator_evicts_yet_every_answer_is_right(
-        memd_factory, inferd_factory, model_dir):
+        memd_factory, inferd_factory, model_dir, model_judge):
     # 32 blocks of 16 tokens; six requests that each grow to 8 blocks.
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--model", str(model_dir),
                               "--block-size", "16")
@@ -233,7 +240,9 @@ async def test_a_pool_too_small_for_the_load_preempts_and_an_operator_evicts_yet
         assert rc == 0, err
         together = await asyncio.gather(*crowd)
         alone = [await generate(channel, p, 110) for p in prompts]     # one at a time: no pressure
-    assert together == alone and all(len(t) == 110 for t in together)
+    assert all(len(t) == 110 for t in together)
+    for prompt, got, expected in zip(prompts, together, alone, strict=True):
+        model_judge.assert_same(model_judge.encode(prompt), got, expected, prompt)
     async with memd.admin() as admin:
         stats = await admin.stats()
         assert stats.counters["preemptions"] >= 1

@@ -15,10 +15,10 @@ import pytest
 
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
-from tests.test_inferd_service import health, inferctl, memd_state, model_dir
+from tests.test_inferd_service import health, inferctl, memd_state, model_dir, model_judge
 from tests.test_memd_startup import run_memd
 
-__all__ = ["model_dir"]      # the module-scoped checkpoint fixture, shared
+__all__ = ["model_dir", "model_judge"]      # the module-scoped checkpoint fixtures, shared
 
 PROMPT = "Tell me a story about a cat who learned to sail."
 
@@ -39,11 +39,10 @@ async def attachments(inferd, count: int) -> None:
 
 
 async def test_parked_and_swapped_chats_survive_a_memd_kill_and_resume_with_the_same_answer(
-        memd_factory, inferd_factory, model_dir):
+        memd_factory, inferd_factory, model_dir, model_judge):
     memd = await memd_factory(*memd_flags(model_dir))
     inferd = await inferd_factory(model_dir, memd.address)
     first = {s: await turn(inferd, s, PROMPT, 14) for s in ("parked", "swapped", "reference")}
-    assert first["parked"]["token_ids"] == first["swapped"]["token_ids"] == first["reference"]["token_ids"]
     expected = await turn(inferd, "reference", "And then what happened?", 10)   # never interrupted
     async with memd.admin() as admin:
         evicted = await admin.evict(session_id="swapped", mode="swap")
@@ -58,21 +57,24 @@ async def test_parked_and_swapped_chats_survive_a_memd_kill_and_resume_with_the_
     assert await health(inferd) == "SERVING"
 
     history = first["parked"]["usage"]["prompt_tokens"] + 14
+    question, encode = "And then what happened?", model_judge.encode
     for session in ("parked", "swapped"):
-        second = await turn(inferd, session, "And then what happened?", 10)
-        assert second["token_ids"] == expected["token_ids"], session
+        second = await turn(inferd, session, question, 10)
+        model_judge.assert_same_chats({session: [
+            (encode(PROMPT), first[session]["token_ids"], first["reference"]["token_ids"]),
+            (encode(question), second["token_ids"], expected["token_ids"])]})
         assert second["usage"]["cached_tokens"] == history - 1, session     # its KV, not a recompute
     states, _, ok = await memd_state(again)
     assert states == {"running": 0, "parked": 3, "swapped": 0, "dropped": 0} and ok
 
 
 async def test_a_clean_restart_keeps_sessions_and_another_pool_size_recomputes_them(
-        memd_factory, inferd_factory, model_dir):
+        memd_factory, inferd_factory, model_dir, model_judge):
     memd = await memd_factory(*memd_flags(model_dir))
     inferd = await inferd_factory(model_dir, memd.address)
-    await turn(inferd, "kept", PROMPT, 8)
+    kept = await turn(inferd, "kept", PROMPT, 8)
     expected = await turn(inferd, "kept", "Go on.", 6)
-    await turn(inferd, "chat", PROMPT, 8)
+    first = await turn(inferd, "chat", PROMPT, 8)
 
     assert await memd.stop() == 0                          # SIGTERM, as systemctl restart sends
     await inferd.log.wait_for("lost memd; reconnecting")
@@ -82,7 +84,9 @@ async def test_a_clean_restart_keeps_sessions_and_another_pool_size_recomputes_t
     assert recovered["sequences"] == {"dropped": 2} and recovered["dropped"] == {"pool not reopened": 2}
     await attachments(inferd, 2)
     second = await turn(inferd, "chat", "Go on.", 6)
-    assert second["token_ids"] == expected["token_ids"]    # recomputed from the kept token ids
+    model_judge.assert_same_chats({"chat": [                   # recomputed from the kept token ids
+        (model_judge.encode(PROMPT), first["token_ids"], kept["token_ids"]),
+        (model_judge.encode("Go on."), second["token_ids"], expected["token_ids"])]})
     assert second["usage"]["cached_tokens"] < second["usage"]["prompt_tokens"] // 2
     states, _, ok = await memd_state(again)
     assert states["parked"] == 1 and states["dropped"] == 1 and ok

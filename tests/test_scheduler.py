@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
-from scheduling import BS, assert_clean, collect, greedy, greedy_reference, on_step, start_scheduler
+from scheduling import BS, assert_clean, collect, greedy, on_step, start_scheduler
 
 from inferd.sampling import SamplingParams
 from inferd.scheduler import GenerationError, Request
 from shared.client import MemdClient
-from shared.ops import Free, Open
+from shared.ops import Extend, Free, Open
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,7 +25,7 @@ async def served(memd_factory, checkpoint):
     await client.close()
 
 
-async def test_concurrent_requests_match_transformers_and_leave_nothing(served, reference):
+async def test_concurrent_requests_match_transformers_and_leave_nothing(served, judge):
     memd, scheduler = served
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 3, 4, 7, 9, 16, 21, 30)]
@@ -34,13 +35,13 @@ async def test_concurrent_requests_match_transformers_and_leave_nothing(served, 
     results = await asyncio.gather(*[collect(r) for r in requests])
     for prompt, (tokens, _, final) in zip(prompts, results, strict=True):
         assert final.finish_reason == "length" and len(tokens) == 12
-        assert tokens == greedy_reference(reference, prompt, 12)
+        judge.assert_greedy(prompt, tokens, 12)
         assert final.usage["completion_tokens"] == 12 and final.usage["prompt_tokens"] == len(prompt)
     stats = await assert_clean(memd)
     assert stats.used_blocks == 0
 
 
-async def test_a_second_turn_reuses_the_first_and_matches_a_full_recompute(served, reference):
+async def test_a_second_turn_reuses_the_first_and_matches_a_full_recompute(served, judge):
     memd, scheduler = served
     turn1 = Request([10, 20, 30, 40, 50, 60, 70], greedy(6), session_id="chat")
     scheduler.submit(turn1)
@@ -54,7 +55,7 @@ async def test_a_second_turn_reuses_the_first_and_matches_a_full_recompute(serve
     history = [10, 20, 30, 40, 50, 60, 70] + out1
     assert final2.usage["cached_tokens"] == len(history) - 1       # the last sampled token was never computed
     assert final2.usage["prompt_tokens"] == len(history) + 3
-    assert out2 == greedy_reference(reference, history + [80, 90, 100], 6)
+    judge.assert_greedy(history + [80, 90, 100], out2, 6)
     await assert_clean(memd, parked=1)
 
 
@@ -133,7 +134,7 @@ async def test_bad_requests_are_refused_before_they_queue(served):
     assert not scheduler.waiting
 
 
-async def test_admission_waits_for_pages_and_everyone_finishes(memd_factory, checkpoint, reference):
+async def test_admission_waits_for_pages_and_everyone_finishes(memd_factory, checkpoint, judge):
     memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=24)
     try:
         prompts = [[i + 3] * 9 for i in range(6)]        # 6 x (9 + 10 tokens) needs ~30 blocks; the pool has 24
@@ -143,7 +144,7 @@ async def test_admission_waits_for_pages_and_everyone_finishes(memd_factory, che
         results = await asyncio.gather(*[collect(r) for r in requests])
         for prompt, (tokens, _, final) in zip(prompts, results, strict=True):
             assert final.error is None, final.error
-            assert tokens == greedy_reference(reference, prompt, 10)
+            judge.assert_greedy(prompt, tokens, 10)
         await assert_clean(memd)
     finally:
         task.cancel()
@@ -193,7 +194,6 @@ async def test_n_completions_fork_the_prompt_and_match_single_runs(served):
 
 
 def replace_n(params: SamplingParams, n: int, **changes) -> SamplingParams:
-    from dataclasses import replace
     return replace(params, n=n, **changes)
 
 
@@ -206,7 +206,7 @@ async def test_n_with_a_session_is_refused(served):
 @pytest.mark.parametrize("memd_args, how", [(("--swap-ratio", "0.9"), "swap_outs"),
                                              (("--disable-swap",), "drops")], ids=["swapped", "recomputed"])
 async def test_when_two_cannot_both_grow_the_newest_is_preempted_and_both_finish(memd_factory, checkpoint,
-                                                                                 reference, memd_args, how):
+                                                                                 judge, memd_args, how):
     # 12 pages of 4 tokens; two requests that each grow to 9 pages cannot run side by side.
     memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=12,
                                                           memd_args=memd_args)
@@ -216,8 +216,8 @@ async def test_when_two_cannot_both_grow_the_newest_is_preempted_and_both_finish
         scheduler.submit(newer)
         (old_tokens, _, old_final), (new_tokens, _, new_final) = await asyncio.gather(collect(older), collect(newer))
         assert old_final.error is None and new_final.error is None
-        assert old_tokens == greedy_reference(reference, older.prompt_ids, 30)
-        assert new_tokens == greedy_reference(reference, newer.prompt_ids, 30)
+        judge.assert_greedy(older.prompt_ids, old_tokens, 30)
+        judge.assert_greedy(newer.prompt_ids, new_tokens, 30)
         assert newer.preemptions >= 1 and older.preemptions == 0      # the latest arrival gives way
         stats = await assert_clean(memd)
         assert stats.used_blocks == 0 and stats.counters["preemptions"] >= 1 and stats.counters[how] >= 1
@@ -248,7 +248,7 @@ async def test_requests_wait_for_pages_another_worker_holds(memd_factory, checkp
         await client.close()
 
 
-async def test_a_reset_during_the_admission_step_still_ends_the_turn(served, reference):
+async def test_a_reset_during_the_admission_step_still_ends_the_turn(served, judge):
     memd, scheduler = served
     fired = []
 
@@ -265,7 +265,7 @@ async def test_a_reset_during_the_admission_step_still_ends_the_turn(served, ref
     assert stats.used_blocks == 0
     after = Request([11, 12, 13, 14, 15, 16, 17, 18, 19], greedy(6))     # its pages were not written by a ghost
     scheduler.submit(after)
-    assert (await collect(after))[0] == greedy_reference(reference, after.prompt_ids, 6)
+    judge.assert_greedy(after.prompt_ids, (await collect(after))[0], 6)
 
 
 async def test_a_reset_whose_caller_left_does_not_break_the_scheduler(served):
@@ -315,3 +315,25 @@ async def test_a_session_that_outgrew_the_model_is_refused_and_kept(served):
         await assert_clean(memd, parked=1)                     # the history is still there to reset
     finally:
         scheduler.model.config = replace(scheduler.model.config, max_position=limit)
+
+
+async def test_a_turn_whose_table_memd_disagrees_with_fails_instead_of_answering(served):
+    memd, scheduler = served
+    client, original, tampered = scheduler.client, scheduler.client.step, []
+
+    async def step(*ops, **kwargs):
+        results = await original(*ops, **kwargs)
+        if not tampered and any(isinstance(op, Extend) for op in ops):     # as if memd had lost a commit
+            index = next(i for i, op in enumerate(ops) if isinstance(op, Extend))
+            results[index] = replace(results[index], num_committed=results[index].num_committed - 1)
+            tampered.append(ops[index].seq_id)
+        return results
+    client.step = step
+    request = Request(list(range(3, 10)), greedy(40))       # grows past its first pages
+    scheduler.submit(request)
+    tokens, _, final = await collect(request)
+    assert tampered and final.error is not None and final.error.code == "INTERNAL"
+    assert "committed length differs" in final.error.message and len(tokens) < 40
+    client.step = original
+    stats = await assert_clean(memd)
+    assert stats.used_blocks == 0                            # failed, and freed

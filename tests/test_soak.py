@@ -9,7 +9,10 @@ that fails (its worker was killed) is sent again to another, as a client
 would. At the end: nothing running, memd's invariants hold, no page is held
 but by a sequence, and once every session is reset not one page or swap slot
 is left. Then every chat is replayed, one turn at a time, on a fresh memd and
-one worker with room to spare: each answer must be the same.
+one worker with room to spare: each answer must be the same, but for a
+near-tie (tests/answers.py), where a chat's comparison ends. A turn that
+differs by more is listed with the reference's logit gap at the first
+differing token.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import pytest
 
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
-from tests.test_inferd_service import model_dir
+from tests.answers import Reference
+from tests.test_inferd_service import model_dir, model_judge
 
-__all__ = ["model_dir"]
+__all__ = ["model_dir", "model_judge"]
 pytestmark = pytest.mark.timeout(900)      # --soak-seconds plus start-up and the replay; --timeout 0 for long runs
 
 WORKERS = 4
@@ -135,28 +139,45 @@ async def chaos(memd, fleet: Fleet, inferd_factory, model_dir, deadline: float, 
                 fleet.workers.append(await inferd_factory(model_dir, memd.address, name="replacement"))
 
 
-async def replay(chats: list[Chat], worker) -> int:
-    """Every chat again, turn by turn, alone: the answers must match. Returns the turns compared."""
-    compared = 0
+async def replay(chats: list[Chat], worker, reference: Reference) -> tuple[Counter[str], list[str]]:
+    """Every chat again, turn by turn, alone: the answers must match up to a near-tie.
+
+    A chat is cut short at a near-tie: after it the two histories differ, and the chat's
+    later turns ask other questions. Returns counts (turns compared, near-ties, turns not
+    compared after one) and a line for each turn that differs by more than a tie.
+    """
+    counts: Counter[str] = Counter()
+    wrong: list[str] = []
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = pb_grpc.InferdStub(channel)
         for chat in chats:
-            for prompt, max_tokens, answer in chat.turns:
+            history: list[int] = []
+            for turn, (prompt, max_tokens, answer) in enumerate(chat.turns):
                 if not prompt:
                     await stub.Reset(pb.ResetRequest(session_id=chat.session))
+                    history = []
                     continue
                 tokens = []
                 async for reply in stub.Generate(pb.GenerateRequest(
                         prompt_ids=prompt, session_id=chat.session, max_tokens=max_tokens, ignore_eos=True)):
                     tokens += reply.token_ids
-                assert tokens == answer, f"{chat.session}: a turn answered differently under load"
-                compared += 1
-    return compared
+                counts["compared"] += 1
+                history += prompt
+                divergence = reference.divergence(history, answer, tokens)
+                if divergence is not None:
+                    if not divergence.near_tie:
+                        wrong.append(f"{chat.session} turn {turn} (history {len(history)} tokens): {divergence}; "
+                                     f"under load {answer}, alone {tokens}")
+                    counts["near-ties" if divergence.near_tie else "wrong"] += 1
+                    counts["skipped"] += sum(1 for later, _, _ in chat.turns[turn + 1:] if later)
+                    break
+                history += answer
+    return counts, wrong
 
 
-async def test_soak(memd_factory, inferd_factory, model_dir, soak_seconds):
+async def test_soak(memd_factory, inferd_factory, model_dir, model_judge, soak_seconds):
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "640KiB", "--model", str(model_dir),
-                              "--block-size", "16", "--swap-ratio", "0.25", "--lease-timeout", "5")
+                              "--block-size", "16", "--swap-ratio", "0.25", "--lease-timeout", "30")
     fleet = Fleet([await inferd_factory(model_dir, memd.address, name=f"worker{i}") for i in range(WORKERS)])
     async with memd.admin() as admin:
         vocab = 256                      # the tiny model's vocabulary is larger; these ids are all valid
@@ -193,8 +214,11 @@ async def test_soak(memd_factory, inferd_factory, model_dir, soak_seconds):
 
     reference_memd = await memd_factory("--device", "cpu", "--pool-bytes", "16MiB", "--model", str(model_dir),
                                         "--block-size", "16", "--disable-swap", name="reference")
-    compared = await replay(chats, await inferd_factory(model_dir, reference_memd.address, name="replayer"))
-    print(f"\nsoak {soak_seconds:g} s: {stats['turns served']} turns served ({compared} compared, all equal), "
+    replayer = await inferd_factory(model_dir, reference_memd.address, name="replayer")
+    replayed, wrong = await replay(chats, replayer, model_judge)
+    print(f"\nsoak {soak_seconds:g} s: {stats['turns served']} turns served ({replayed['compared']} compared, "
+          f"equal but for {replayed['near-ties']} near-ties and {replayed['wrong']} wrong; "
+          f"{replayed['skipped']} later turns of those chats not compared), "
           f"{stats['cancels']} cancels, {stats['resets']} resets, {stats['workers killed']} worker killed, "
           f"{sum(v for k, v in stats.items() if k.startswith('retried'))} turns sent again "
           f"({', '.join(f'{k[9:]} {v}' for k, v in stats.items() if k.startswith('retried')) or 'none'}), "
@@ -202,4 +226,5 @@ async def test_soak(memd_factory, inferd_factory, model_dir, soak_seconds):
           f"{counters.get('preemptions', 0)} preemptions, {counters.get('swap_outs', 0)} swap-outs, "
           f"{counters.get('drops', 0)} drops, {counters.get('turns_retried', 0)} turns retried, "
           f"{counters.get('reclaims', 0)} reclaims; blocks leaked: {leaked}")
-    assert stats["workers killed"] == 1 and compared == stats["turns served"]
+    assert wrong == [], "turns answered differently under load, not at a near-tie:\n" + "\n".join(wrong)
+    assert stats["workers killed"] == 1 and replayed["compared"] + replayed["skipped"] == stats["turns served"]
