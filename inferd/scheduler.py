@@ -534,6 +534,16 @@ class Scheduler:
                     "INVALID_ARGUMENT", f"session {request.session_id!r} holds {len(request.tokens)} tokens with "
                     f"this message; the model has {limit} positions: reset the session"))
         elif kind == "grow":
+            if result.first_block != len(request.table) or result.num_committed != request.computed:
+                # memd's table or committed length is not the one this worker computed against: the K/V
+                # the next pass would read cannot be trusted. Fail the turn rather than answer it wrong.
+                log.error("memd and this worker disagree about a sequence", request=request.request_id,
+                          seq=request.seq_id, blocks=len(request.table), memd_first_block=result.first_block,
+                          computed=request.computed, memd_committed=result.num_committed)
+                self._end(request, error=GenerationError(
+                    "INTERNAL", f"sequence {request.seq_id}: memd's block table or committed length differs "
+                    "from this worker's; the turn is failed rather than answered from unknown K/V"))
+                return
             request.table[result.first_block:] = result.block_ids
         elif kind == "fork":
             request.seq_id, request.table = result.seq_id, list(result.block_ids)
