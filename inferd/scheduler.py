@@ -304,7 +304,9 @@ class Scheduler:
                 growing += math.ceil((needed + extend.reserve) / self.block_size) - len(request.table)
         admitted = self._admit(ops, self.client.free_blocks - growing)
         stalled = await self._memd_step(ops, self._wanted)
-        self.running += [r for r in admitted + forks if r.seq_id and not r.done]
+        # A preempted request whose Resume memd refused is back at the head of the queue, still preempted
+        # (and still naming its sequence): it runs only once a Resume succeeds.
+        self.running += [r for r in admitted + forks if r.seq_id and not r.done and not r.preempted]
         unforked = self._refork()
         holding = {id(parent) for parent, _, _ in self._forks}      # a parent decodes once its children forked
         ready = [r for r in self.running if r not in stalled and id(r) not in holding

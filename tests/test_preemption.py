@@ -11,7 +11,7 @@ from scheduling import BS, assert_clean, collect, greedy, on_step, start_schedul
 from inferd.sampling import SamplingParams
 from inferd.scheduler import Request
 from shared.client import MemdClient
-from shared.ops import Extend, Fork, Free, Open, Park
+from shared.ops import Extend, Fork, Free, Open, Park, Resume
 
 SESSIONS, TURNS, MAX_TOKENS = 16, 3, 24
 
@@ -266,3 +266,41 @@ async def test_sampling_and_forks_on_a_small_pool_match_a_big_one(memd_factory, 
             t.cancel()
         await client.close()
         await big_client.close()
+
+
+async def test_a_preempted_turn_whose_resume_memd_refuses_waits_and_resumes_later(memd_factory, checkpoint, judge):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=64,
+                                                          memd_args=("--swap-ratio", "0.5"))
+    hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+    try:
+        first = Request([10, 11, 12, 13, 14], greedy(3), session_id="chat")
+        scheduler.submit(first)
+        out1, _, _ = await collect(first)
+        turn = Request([21, 22, 23, 24, 25], greedy(40), session_id="chat")
+        stage, held = [], []
+
+        async def hook(ops):
+            if not stage and any(isinstance(op, Extend) and op.seq_id == turn.seq_id for op in ops):
+                stage.append("revoked")                      # preempted: swapped out, waiting to resume
+                await revoke(memd, client, turn.seq_id)
+            elif stage == ["revoked"] and any(isinstance(op, Resume) for op in ops):
+                stage.append("refused")                      # another worker takes every free page first
+                async with memd.admin() as admin:
+                    free = (await admin.stats()).free_blocks
+                held.append((await hog.step(Open([1] * (free * BS))))[0])
+            elif stage == ["revoked", "refused"]:
+                stage.append("freed")                        # the next Step after the refusal: pages come back
+                await hog.step(Free(held[0].seq_id))
+        on_step(client, hook)
+        scheduler.submit(turn)
+        out2, _, final = await collect(turn)
+        assert stage == ["revoked", "refused", "freed"]
+        assert final.error is None and final.finish_reason == "length" and turn.preemptions == 1
+        judge.assert_same_chats({"chat": [([10, 11, 12, 13, 14], out1, judge.greedy([10, 11, 12, 13, 14], 3)),
+                                          ([21, 22, 23, 24, 25], out2,
+                                           judge.greedy([10, 11, 12, 13, 14] + out1 + [21, 22, 23, 24, 25], 40))]})
+        await assert_clean(memd, parked=1)
+    finally:
+        task.cancel()
+        await hog.close()
+        await client.close()
