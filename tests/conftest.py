@@ -15,11 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from shared.client import MemdAdmin
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
+
+# Property tests assert behaviour, not speed: on a busy machine an example may take seconds.
+settings.register_profile("kvpool", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvpool")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
