@@ -43,6 +43,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     serve.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--audit-kv", action="store_true",
+                       help="before every pass, check that no one else wrote the K/V a running sequence reads "
+                            "(a turn that finds it changed fails, naming the page); slower: for tests and "
+                            "investigations")
     serve.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
@@ -75,7 +79,7 @@ async def serve(args: argparse.Namespace) -> None:
         import torch
         torch.set_num_threads(args.threads)
     link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype)
+                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv)
     target = addr.resolve(args.listen, "inferd")
     sock_path = addr.unix_path(target)
     if sock_path is not None:

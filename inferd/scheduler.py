@@ -36,6 +36,7 @@ from typing import Any
 import structlog
 import torch
 
+from inferd.kv_audit import KvAudit
 from inferd.model import PagedDecoder, build_batch
 from inferd.sampling import SamplingParams, sample
 from shared.client import MemdClient, MemdError
@@ -115,7 +116,7 @@ class Request:
 
 class Scheduler:
     def __init__(self, client: MemdClient, model: PagedDecoder, tokenizer: Any, *, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 512, lookahead_blocks: int = 4) -> None:
+                 max_batch_tokens: int = 512, lookahead_blocks: int = 4, audit_kv: bool = False) -> None:
         self.client, self.model, self.tokenizer = client, model, tokenizer
         self.block_size = client.geometry.block_size
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
@@ -140,6 +141,7 @@ class Scheduler:
         self.draining = False                            # an operator's drain: admit nothing new
         self.carried: list[Request] = []                 # unstarted when memd failed: for the next attachment
         client.on_revoke = self._on_revoke
+        self.audit = KvAudit(model.kv) if audit_kv else None     # --audit-kv
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
@@ -513,6 +515,8 @@ class Scheduler:
             self._end(request, error=GenerationError(err.code.name, f"preemption failed: {err.message}"))
 
     def _apply(self, kind: str, request: Request, result: OpResult) -> None:
+        if self.audit is not None and kind in ("preempt", "admit", "fork"):
+            self.audit.forget(id(request))             # a new table: its slots are taken as found when it runs
         if kind == "preempt":
             request.table = []
             self._requeue(request)
@@ -569,6 +573,10 @@ class Scheduler:
                 break
             chunks.append((request, take))
             budget -= len(take)
+        if self.audit is not None:
+            chunks = self._audited(chunks)
+            if not chunks:
+                return
         batch = build_batch([(take, r.computed, r.table) for r, take in chunks], self.block_size,
                             self.model.device)
         self._forward_job = asyncio.get_running_loop().run_in_executor(self._compute, self.model.forward, batch)
@@ -578,6 +586,8 @@ class Scheduler:
         self._forward_job = None
         finishing = []
         for row, (request, take) in enumerate(chunks):
+            if self.audit is not None:
+                self.audit.record(id(request), request.table, request.computed, request.computed + len(take))
             request.computed += len(take)
             if request.computed == len(request.tokens):     # the whole history is in: a token to sample
                 finishing.append((row, request))
@@ -593,6 +603,22 @@ class Scheduler:
             request.tokens.append(token)
             request.generated.append(token)
             self._emit(request, token)
+
+    def _audited(self, chunks: list[tuple[Request, list[int]]]) -> list[tuple[Request, list[int]]]:
+        """--audit-kv: a sequence whose K/V changed under it since this worker wrote (or found) it fails."""
+        assert self.audit is not None
+        kept = []
+        for request, take in chunks:
+            tampered = self.audit.check(id(request), request.table, request.computed)
+            if tampered is None:
+                kept.append((request, take))
+                continue
+            log.error("K/V changed under a running sequence", request=request.request_id, seq=request.seq_id,
+                      session=request.session_id, position=tampered.position, block=tampered.block,
+                      slot=tampered.offset)
+            self._end(request, error=GenerationError("INTERNAL", f"sequence {request.seq_id}: {tampered}; "
+                                                     "the turn is failed rather than answered from it"))
+        return kept
 
     def _fork(self, parent: Request, logits: torch.Tensor, now: float) -> None:
         """n > 1: the prompt is in; n - 1 children share its KV (memd Fork) and sample their own first token."""
@@ -642,6 +668,8 @@ class Scheduler:
         request.done = True
         if request in self.running:
             self.running.remove(request)
+        if self.audit is not None:
+            self.audit.forget(id(request))
         final = Event([], "", finish_reason=reason, usage=request.usage(), error=error, index=request.index)
         if request.seq_id:
             # A session keeps its turn (a reset's Free follows in the same Step); an error frees.

@@ -50,13 +50,14 @@ def model_namespace(model_dir: Path, config: ModelConfig) -> str:
 
 class MemdLink:
     def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 512, dtype: str | None = None) -> None:
+                 max_batch_tokens: int = 512, dtype: str | None = None, audit_kv: bool = False) -> None:
         self.config = read_config(model_dir, dtype)
         self.weights = load_weights(model_dir, self.config.dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.namespace = model_namespace(model_dir, self.config)
         self.memd_address = memd_address
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
+        self.audit_kv = audit_kv
         self.scheduler: Scheduler | None = None
         self.attached = asyncio.Event()
         self.preemptions = 0                      # of schedulers gone with an earlier attachment
@@ -92,7 +93,7 @@ class MemdLink:
         kv = client.pool.view(self.config.dtype, self.config.page_shape(self.block_size))
         model = PagedDecoder(self.config, self.weights, kv, device=client.pool.pages.device)
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
-                              max_batch_tokens=self.max_batch_tokens)
+                              max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv)
         scheduler.adopt(self._carried)
         self._carried = []
         self.scheduler = scheduler

@@ -337,3 +337,32 @@ async def test_a_turn_whose_table_memd_disagrees_with_fails_instead_of_answering
     client.step = original
     stats = await assert_clean(memd)
     assert stats.used_blocks == 0                            # failed, and freed
+
+
+async def test_the_kv_audit_fails_a_turn_whose_pages_someone_else_wrote(memd_factory, checkpoint, judge):
+    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, audit_kv=True)
+    intruder = await MemdClient.attach(memd.address, model="tiny", block_size=BS)     # maps the same pool
+    try:
+        clean = Request(list(range(3, 20)), greedy(30))           # audited, untouched: answers as ever
+        scheduler.submit(clean)
+        tokens, _, final = await collect(clean)
+        assert final.error is None
+        judge.assert_greedy(clean.prompt_ids, tokens, 30)
+
+        victim, struck = Request(list(range(30, 47)), greedy(30)), []
+
+        async def strike(ops):
+            if not struck and any(isinstance(op, Extend) and op.seq_id == victim.seq_id for op in ops):
+                struck.append(victim.table[1])                    # a full page the victim wrote and reads
+                intruder.pool.pages[victim.table[1]] = 7
+        on_step(client, strike)
+        scheduler.submit(victim)
+        tokens, _, final = await collect(victim)
+        assert struck and final.error is not None and final.error.code == "INTERNAL"
+        assert f"(page {struck[0]}, slot 0) changed under it" in final.error.message and len(tokens) < 30
+        stats = await assert_clean(memd)
+        assert stats.used_blocks == 0
+    finally:
+        task.cancel()
+        await intruder.close()
+        await client.close()

@@ -6,9 +6,11 @@ Bounded for CI (`--soak-seconds`, default 20); run it longer by hand:
 
 Clients chat greedily with prompt ids, each turn on any live worker; a turn
 that fails (its worker was killed) is sent again to another, as a client
-would. At the end: nothing running, memd's invariants hold, no page is held
-but by a sequence, and once every session is reset not one page or swap slot
-is left. Then every chat is replayed, one turn at a time, on a fresh memd and
+would. The workers run with --audit-kv: a page written under a running
+sequence fails that turn, naming the page, and the test with it. At the
+end: nothing running, memd's invariants hold, no page is held but by a
+sequence, and once every session is reset not one page or swap slot is
+left. Then every chat is replayed, one turn at a time, on a fresh memd and
 one worker with room to spare: each answer must be the same, but for a
 near-tie (tests/answers.py), where a chat's comparison ends. A turn that
 differs by more is listed with the reference's logit gap at the first
@@ -36,6 +38,9 @@ pytestmark = pytest.mark.timeout(900)      # --soak-seconds plus start-up and th
 
 WORKERS = 4
 CLIENTS = 8
+# Every pass checks that the K/V it reads is what its sequence wrote: a page written under a running
+# sequence fails that turn with the page named (INTERNAL), rather than showing up only at the replay.
+AUDITED = ("--audit-kv",)
 RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 
@@ -136,7 +141,7 @@ async def chaos(memd, fleet: Fleet, inferd_factory, model_dir, deadline: float, 
                 victim = fleet.workers.pop(0)
                 await victim.kill()
                 stats["workers killed"] += 1
-                fleet.workers.append(await inferd_factory(model_dir, memd.address, name="replacement"))
+                fleet.workers.append(await inferd_factory(model_dir, memd.address, *AUDITED, name="replacement"))
 
 
 async def replay(chats: list[Chat], worker, reference: Reference) -> tuple[Counter[str], list[str]]:
@@ -178,7 +183,8 @@ async def replay(chats: list[Chat], worker, reference: Reference) -> tuple[Count
 async def test_soak(memd_factory, inferd_factory, model_dir, model_judge, soak_seconds):
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "640KiB", "--model", str(model_dir),
                               "--block-size", "16", "--swap-ratio", "0.25", "--lease-timeout", "30")
-    fleet = Fleet([await inferd_factory(model_dir, memd.address, name=f"worker{i}") for i in range(WORKERS)])
+    fleet = Fleet([await inferd_factory(model_dir, memd.address, *AUDITED, name=f"worker{i}")
+                   for i in range(WORKERS)])
     async with memd.admin() as admin:
         vocab = 256                      # the tiny model's vocabulary is larger; these ids are all valid
         assert (await admin.stats()).total_blocks <= 80          # small: pressure, preemption, swapping
