@@ -286,13 +286,16 @@ class MemdService(pb_grpc.MemdServicer):
         return self.manager.step(worker_id, ops, lease)
 
     def _trace(self, worker_id: int, ops: list[Op], outcome: StepOutcome) -> None:
-        """One debug event per sequence state change (--log-level debug): open, park, resume, free, fork."""
+        """One debug event per sequence change (--log-level debug): open, extend, park, resume, free, fork.
+
+        Each names the sequence's pages after the Step, so a page can be followed from tenant to tenant.
+        """
         for op, result in zip(ops, outcome.results, strict=True):
-            kind = type(op).__name__.lower()
-            if kind != "extend":
-                log.debug(f"seq {kind}", worker=worker_id, seq=result.seq_id, session=getattr(op, "session_id", None),
-                          state=result.state, blocks=result.num_blocks,
-                          committed=result.num_committed, cached=result.num_cached)
+            seq = self.manager.seqs.get(result.seq_id)
+            log.debug(f"seq {type(op).__name__.lower()}", worker=worker_id, seq=result.seq_id,
+                      session=getattr(op, "session_id", None), state=result.state, blocks=result.num_blocks,
+                      pages=list(seq.block_ids) if seq is not None else [], committed=result.num_committed,
+                      cached=result.num_cached)
 
     def _named(self, ops: list[Op]) -> frozenset[int]:
         """Sequences a Step names: pressure must not evict what the Step is about to use."""

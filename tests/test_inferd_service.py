@@ -347,6 +347,7 @@ async def test_a_request_carries_its_id_into_the_logs_of_both_daemons(memd_facto
     opened = await memd.log.wait_for("seq open", seq=finished["seq"])
     parked = await memd.log.wait_for("seq park", seq=finished["seq"])
     assert opened["session"] == "s-9" and parked["state"] == "parked" and opened["worker"] == parked["worker"]
+    assert len(opened["pages"]) == opened["blocks"] and parked["pages"] == opened["pages"][:len(parked["pages"])]
 
 
 async def test_a_worker_that_attaches_during_a_drain_of_all_admits_nothing(memd_factory, inferd_factory, model_dir):
