@@ -212,7 +212,7 @@ async def test_the_page_a_hung_worker_was_writing_goes_to_no_one_until_it_exits(
     # that page went to whoever wrote next (the session's retry elsewhere, or a new tenant once the
     # session was evicted or reset), and the hung worker's late pass then wrote into their K/V.
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB",
-                              "--lease-timeout", "1")
+                              "--lease-timeout", "3")     # long enough that `other` keeps its lease on a busy box
     hung = await spawn_worker(memd.address)
     other = await spawn_worker(memd.address)
     turn1, = await hung.step({"kind": "open", "token_ids": list(range(20)), "session_id": "chat"})
