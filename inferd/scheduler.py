@@ -73,6 +73,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     session_id: str | None = None
+    turn_id: str | None = None                         # the client's name for this turn (retries reuse it)
     arrived: float = field(default_factory=time.monotonic)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     seq_id: int = 0
@@ -421,7 +422,7 @@ class Scheduler:
         if request.preempted:                               # memd forgot it: start over from the history
             return Open(request.tokens, reserve=reserve)
         return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
-                    continue_session=request.session_id is not None)
+                    continue_session=request.session_id is not None, turn_id=request.turn_id)
 
     def _reserve(self, request: Request) -> int:
         """Writable slots to ask for past the known tokens: the lookahead, capped by what may still come.

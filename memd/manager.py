@@ -306,12 +306,14 @@ class KvManager:
 
     def _open(self, txn: _Txn, op: Open) -> OpResult:
         worker = txn.worker
+        _check_name("turn id", op.turn_id or "")
         if op.continue_session and op.session_id in self.sessions:
-            return self._resume(txn, Resume(session_id=op.session_id, reserve=op.reserve), op.token_ids)
+            return self._resume(txn, Resume(session_id=op.session_id, reserve=op.reserve), op.token_ids,
+                                op.turn_id or "")
         self._check_session_free(op.session_id)
         self._check_fits(len(op.token_ids) + op.reserve, worker.block_size)
         seq = Sequence(self._next_seq, worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
-                       [], 0, list(op.token_ids), session_id=op.session_id or None)
+                       [], 0, list(op.token_ids), session_id=op.session_id or None, turn_id=op.turn_id or "")
         self._next_seq += 1
         self._create(txn, seq)
         cached = self._match_prefix(txn, seq)
@@ -342,7 +344,7 @@ class KvManager:
             txn.evict_after.append((seq, mode, "forced"))
         return _result(seq, len(seq.block_ids))
 
-    def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = ()) -> OpResult:
+    def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = (), turn_id: str = "") -> OpResult:
         worker = txn.worker
         seq = self.find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING:
@@ -357,10 +359,13 @@ class KvManager:
         self._save(txn, seq)
         self._cancel_swap_out(txn, seq)
         if seq.preempted_by is None and append:        # a new turn, not a preempted request coming back
-            if seq.interrupted:
+            # The same turn again: its worker died mid-turn, or after the turn ended but before the client
+            # heard the answer (then only the client can tell a retry from a new message: by its turn id).
+            if seq.interrupted or (turn_id and turn_id == seq.turn_id):
                 append = self._retry_turn(txn, seq, append)
             else:
                 seq.turn_start = len(seq.token_ids)
+            seq.turn_id = turn_id
         seq.interrupted = False
         seq.preempted_by = None
         seq.token_ids.extend(append)
@@ -379,9 +384,10 @@ class KvManager:
         """A turn whose worker died replaced by the next one: keep what the two have in common.
 
         A client whose turn failed (its worker was killed, memd restarted)
-        sends it again. What the failed turn committed of the same prompt is
-        kept, so prefill goes on where it stopped; the rest of it (tokens
-        sampled, a different prompt) goes, so the answer is what an
+        sends it again; so does one whose answer was lost after the turn
+        ended, naming it by the same turn id. What the turn committed of the
+        same prompt is kept, so prefill goes on where it stopped; the rest of
+        it (tokens sampled, a different prompt) goes, so the answer is what an
         uninterrupted turn gives. Returns the part of `prompt` still to append.
         """
         done = seq.token_ids[seq.turn_start:]
@@ -514,7 +520,7 @@ class KvManager:
         # Within a Step the lists only grow (Park journals the table it cuts), so lengths restore them.
         txn.journal.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
                            len(seq.token_ids), len(seq.hashes), seq.slots, seq.preempted_by, seq.turn_start,
-                           seq.interrupted)
+                           seq.interrupted, seq.turn_id)
 
     def _create(self, txn: _Txn, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -659,9 +665,9 @@ def _set_lists(seq: Sequence, token_ids: list[int], block_ids: list[int], hashes
 
 def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,
              num_tokens: int, num_hashes: int, slots: list[int], preempted_by: int | None, turn_start: int,
-             interrupted: bool) -> None:
+             interrupted: bool, turn_id: str) -> None:
     seq.state, seq.owner, seq.num_committed, seq.slots = state, owner, num_committed, slots
-    seq.preempted_by, seq.turn_start, seq.interrupted = preempted_by, turn_start, interrupted
+    seq.preempted_by, seq.turn_start, seq.interrupted, seq.turn_id = preempted_by, turn_start, interrupted, turn_id
     del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
     del seq.hashes[num_hashes:]

@@ -50,6 +50,7 @@ class Sequence:
     preempted_by: int | None = None     # the worker that preempted it and waits to resume it (a drain waits too)
     turn_start: int = 0                 # tokens of history before the turn now running (or last run) began
     interrupted: bool = False           # that turn never ended: its worker died, or memd did
+    turn_id: str = ""                   # the client's name for that turn: sent again, it replaces the turn
 
     @property
     def num_full_blocks(self) -> int:

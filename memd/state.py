@@ -209,11 +209,11 @@ class StateDir:
 
 # A sequence record: ["S", seq_id, state, model, block_size, session_id, num_committed, block_ids, slots,
 #                     heat, heat_at, last_access, tokens_from, new_token_ids, pending, turn_start, mid_turn]
-#   (then owner_pid: the pid of the worker running it, 0 if none)
+#   (then owner_pid: the pid of the worker running it, 0 if none; then turn_id, absent from older journals)
 # A removal: ["D", seq_id]
 # Fenced pages (KvManager.fences): ["F", pid, block_ids], [] once lifted
 SEQ_ID, STATE, MODEL, BLOCK_SIZE, SESSION, COMMITTED, BLOCKS, SLOTS, HEAT, HEAT_AT, LAST_ACCESS, TOKENS_FROM, \
-    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID = range(1, 18)
+    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID, TURN_ID = range(1, 19)
 
 
 def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None:
@@ -230,7 +230,7 @@ def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None
         found.records.pop(seq_id, None)
         tokens.pop(seq_id, None)
         return
-    if kind != "S" or len(record) != OWNER_PID + 1:
+    if kind != "S" or len(record) not in (OWNER_PID + 1, TURN_ID + 1):
         raise ValueError(f"unknown record {kind!r}")
     have = tokens.setdefault(seq_id, [])
     start = int(record[TOKENS_FROM])
@@ -341,7 +341,7 @@ class WriteAheadLog:
                       seq.num_committed, seq.block_ids, seq.slots, seq.heat, seq.heat_at, seq.last_access,
                       start, seq.token_ids[start:], seq.seq_id in manager.pending, seq.turn_start,
                       seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
-                      _owner_pid(seq, manager)])
+                      _owner_pid(seq, manager), seq.turn_id])
 
     def close(self) -> None:
         if self._fd is not None:
@@ -376,9 +376,11 @@ def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: i
                            [int(b) for b in r[BLOCKS]], int(r[COMMITTED]), [int(t) for t in r[TOKENS]],
                            session_id=r[SESSION] or None, last_access=float(r[LAST_ACCESS]),
                            heat=float(r[HEAT]), heat_at=float(r[HEAT_AT]), slots=[int(s) for s in r[SLOTS]],
-                           turn_start=int(r[TURN_START]), interrupted=bool(r[MID_TURN]))
-            if not isinstance(r[MODEL], str) or not isinstance(r[SESSION], str | None):
-                raise TypeError("model and session must be strings")
+                           turn_start=int(r[TURN_START]), interrupted=bool(r[MID_TURN]),
+                           turn_id=r[TURN_ID] if len(r) > TURN_ID else "")
+            if not isinstance(r[MODEL], str) or not isinstance(r[SESSION], str | None) \
+                    or not isinstance(seq.turn_id, str):
+                raise TypeError("model, session and turn id must be strings")
         except Exception:        # any record that makes no sense is skipped
             out.discarded += 1
             continue

@@ -18,6 +18,7 @@ class Open:
     reserve: int = 0                 # writable slots wanted past the tokens
     session_id: str | None = None
     continue_session: bool = False   # resume the session's sequence if it has one; token_ids join its history
+    turn_id: str | None = None       # names the turn: sent again, it replaces the session's last turn of that name
 
 
 @dataclass(slots=True, frozen=True)

@@ -366,3 +366,31 @@ async def test_a_worker_that_attaches_during_a_drain_of_all_admits_nothing(memd_
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
     rc, out, _ = await memctl(memd.address, "workers", "--json")
     assert [w["draining"] for w in json.loads(out)] == [True]
+
+
+async def test_a_turn_sent_again_under_its_turn_id_is_answered_again_not_appended_twice(stack, model_judge):
+    memd, inferd = stack
+    p1, p2, p3 = [40, 41, 42, 43, 44], [50, 51, 52], [60, 61]
+
+    async def turn(prompt: list[int], turn_id: str = "") -> tuple[list[int], pb.Usage]:
+        tokens, usage = [], None
+        async with grpc.aio.insecure_channel(inferd.address) as channel:
+            async for reply in pb_grpc.InferdStub(channel).Generate(pb.GenerateRequest(
+                    prompt_ids=prompt, session_id="chat", max_tokens=8, ignore_eos=True, turn_id=turn_id)):
+                tokens += reply.token_ids
+                usage = reply.usage if reply.HasField("usage") else usage
+        return tokens, usage
+    a1, _ = await turn(p1, "1")
+    a2, first = await turn(p2, "2")
+    again, second = await turn(p2, "2")          # as a client whose answer was lost sends it
+    assert second.prompt_tokens == first.prompt_tokens == len(p1 + a1 + p2)     # the turn is there once
+    model_judge.assert_same(p1 + a1 + p2, again, a2, "the turn answered again")
+    a3, third = await turn(p3, "3")
+    assert third.prompt_tokens == len(p1 + a1 + p2 + again + p3)
+    model_judge.assert_greedy(p1 + a1 + p2 + again + p3, a3, 8)
+    _, fourth = await turn(p3, "4")              # the same message under another turn id: said twice
+    assert fourth.prompt_tokens == third.prompt_tokens + len(a3) + len(p3)
+    async with memd.admin() as admin:
+        assert (await admin.stats()).counters["turns_retried"] == 1
+    states, _, ok = await memd_state(memd)
+    assert states["running"] == 0 and states["parked"] == 1 and ok

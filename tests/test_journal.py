@@ -42,7 +42,7 @@ def expected_after_restart(manager: KvManager) -> dict[int, tuple]:
         if seq.seq_id in manager.pending:
             state, blocks, slots, committed = SeqState.DROPPED, [], [], 0
         out[seq.seq_id] = (seq.model, seq.block_size, seq.session_id, state, blocks, slots, committed,
-                           list(seq.token_ids), seq.turn_start, interrupted)
+                           list(seq.token_ids), seq.turn_start, interrupted, seq.turn_id)
     return out
 
 
@@ -81,7 +81,7 @@ class JournaledMachine(KvManagerMachine):
         self.wal.flush(self.manager)
         fresh = recovered(self.state)
         got = {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
-                          s.token_ids, s.turn_start, s.interrupted) for s in fresh.seqs.values()}
+                          s.token_ids, s.turn_start, s.interrupted, s.turn_id) for s in fresh.seqs.values()}
         assert got == expected_after_restart(self.manager)
         assert {b for blocks in fresh.fences.values() for b in blocks} == expected_fences(self.manager)
         assert fresh.violations() == []

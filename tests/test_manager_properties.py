@@ -136,7 +136,8 @@ class KvManagerMachine(RuleBasedStateMachine):
     def draw_op(self, data: st.DataObject, worker: int, extra: int) -> Op:
         kind = data.draw(st.sampled_from(("open", "extend", "park", "resume", "free", "fork")))
         if kind == "open":     # a session's next turn (or the retry of one that failed) half of the time
-            return Open(data.draw(tokens), data.draw(reserves), data.draw(sessions), data.draw(st.booleans()))
+            return Open(data.draw(tokens), data.draw(reserves), data.draw(sessions), data.draw(st.booleans()),
+                        data.draw(st.sampled_from((None, "t1", "t2"))))     # a turn id: its retry replaces it
         if kind == "resume":
             if data.draw(st.booleans()):
                 return Resume(session_id=data.draw(st.sampled_from((*SESSIONS, "nope"))),
@@ -601,6 +602,28 @@ def test_a_turn_retried_after_its_worker_died_keeps_the_prefill_it_shares_and_no
     again, = m.step(third, [Open(changed, session_id="chat", continue_session=True)]).results
     assert again.token_ids == [1, 2, 3, 4, 5, *prompt, *changed] and again.num_committed == 11
     assert resumed.seq_id == retried.seq_id == again.seq_id == history
+    assert m.violations() == []
+
+
+def test_a_finished_turn_sent_again_with_its_turn_id_replaces_itself():
+    m = new_manager()
+    worker = attach(m, "m")
+    chat = open_and_commit(m, worker, [1, 2, 3, 4, 5], session_id="chat", turn_id="t1")
+    m.step(worker, [Park(chat, commit_to=5)])
+    prompt = [6, 7, 8, 9, 10, 11]
+    m.step(worker, [Open(prompt, reserve=4, session_id="chat", continue_session=True, turn_id="t2")])
+    m.step(worker, [Park(chat, append=[42, 43], commit_to=12)])       # answered; the answer never arrived
+    again, = m.step(worker, [Open(prompt, reserve=4, session_id="chat", continue_session=True,
+                                  turn_id="t2")]).results
+    assert again.token_ids == [1, 2, 3, 4, 5, *prompt]                 # the turn once, its answer gone
+    assert again.num_committed == again.num_cached == 8               # whole blocks; the rest is recomputed
+    assert m.counters["turns_retried"] == 1
+    m.step(worker, [Park(chat, append=[42, 43], commit_to=12)])
+    m.step(worker, [Open([50], session_id="chat", continue_session=True, turn_id="t3")])
+    m.step(worker, [Park(chat, commit_to=13)])
+    # The same message under another turn id (or none) is a new turn: the user said it twice.
+    twice, = m.step(worker, [Open([50], session_id="chat", continue_session=True, turn_id="t4")]).results
+    assert twice.token_ids == [1, 2, 3, 4, 5, *prompt, 42, 43, 50, 50] and m.counters["turns_retried"] == 1
     assert m.violations() == []
 
 

@@ -102,8 +102,9 @@ async def client(n: int, fleet: Fleet, deadline: float, vocab: int, stats: Count
                 break
             prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 60))]
             max_tokens = rng.randint(4, 40)
-            answer = await chat_turn(fleet, rng, pb.GenerateRequest(
-                prompt_ids=prompt, session_id=chat.session, max_tokens=max_tokens, ignore_eos=True), stats)
+            answer = await chat_turn(fleet, rng, pb.GenerateRequest(      # its retries name the same turn
+                prompt_ids=prompt, session_id=chat.session, max_tokens=max_tokens, ignore_eos=True,
+                turn_id=str(len(chat.turns))), stats)
             assert len(answer) == max_tokens
             chat.turns.append((prompt, max_tokens, answer))
         chats.append(chat)

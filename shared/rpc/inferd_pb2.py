@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shared/rpc/inferd.proto\x12\x10kvpool.inferd.v1\"\xd9\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\t\n\x01n\x18\x0b \x01(\rB\x07\n\x05_seed\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x05 \x01(\x01\"~\n\rGenerateReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.kvpool.inferd.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\"\"\n\x0cResetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0c\n\nResetReply2\xa1\x01\n\x06Inferd\x12P\n\x08Generate\x12!.kvpool.inferd.v1.GenerateRequest\x1a\x1f.kvpool.inferd.v1.GenerateReply0\x01\x12\x45\n\x05Reset\x12\x1e.kvpool.inferd.v1.ResetRequest\x1a\x1c.kvpool.inferd.v1.ResetReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shared/rpc/inferd.proto\x12\x10kvpool.inferd.v1\"\xea\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\t\n\x01n\x18\x0b \x01(\r\x12\x0f\n\x07turn_id\x18\x0c \x01(\tB\x07\n\x05_seed\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x05 \x01(\x01\"~\n\rGenerateReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.kvpool.inferd.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\"\"\n\x0cResetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0c\n\nResetReply2\xa1\x01\n\x06Inferd\x12P\n\x08Generate\x12!.kvpool.inferd.v1.GenerateRequest\x1a\x1f.kvpool.inferd.v1.GenerateReply0\x01\x12\x45\n\x05Reset\x12\x1e.kvpool.inferd.v1.ResetRequest\x1a\x1c.kvpool.inferd.v1.ResetReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.rpc.inferd_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=46
-  _globals['_GENERATEREQUEST']._serialized_end=263
-  _globals['_USAGE']._serialized_start=265
-  _globals['_USAGE']._serialized_end=379
-  _globals['_GENERATEREPLY']._serialized_start=381
-  _globals['_GENERATEREPLY']._serialized_end=507
-  _globals['_RESETREQUEST']._serialized_start=509
-  _globals['_RESETREQUEST']._serialized_end=543
-  _globals['_RESETREPLY']._serialized_start=545
-  _globals['_RESETREPLY']._serialized_end=557
-  _globals['_INFERD']._serialized_start=560
-  _globals['_INFERD']._serialized_end=721
+  _globals['_GENERATEREQUEST']._serialized_end=280
+  _globals['_USAGE']._serialized_start=282
+  _globals['_USAGE']._serialized_end=396
+  _globals['_GENERATEREPLY']._serialized_start=398
+  _globals['_GENERATEREPLY']._serialized_end=524
+  _globals['_RESETREQUEST']._serialized_start=526
+  _globals['_RESETREQUEST']._serialized_end=560
+  _globals['_RESETREPLY']._serialized_start=562
+  _globals['_RESETREPLY']._serialized_end=574
+  _globals['_INFERD']._serialized_start=577
+  _globals['_INFERD']._serialized_end=738
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "session_id", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n")
+    __slots__ = ("prompt", "prompt_ids", "session_id", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "turn_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     session_id: str
@@ -30,7 +31,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
+    turn_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., turn_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "tpot_ms")
