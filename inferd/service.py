@@ -34,7 +34,6 @@ from shared.rpc import inferd_pb2_grpc as pb_grpc
 log = structlog.get_logger("inferd")
 
 DEFAULT_MAX_TOKENS = 64
-MAX_TURN_ID = 256          # characters, as memd takes names
 CARRY_S = 30.0      # how long requests that had not started wait for memd to come back
 REQUEST_ID_KEY = "x-request-id"
 
@@ -170,9 +169,6 @@ class InferdService(pb_grpc.InferdServicer):
                                 ignore_eos=msg.ignore_eos, n=msg.n or 1)
         if msg.turn_id and not msg.session_id:
             raise GenerationError("INVALID_ARGUMENT", "turn_id names a turn of a session: give session_id too")
-        if len(msg.turn_id) > MAX_TURN_ID:
-            raise GenerationError("INVALID_ARGUMENT", f"turn_id of {len(msg.turn_id)} characters; at most "
-                                  f"{MAX_TURN_ID}")
         return Request(ids, params, msg.session_id or None, turn_id=msg.turn_id or None)
 
     async def Generate(self, msg: pb.GenerateRequest,

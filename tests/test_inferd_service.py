@@ -390,6 +390,9 @@ async def test_a_turn_sent_again_under_its_turn_id_is_answered_again_not_appende
     model_judge.assert_greedy(p1 + a1 + p2 + again + p3, a3, 8)
     _, fourth = await turn(p3, "4")              # the same message under another turn id: said twice
     assert fourth.prompt_tokens == third.prompt_tokens + len(a3) + len(p3)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:     # memd takes names of 256 characters at most
+        await turn(p3, "x" * 257)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "turn id" in refused.value.details()
     async with memd.admin() as admin:
         assert (await admin.stats()).counters["turns_retried"] == 1
     states, _, ok = await memd_state(memd)
