@@ -15,7 +15,6 @@ import signal
 import socket
 import stat
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -27,12 +26,15 @@ from grpc_reflection.v1alpha import reflection
 from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
 from memd.fdpass import FdServer
 from memd.interceptors import MEMD_SERVICE, RpcCounter
+from memd.journal import Recovered, WriteAheadLog
 from memd.manager import KvManager
-from memd.memory import PoolMemoryError, allocate_pool, available_host_memory, resolve_device
+from memd.memory import PoolMemory, PoolMemoryError, allocate_pool, available_host_memory, resolve_device
 from memd.metrics import MemdMetrics
+from memd.recovery import restore
 from memd.service import MemdService
-from memd.state import TMPFS, Layout, Recovered, StateDir, StateError, WriteAheadLog, boot_id, restore
-from memd.swap import allocate_swap
+from memd.state import TMPFS, Layout, StateDir, StateError, boot_id
+from memd.swap import SwapMemory, allocate_swap
+from memd.wiring import Policy, new_manager, wire
 from shared import address as addr
 from shared.config import Layers, add_config_flags
 from shared.decoding import RequestDecoder
@@ -252,7 +254,7 @@ def check_room(state: StateDir, needed: int) -> None:
 async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
                    credentials: Credentials) -> None:
     device = resolve_device(args.device)
-    swap_slots = 0 if args.disable_swap else int(geometry.num_blocks * args.swap_ratio)
+    swap_slots = Policy.from_args(args).swap_slots(geometry)
     layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes, swap_slots)
     state, found = open_state(args, sock_path, layout)
     try:
@@ -266,47 +268,107 @@ async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str
 async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
                      credentials: Credentials, device: str, layout: Layout, state: StateDir | None,
                      found: Recovered | None) -> None:
+    """Allocate, recover, listen, say READY=1, serve until SIGTERM; everything opened is closed in reverse."""
+    policy = Policy.from_args(args)
+    async with contextlib.AsyncExitStack() as stack:
+        memory, swap = allocate_memory(device, geometry, layout, state, stack)
+        manager = new_manager(geometry, policy)
+        wal = open_journal(args, state, layout, manager, memory, swap, found, stack)
+        fd_server = await start_fd_server(memory, sock_path, stack)
+        parts = wire(manager, policy, memory, swap, wal, fd_server)
+        stack.push_async_callback(parts.runner.close)       # queued copies land before the pool goes
+        stack.callback(parts.fences.close)
+        if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
+            metrics = MemdMetrics(parts.service, asyncio.get_running_loop())
+            metrics.serve(args.metrics_port, args.metrics_host)
+            parts.service.step_seconds = metrics.step_seconds
+        target, health_servicer = await start_server(parts.service, credentials, target, sock_path, stack)
+        parts.fences.watch()                            # pages the workers of the memd before may still write
+        tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
+                 asyncio.create_task(parts.runner.police(), name="eviction-policy")]
+        if (interval := watchdog_interval()) is not None:
+            tasks.append(asyncio.create_task(keep_watchdog(interval, lambda: pool_status(manager)), name="watchdog"))
+        stack.push_async_callback(_cancel, tasks)
+        log.info("memd ready", listen=target, backend=memory.backend, device=memory.device,
+                 num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes,
+                 bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
+                 pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
+                 swap=format_size(layout.swap_slots * geometry.block_bytes) if swap else "off",
+                 swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
+                 state_dir=str(state.path) if state is not None else "none",
+                 swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
+                 metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
+        if state is not None:
+            state.served = True
+        stop = stop_on_signals()              # before READY=1: a SIGTERM right after it must stop memd cleanly
+        notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
+                          f"listening on {target}")
+        await stop.wait()
+        log.info("memd stopping")
+        notify("STOPPING=1")
+        await health_servicer.enter_graceful_shutdown()
+
+
+def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: StateDir | None,
+                    stack: contextlib.AsyncExitStack) -> tuple[PoolMemory, SwapMemory | None]:
+    """The pool and swap tier, all of it now (fail fast); in the state directory's files where there is one."""
     swap_slots = layout.swap_slots
     keep_files = state is not None and layout.backend == "shm"
     if keep_files:
         check_room(state, geometry.pool_bytes + swap_slots * geometry.block_bytes)
     memory = allocate_pool(device, geometry.num_blocks, geometry.block_bytes, state.pool if keep_files else None)
+    stack.callback(memory.close)
     swap = allocate_swap(memory, swap_slots, geometry.block_bytes,
                          state.swap if keep_files else None) if swap_slots else None
-    manager = KvManager(geometry, heat_decay=args.heat_decay, heat_interval_s=args.heat_interval,
-                        swap_slots=swap_slots, idle_ttl_s=args.idle_ttl,
-                        watermark_blocks=math.ceil(geometry.num_blocks * args.free_watermark))
-    wal = None
-    if state is not None:
-        if found is not None:
-            restored = restore(found, pool_kept=getattr(memory, "reopened", False),
-                               swap_kept=getattr(swap, "reopened", False), num_blocks=geometry.num_blocks,
-                               num_slots=swap_slots)
-            manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences)
-            log.info("recovered the sequences of the memd before", state_dir=str(state.path),
-                     sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
-                     fenced={pid: len(b) for pid, b in restored.fences.items()},
-                     torn_record=found.torn, previous_pid=found.header.get("pid"))
-        wal = WriteAheadLog(state, layout, fsync=args.journal_fsync == "always")
-        try:
-            wal.checkpoint(manager)
-        except OSError as exc:
-            raise StartupError(f"cannot write the journal in {state.path}: {exc.strerror}") from None
-        if keep_files and (fs := state.filesystem()) not in TMPFS and geometry.pool_bytes >= 1 << 30:
-            # Correct either way, but a large pool's pages written back to a disk cost I/O for nothing.
-            log.warning("the state directory is not on tmpfs: the kernel writes the pool's pages back to its "
-                        "disk; use a directory under /run or /dev/shm", state_dir=str(state.path), filesystem=fs)
-    fd_server = None
-    if memory.backend == "shm":
-        fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
-        fd_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
-    service = MemdService(manager, memory, fd_server, lease_timeout_s=args.lease_timeout,
-                          generation=time.time_ns(), swap=swap, wal=wal)
-    if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
-        metrics = MemdMetrics(service, asyncio.get_running_loop())
-        metrics.serve(args.metrics_port, args.metrics_host)
-        service.step_seconds = metrics.step_seconds
+    if swap is not None:
+        stack.callback(swap.close)
+    if keep_files and (fs := state.filesystem()) not in TMPFS and geometry.pool_bytes >= 1 << 30:
+        # Correct either way, but a large pool's pages written back to a disk cost I/O for nothing.
+        log.warning("the state directory is not on tmpfs: the kernel writes the pool's pages back to its "
+                    "disk; use a directory under /run or /dev/shm", state_dir=str(state.path), filesystem=fs)
+    return memory, swap
+
+
+def open_journal(args: argparse.Namespace, state: StateDir | None, layout: Layout, manager: KvManager,
+                 memory: PoolMemory, swap: SwapMemory | None, found: Recovered | None,
+                 stack: contextlib.AsyncExitStack) -> WriteAheadLog | None:
+    """Adopt what the memd before left (if its files were reopened), then start a fresh journal."""
+    if state is None:
+        return None
+    if found is not None:
+        restored = restore(found, pool_kept=getattr(memory, "reopened", False),
+                           swap_kept=getattr(swap, "reopened", False), num_blocks=layout.num_blocks,
+                           num_slots=layout.swap_slots)
+        manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences)
+        log.info("recovered the sequences of the memd before", state_dir=str(state.path),
+                 sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
+                 fenced={pid: len(b) for pid, b in restored.fences.items()},
+                 torn_record=found.torn, previous_pid=found.header.get("pid"))
+    wal = WriteAheadLog(state, layout, fsync=args.journal_fsync == "always")
+    try:
+        wal.checkpoint(manager)
+    except OSError as exc:
+        raise StartupError(f"cannot write the journal in {state.path}: {exc.strerror}") from None
+    stack.callback(wal.close)
+    return wal
+
+
+async def start_fd_server(memory: PoolMemory, sock_path: Path | None,
+                          stack: contextlib.AsyncExitStack) -> FdServer | None:
+    """The side socket that hands the pool's memfd to workers (shm only), up before the first Attach."""
+    if memory.backend != "shm":
+        return None
+    fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
+    fd_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
+    await fd_server.start()
+    stack.push_async_callback(fd_server.close)
+    return fd_server
+
+
+async def start_server(service: MemdService, credentials: Credentials, target: str, sock_path: Path | None,
+                       stack: contextlib.AsyncExitStack) -> tuple[str, health.aio.HealthServicer]:
+    """Listen with access control, health and reflection; returns the address listened on."""
     server = grpc.aio.server(interceptors=[AccessControl(credentials), RpcCounter(service.rpcs), RequestDecoder()],
                              options=[
         ("grpc.max_receive_message_length", 64 << 20),
@@ -324,57 +386,35 @@ async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: s
         raise StartupError(f"cannot listen on {target}") from None
     if sock_path is None and target.endswith(":0"):
         target = f"{target[:-2]}:{port}"          # report the port the kernel chose
-    if fd_server is not None:
-        await fd_server.start()                   # before the first Attach can name it
     await server.start()
     if sock_path is not None:
         os.chmod(sock_path, 0o660)
+        stack.callback(_unlink, sock_path)
+    stack.push_async_callback(server.stop, 2.0)
     for name in ("", MEMD_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    service.watch_fences()                         # pages the workers of the memd before may still write
-    reaper = asyncio.create_task(service.reap_expired(), name="reaper")
-    police = asyncio.create_task(service.police(), name="eviction-policy")
+    return target, health_servicer
 
+
+def stop_on_signals() -> asyncio.Event:
+    """Set on SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("memd ready", listen=target, backend=memory.backend, device=memory.device,
-             num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes,
-             bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
-             pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
-             swap=format_size(swap_slots * geometry.block_bytes) if swap else "off",
-             swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
-             state_dir=str(state.path) if state is not None else "none",
-             swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
-             metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
-    if state is not None:
-        state.served = True
-    notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
-                      f"listening on {target}")
-    tasks = [reaper, police]
-    if (interval := watchdog_interval()) is not None:
-        tasks.append(asyncio.create_task(keep_watchdog(interval, lambda: pool_status(manager)), name="watchdog"))
-    await stop.wait()
-    log.info("memd stopping")
-    notify("STOPPING=1")
-    await health_servicer.enter_graceful_shutdown()
+    return stop
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await server.stop(grace=2.0)
-    await service.close()
-    if swap is not None:
-        swap.close()
-    if fd_server is not None:
-        await fd_server.close()
-    if sock_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()
-    if wal is not None:
-        wal.close()
-    memory.close()
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:

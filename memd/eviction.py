@@ -1,4 +1,4 @@
-"""Who loses pages when memory runs short, and how (seed §3.4).
+"""Who loses pages when memory runs short, and how.
 
 Victims are PARKED sequences, coldest first: heat counts touches (+1 per
 Step that names the sequence, per resume, per prefix hit) decayed by
@@ -34,6 +34,15 @@ if TYPE_CHECKING:
 MODES = ("swap", "drop")
 
 
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """A sequence a Step parked to be evicted before the worker hears back (a preemption, a revocation)."""
+
+    seq: Sequence
+    mode: str                   # "swap" or "drop"
+    reason: str | None          # "forced" for an operator's, None for a worker's own preemption
+
+
 @dataclass(slots=True)
 class Evicted:
     """What one eviction request did; swap-outs in `jobs` are still being copied."""
@@ -60,8 +69,7 @@ class Evictor:
 
     def coldest_parked(self, now: float, exclude: frozenset[int] = frozenset()) -> list[Sequence]:
         m = self.m
-        found = [s for s in m.seqs.values() if s.state is SeqState.PARKED and s.block_ids
-                 and s.seq_id not in m.swap_jobs and s.seq_id not in exclude]
+        found = [s for s in m.seqs.values() if s.block_ids and m.evictable(s) and s.seq_id not in exclude]
         found.sort(key=lambda s: m.heat(s, now))
         return found
 
@@ -108,7 +116,7 @@ class Evictor:
     def evict(self, seq: Sequence, mode: str, reason: str | None) -> Evicted:
         """Swap a PARKED sequence out (or drop it when swap cannot take it)."""
         if self.m.seqs.get(seq.seq_id) is not seq or seq.state is not SeqState.PARKED:
-            return Evicted()                  # freed or resumed since it was chosen
+            return Evicted()                  # freed or resumed since it was chosen (or already being swapped)
         if mode == "swap" and self.m.swap is not None:
             done = Evicted()
             job = self.begin_swap_out(seq, reason, done)
@@ -147,12 +155,12 @@ class Evictor:
             m.swap.give(job.slots)
             return False
         del m.swap_jobs[seq.seq_id]
-        m.swap.settle(job.slots)
+        m.swap.assign(job.slots)
         seq.slots = job.slots
         job.blocks_freed = m.release_blocks(seq.block_ids)
         seq.block_ids = []
         seq.state = SeqState.SWAPPED
-        m.changed.add(seq.seq_id)
+        m.mark_changed(seq)
         m.counters["swap_outs"] += 1
         m.counters["swap_out_blocks"] += len(job.slots)
         if job.reason:
@@ -170,14 +178,9 @@ class Evictor:
     def drop(self, seq: Sequence, reason: str | None) -> Evicted:
         """Release a PARKED or SWAPPED sequence's pages and slots; its token ids stay for a recompute."""
         m = self.m
-        m.swap_jobs.pop(seq.seq_id, None)            # a copy in flight gives its slots back when done
-        freed = m.release_blocks(seq.block_ids)
-        if seq.slots:
-            assert m.swap is not None
-            m.swap.give(seq.slots)
-        seq.block_ids, seq.slots, seq.hashes, seq.num_committed = [], [], [], 0
+        freed = m.release(seq)
+        seq.hashes, seq.num_committed = [], 0
         seq.state = SeqState.DROPPED
-        m.changed.add(seq.seq_id)
         m.counters["drops"] += 1
         if reason:
             m.counters[f"evictions_{reason}"] += 1
@@ -194,7 +197,7 @@ class Evictor:
         for seq, gain, worth in plan if plan is not None else self.plan(time.monotonic(), exclude):
             if target <= 0:
                 break
-            if worth and seq.state is SeqState.PARKED and seq.seq_id not in self.m.swap_jobs:
+            if worth and self.m.evictable(seq):
                 done.add(self.evict(seq, mode, reason))
                 target -= gain
         return done
@@ -217,7 +220,7 @@ class Evictor:
             seq = m.seqs.get(seq_id)
             if seq is None or seq.state is not SeqState.RUNNING:
                 del m.revoked[seq_id]
-            if seq is not None and seq.state is SeqState.PARKED and seq.seq_id not in m.swap_jobs:
+            if seq is not None and m.evictable(seq):
                 done.add(self.evict(seq, mode, "forced"))     # its worker died before giving it up
         short = self.watermark_blocks - m.pool.num_free
         if short > 0:
@@ -257,6 +260,6 @@ class Evictor:
             return Evicted(revoked=[(seq.seq_id, seq.owner)])
         if mode == "drop" and seq.state in (SeqState.PARKED, SeqState.SWAPPED):
             return self.drop(seq, "forced")
-        if seq.state is SeqState.PARKED and seq.seq_id not in self.m.swap_jobs:
+        if self.m.evictable(seq):
             return self.evict(seq, mode, "forced")
         return Evicted()          # already swapped (or being swapped), or dropped

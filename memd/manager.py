@@ -35,14 +35,14 @@ from memd.errors import (
     PermissionDenied,
     PoolExhausted,
 )
-from memd.eviction import Evictor
+from memd.eviction import Eviction, Evictor
 from memd.invariants import violations
-from memd.pool import BlockPool, Journal, SwapSlots
+from memd.page_effects import Copy, PageEffect, SwapIn, Zero
+from memd.pool import BlockPool, SwapSlots, UndoLog
 from memd.sequences import PrefixHasher, SeqState, Sequence, SwapOut, blocks_for
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
-Effect = tuple[str, int, int]   # ("zero", block, block), ("copy", src, dst), ("swap_in", slot, dst), in order
 MAX_NAME = 256                  # characters of a session id, model or worker name
 
 
@@ -58,34 +58,55 @@ class Worker:
     streaming: bool = False
 
 
-@dataclass(slots=True)
-class _Txn:
-    worker: Worker
-    journal: Journal
-    saved: set[int] = field(default_factory=set)
-    touched: dict[int, Sequence] = field(default_factory=dict)
-    effects: list[Effect] = field(default_factory=list)
-    counters: Counter[str] = field(default_factory=Counter)
-    read_slots: list[int] = field(default_factory=list)
-    evict_after: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
-    register_after: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    pending: set[int] = field(default_factory=set)
+@dataclass(frozen=True, slots=True)
+class SwappedInBlock:
+    """A full block copied back from swap: it may serve prefix hits once the copy has landed, not before."""
+
+    seq: Sequence
+    index: int
+    block: int
 
 
 @dataclass(slots=True)
 class StepOutcome:
-    results: list[OpResult]
-    effects: list[Effect]
-    # Swap slots the effects read (swap-ins) or that a freed sequence held: give them
-    # back with `release_slots` once the effects are done.
+    """What a committed Step leaves to do, in this order (memd.step_runner does it before the reply):
+
+    1. `effects` on the pages; 2. `KvManager.effects_landed` (swapped-in blocks
+    join the prefix cache, `filling` sequences are whole again); 3.
+    `KvManager.release_slots(read_slots)`; 4. the journal records the change
+    (memd.journal); 5. `evictions` of what the Step parked to be evicted.
+    """
+
+    results: list[OpResult] = field(default_factory=list)
+    effects: list[PageEffect] = field(default_factory=list)
+    # Swap slots the effects read (swap-ins) or that a freed sequence held: free once the effects are done.
     read_slots: list[int] = field(default_factory=list)
-    # Parked by this Step and to be evicted now: (sequence, "swap" | "drop", reason).
-    evict_after: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
-    # Swapped-in full blocks (sequence, index, block) to offer the prefix cache once their copy landed:
-    # `register_swapped_in` after the effects.
-    register_after: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    # Sequences whose pages the effects fill (swap-ins, a fork's copy): `settle` them once the effects are done.
-    pending: set[int] = field(default_factory=set)
+    # Parked by this Step and to be evicted before the reply (a preemption, an operator's revocation).
+    evictions: list[Eviction] = field(default_factory=list)
+    swapped_in: list[SwappedInBlock] = field(default_factory=list)
+    # Sequences whose pages the effects fill (swap-ins, a fork's copy).
+    filling: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Txn:
+    """One Step in progress: its undo log, the sequences it saved, and the outcome it builds."""
+
+    worker: Worker
+    undo: UndoLog
+    saved: set[int] = field(default_factory=set)
+    touched: dict[int, Sequence] = field(default_factory=dict)
+    counters: Counter[str] = field(default_factory=Counter)
+    outcome: StepOutcome = field(default_factory=StepOutcome)
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What changed since the journal last took the changes (`KvManager.take_changes`)."""
+
+    seq_ids: set[int]           # sequences changed or gone
+    retokened: set[int]         # of those, sequences whose token ids were cut back (a retried turn)
+    fence_pids: set[int]        # processes whose fenced pages changed
 
 
 class KvManager:
@@ -105,15 +126,17 @@ class KvManager:
         self.heat_decay, self.heat_interval_s = heat_decay, heat_interval_s
         self._next_seq = 1
         self._next_worker = 1
-        # For the journal (memd.state): sequences changed since its last flush, and those whose
-        # pages a Step's effects are still filling (they come back DROPPED if memd dies first).
-        self.changed: set[int] = set()
-        self.pending: set[int] = set()
-        self.retokened: set[int] = set()     # token ids cut back (a retried turn): journal them whole
+        # Sequences whose pages a Step's effects are still filling (journaled: they come back DROPPED
+        # if memd dies first).
+        self._filling: set[int] = set()
+        # For the journal (memd.journal), which alone takes them (`take_changes`): sequences changed
+        # since, those of them whose token ids were cut back, and pids whose fence changed.
+        self._changed: set[int] = set()
+        self._retokened: set[int] = set()
+        self._fences_changed: set[int] = set()
         # Pages a worker that may still be running could write late (its turns' unwritten tails), kept
-        # from reuse by the pid of that worker until it exits or attaches again (memd.service watches).
+        # from reuse by the pid of that worker until it exits or attaches again (memd.fences watches).
         self.fences: dict[int, list[int]] = {}
-        self.fences_changed: set[int] = set()
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
 
     # ---- workers -------------------------------------------------------
@@ -166,15 +189,10 @@ class KvManager:
         parked = freed = 0
         for seq in [s for s in self.seqs.values() if s.owner == worker_id or s.preempted_by == worker_id]:
             if seq.session_id is None:
-                self.swap_jobs.pop(seq.seq_id, None)     # a copy in flight gives its slots back when done
-                writable = seq.num_full_blocks if held is not None and seq.state is SeqState.RUNNING \
-                    else len(seq.block_ids)
-                self.release_blocks(seq.block_ids[:writable])
-                if held is not None:
-                    held += seq.block_ids[writable:]
-                if seq.slots:
-                    assert self.swap is not None
-                    self.swap.give(seq.slots)
+                if held is not None and seq.state is SeqState.RUNNING:
+                    held += seq.block_ids[seq.num_full_blocks:]
+                    del seq.block_ids[seq.num_full_blocks:]
+                self.release(seq)
                 self.forget(seq)
                 freed += 1
                 continue
@@ -182,11 +200,11 @@ class KvManager:
                 self._park(seq, held)
             seq.preempted_by = None
             seq.interrupted = True               # its turn failed: the retry of it replaces it (_retry_turn)
-            self.changed.add(seq.seq_id)
+            self._changed.add(seq.seq_id)
             parked += 1
         if held and worker is not None:
             self.fences.setdefault(worker.pid, []).extend(held)
-            self.fences_changed.add(worker.pid)
+            self._fences_changed.add(worker.pid)
             self.counters["pages_fenced"] += len(held)
         self.counters["reclaims"] += 1
         return parked, freed
@@ -195,7 +213,7 @@ class KvManager:
         """The process with `pid` exited or attached again: nothing it runs writes its fenced pages now."""
         blocks = self.fences.pop(pid, [])
         if blocks:
-            self.fences_changed.add(pid)
+            self._fences_changed.add(pid)
         return self.release_blocks(blocks)
 
     # ---- steps ---------------------------------------------------------
@@ -203,46 +221,65 @@ class KvManager:
     def step(self, worker_id: int, ops: Iterable[Op], lease: bytes | None = None) -> StepOutcome:
         worker = self.worker(worker_id, lease)
         worker.last_seen = time.monotonic()
-        txn = _Txn(worker, Journal())
-        self.pool.journal = txn.journal
-        results: list[OpResult] = []
+        txn = _Txn(worker, UndoLog())
+        out = txn.outcome
+        self.pool.undo = txn.undo
         try:
             for index, op in enumerate(ops):
                 try:
-                    results.append(self._apply(txn, op))
+                    out.results.append(self._run_op(txn, op))
                 except KvError as exc:
                     raise OpError(index, _describe(op), exc) from None
         except BaseException:
-            txn.journal.rollback()
+            txn.undo.rollback()
             raise
         finally:
-            self.pool.journal = None
+            self.pool.undo = None
         now = time.monotonic()
         for seq in txn.touched.values():
             self._touch(seq, now)
-        self.changed.update(txn.touched)
-        self.pending.update(txn.pending)
+        self._changed.update(txn.touched)
+        self._filling.update(out.filling)
         self.counters.update(txn.counters)
         self.counters["steps"] += 1
-        self.counters["ops"] += len(results)
+        self.counters["ops"] += len(out.results)
         # A sequence this Step preempted and then freed (or resumed) is no longer there to evict.
-        txn.evict_after = [e for e in txn.evict_after if self.seqs.get(e[0].seq_id) is e[0]
-                           and e[0].state is SeqState.PARKED]
-        if txn.read_slots:
+        out.evictions = [e for e in out.evictions if self.evictable(e.seq)]
+        if out.read_slots:
             assert self.swap is not None
-            self.swap.in_copy.update(txn.read_slots)     # the sequence let go; the copy still reads them
+            self.swap.in_copy.update(out.read_slots)     # the sequence let go; the copy still reads them
         # A page this Step took and gave back needs no effect: it is free again, and
         # zeroed when next handed out. Late effects on a free page could hit its next tenant.
-        return StepOutcome(results, [e for e in txn.effects if self.pool.ref[e[2]] > 0], txn.read_slots,
-                           txn.evict_after, txn.register_after, txn.pending)
+        out.effects = [e for e in out.effects if self.pool.ref[e.page] > 0]
+        return out
 
-    def settle(self, seq_ids: set[int]) -> None:
-        """The effects filling these sequences' pages are done: the journal may count on their pages now."""
-        self.pending -= seq_ids
-        self.changed |= seq_ids
+    def effects_landed(self, outcome: StepOutcome) -> None:
+        """A Step's page effects are done: its swapped-in blocks may serve prefix hits, its pages be journaled.
+
+        A swapped-in block joins the prefix cache only while its sequence still
+        holds it at that index: a drop in between may have handed the page to someone else.
+        """
+        for b in outcome.swapped_in:
+            seq = b.seq
+            if b.index < len(seq.block_ids) and seq.block_ids[b.index] == b.block and b.index < len(seq.hashes) \
+                    and self.seqs.get(seq.seq_id) is seq:
+                bs = seq.block_size
+                self.pool.register(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
+        self._filling -= outcome.filling
+        self._changed |= outcome.filling
+
+    def filling(self, seq_id: int) -> bool:
+        """Whether a Step's effects are still filling this sequence's pages."""
+        return seq_id in self._filling
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call, for the journal: the one consumer, which must write all of it."""
+        changes = Changes(self._changed, self._retokened, self._fences_changed)
+        self._changed, self._retokened, self._fences_changed = set(), set(), set()
+        return changes
 
     def adopt(self, seqs: list[Sequence], next_seq: int, fences: dict[int, list[int]] | None = None) -> None:
-        """Take over sequences recovered from an earlier memd's journal (memd.state.restore checked them).
+        """Take over sequences recovered from an earlier memd's journal (memd.recovery.restore checked them).
 
         Every page's content is unknown now, so all are zeroed before reuse;
         the prefix index is rebuilt from the adopted sequences' token ids.
@@ -268,19 +305,7 @@ class KvManager:
                 self.pool.incref(block)
             self.fences[pid] = list(blocks)
         self._next_seq = max(self._next_seq, next_seq)
-        self.changed.clear()
-
-    def register_swapped_in(self, blocks: list[tuple[Sequence, int, int]]) -> None:
-        """The swap-in copies are done: their full blocks may serve prefix hits now, not before.
-
-        Only while the sequence still holds the block at that index: a drop in
-        between may have handed the page to someone else.
-        """
-        for seq, index, block in blocks:
-            if index < len(seq.block_ids) and seq.block_ids[index] == block and index < len(seq.hashes) \
-                    and self.seqs.get(seq.seq_id) is seq:
-                bs = seq.block_size
-                self.pool.register(block, seq.hashes[index], tuple(seq.token_ids[index * bs:(index + 1) * bs]))
+        self.take_changes()            # all of it is in the journal it came from
 
     def release_slots(self, slots: list[int]) -> None:
         """The effects of a Step are done: the swap slots it read are free."""
@@ -288,7 +313,7 @@ class KvManager:
             assert self.swap is not None
             self.swap.give(slots)
 
-    def _apply(self, txn: _Txn, op: Op) -> OpResult:
+    def _run_op(self, txn: _Txn, op: Op) -> OpResult:
         match op:
             case Open():
                 return self._open(txn, op)
@@ -333,15 +358,15 @@ class KvManager:
         cut = seq.block_ids[blocks_for(seq.num_committed, seq.block_size):]
         if cut:
             # The whole table, not the cut: a later op of this Step (a Resume) may grow it again.
-            txn.journal.record(_set_blocks, seq, list(seq.block_ids))
+            txn.undo.record(_set_blocks, seq, list(seq.block_ids))
         self._park(seq)
         mode = self.revoked.get(seq.seq_id)
         seq.preempted_by = txn.worker.worker_id if op.preempt else None
         if op.preempt:
             txn.counters["preemptions"] += 1
-            txn.evict_after.append((seq, mode or "swap", "forced" if mode else None))
+            txn.outcome.evictions.append(Eviction(seq, mode or "swap", "forced" if mode else None))
         elif mode is not None:
-            txn.evict_after.append((seq, mode, "forced"))
+            txn.outcome.evictions.append(Eviction(seq, mode, "forced"))
         return _result(seq, len(seq.block_ids))
 
     def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = (), turn_id: str = "") -> OpResult:
@@ -395,9 +420,9 @@ class KvManager:
         while same < min(len(done), len(prompt)) and done[same] == prompt[same]:
             same += 1
         cut = seq.turn_start + same
-        txn.journal.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
+        txn.undo.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
         del seq.token_ids[cut:]
-        self.retokened.add(seq.seq_id)
+        self._retokened.add(seq.seq_id)
         # The last token of the history is left to compute: its logits are the first the worker samples from.
         limit = cut if same < len(prompt) else cut - 1
         if limit % seq.block_size and limit // seq.block_size < seq.num_full_blocks:
@@ -408,7 +433,7 @@ class KvManager:
             seq.num_committed = limit
             keep = blocks_for(limit, seq.block_size)
             if seq.state is SeqState.SWAPPED:
-                txn.read_slots += seq.slots[keep:]          # given back once the Step is done
+                txn.outcome.read_slots += seq.slots[keep:]          # given back once the Step is done
                 seq.slots = seq.slots[:keep]
             else:
                 self.release_blocks(seq.block_ids[keep:])
@@ -424,10 +449,12 @@ class KvManager:
         if seq.model != txn.worker.model:
             raise FailedPrecondition(f"sequence {seq.seq_id} belongs to model {seq.model!r}; "
                                      f"this worker serves {txn.worker.model!r}")
+        # Not `release`: within a Step the swap-out's cancel is undoable, and the slots are
+        # given back only once the Step stands (and its copies are done).
         self._cancel_swap_out(txn, seq)
         self.release_blocks(seq.block_ids)
-        txn.read_slots += seq.slots
-        self.forget(seq, txn.journal)
+        txn.outcome.read_slots += seq.slots
+        self.forget(seq, txn.undo)
         txn.touched.pop(seq.seq_id, None)
         return OpResult(seq.seq_id, "freed", 0, [], 0, 0)
 
@@ -447,8 +474,8 @@ class KvManager:
         if partial:
             # The only block either side will write: copy it now rather than share it.
             dst, _ = self.pool.allocate()
-            txn.effects.append(("copy", parent.block_ids[full], dst))
-            txn.pending.add(child.seq_id)
+            txn.outcome.effects.append(Copy(parent.block_ids[full], dst))
+            txn.outcome.filling.add(child.seq_id)
             child.block_ids.append(dst)
         self._create(txn, child)
         txn.counters["forks"] += 1
@@ -512,13 +539,13 @@ class KvManager:
                 f"{num_tokens} tokens need {needed} blocks; the whole pool has {self.pool.num_blocks}")
 
     def _save(self, txn: _Txn, seq: Sequence) -> None:
-        """Journal a sequence's fields before its first change in this Step."""
+        """Record a sequence's fields in the undo log before its first change in this Step."""
         txn.touched[seq.seq_id] = seq
         if seq.seq_id in txn.saved:
             return
         txn.saved.add(seq.seq_id)
         # Within a Step the lists only grow (Park journals the table it cuts), so lengths restore them.
-        txn.journal.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
+        txn.undo.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
                            len(seq.token_ids), len(seq.hashes), seq.slots, seq.preempted_by, seq.turn_start,
                            seq.interrupted, seq.turn_id)
 
@@ -528,15 +555,16 @@ class KvManager:
             self.sessions[seq.session_id] = seq.seq_id
         txn.saved.add(seq.seq_id)
         txn.touched[seq.seq_id] = seq
-        txn.journal.record(self.forget, seq)
+        txn.undo.record(self.forget, seq)
 
-    def forget(self, seq: Sequence, journal: Journal | None = None) -> None:
-        self.changed.add(seq.seq_id)
+    def forget(self, seq: Sequence, undo: UndoLog | None = None) -> None:
+        """The sequence is gone from memd (it holds nothing now: `release` or a Free let go of its pages)."""
+        self._changed.add(seq.seq_id)
         del self.seqs[seq.seq_id]
         if seq.session_id:
             del self.sessions[seq.session_id]
-        if journal is not None:
-            journal.record(self._remember, seq)
+        if undo is not None:
+            undo.record(self._remember, seq)
 
     def _remember(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -598,13 +626,13 @@ class KvManager:
                 if not self.pool.num_free:
                     raise PoolExhausted(len(seq.slots) - i, 0)
                 block, _ = self.pool.allocate()
-                txn.effects.append(("swap_in", slot, block))
-                txn.pending.add(seq.seq_id)
+                txn.outcome.effects.append(SwapIn(slot, block))
+                txn.outcome.filling.add(seq.seq_id)
                 if chunk is not None:
-                    txn.register_after.append((seq, i, block))
+                    txn.outcome.swapped_in.append(SwappedInBlock(seq, i, block))
                 copies += 1
             seq.block_ids.append(block)
-        txn.read_slots += seq.slots
+        txn.outcome.read_slots += seq.slots
         seq.slots = []
         txn.counters["swap_ins"] += 1
         txn.counters["swap_in_blocks"] += copies
@@ -615,7 +643,7 @@ class KvManager:
         """The sequence is wanted (resume) or gone (free): a swap-out in flight no longer counts."""
         job = self.swap_jobs.pop(seq.seq_id, None)
         if job is not None:
-            txn.journal.record(self.swap_jobs.__setitem__, seq.seq_id, job)
+            txn.undo.record(self.swap_jobs.__setitem__, seq.seq_id, job)
 
     def _grow(self, txn: _Txn, seq: Sequence, num_tokens: int) -> None:
         self._check_fits(num_tokens, seq.block_size)
@@ -627,7 +655,7 @@ class KvManager:
         for _ in range(needed):
             block, dirty = self.pool.allocate()
             if dirty:
-                txn.effects.append(("zero", block, block))
+                txn.outcome.effects.append(Zero(block))
             seq.block_ids.append(block)
         txn.counters["blocks_allocated"] += needed
 
@@ -645,10 +673,33 @@ class KvManager:
             fence += seq.block_ids[keep:]
         del seq.block_ids[keep:]
         seq.state, seq.owner = SeqState.PARKED, None
-        self.changed.add(seq.seq_id)
+        self._changed.add(seq.seq_id)
 
     def release_blocks(self, blocks: list[int]) -> int:
         return sum(self.pool.decref(block) for block in blocks)
+
+    def release(self, seq: Sequence) -> int:
+        """Outside a Step: give back a sequence's pages and swap slots, and cancel a swap-out in flight.
+
+        Its token ids stay; the caller says what the sequence becomes (DROPPED,
+        or forgotten). Returns the blocks that became free.
+        """
+        self.swap_jobs.pop(seq.seq_id, None)         # a copy in flight gives its slots back when done
+        freed = self.release_blocks(seq.block_ids)
+        if seq.slots:
+            assert self.swap is not None
+            self.swap.give(seq.slots)
+        seq.block_ids, seq.slots = [], []
+        self._changed.add(seq.seq_id)
+        return freed
+
+    def evictable(self, seq: Sequence) -> bool:
+        """PARKED, still this manager's, and not being swapped out already: eviction may take its pages."""
+        return self.seqs.get(seq.seq_id) is seq and seq.state is SeqState.PARKED and seq.seq_id not in self.swap_jobs
+
+    def mark_changed(self, seq: Sequence) -> None:
+        """For the eviction policy, which changes sequences outside Steps: the journal must record it."""
+        self._changed.add(seq.seq_id)
 
     def _touch(self, seq: Sequence, now: float) -> None:
         seq.heat = self.heat(seq, now) + 1.0

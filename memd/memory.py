@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from memd.manager import Effect
+from memd.page_effects import Copy, Zero
 from shared.sizes import format_size
 
 
@@ -30,7 +30,7 @@ class PoolMemory(Protocol):
     device: str
 
     def export(self) -> dict[str, Any]: ...
-    def apply(self, effects: list[Effect]) -> None: ...
+    def apply(self, effects: list[Zero | Copy]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -132,13 +132,13 @@ class ShmMemory:
     def export(self) -> dict[str, Any]:
         return {"backend": "shm", "size": self.size}
 
-    def apply(self, effects: list[Effect]) -> None:
+    def apply(self, effects: list[Zero | Copy]) -> None:
         base, size = self._base, self.block_bytes
-        for kind, a, b in effects:
-            if kind == "zero":
-                ctypes.memset(base + a * size, 0, size)
+        for effect in effects:
+            if isinstance(effect, Zero):
+                ctypes.memset(base + effect.page * size, 0, size)
             else:
-                ctypes.memmove(base + b * size, base + a * size, size)
+                ctypes.memmove(base + effect.page * size, base + effect.src * size, size)
 
     def close(self) -> None:
         del self._anchor
@@ -217,7 +217,7 @@ class CudaMemory:
     def export(self) -> dict[str, Any]:
         return dict(self._handle)
 
-    def apply(self, effects: list[Effect]) -> None:
+    def apply(self, effects: list[Zero | Copy]) -> None:
         """Zero and copy pages in Step order, batching runs of zeros into one kernel.
 
         Finished before the reply: the worker writes on its own stream, in its own process.
@@ -226,14 +226,14 @@ class CudaMemory:
 
         pages, zeros = self.pages, []
         with torch.cuda.stream(self._stream):
-            for kind, a, b in effects:
-                if kind == "zero":
-                    zeros.append(a)
+            for effect in effects:
+                if isinstance(effect, Zero):
+                    zeros.append(effect.page)
                     continue
                 if zeros:
                     pages.index_fill_(0, torch.tensor(zeros, device=pages.device), 0)
                     zeros = []
-                pages[b].copy_(pages[a])
+                pages[effect.page].copy_(pages[effect.src])
             if zeros:
                 pages.index_fill_(0, torch.tensor(zeros, device=pages.device), 0)
         self._stream.synchronize()

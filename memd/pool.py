@@ -9,9 +9,10 @@ free queue, a freed block with a content hash to the back. Allocation pops the
 front, so worthless blocks are reused first and cached prefixes live longest,
 least recently freed evicted first.
 
-Every mutation can be journaled: a Step applies its operations one by one and,
-if a later one fails, replays the journal backwards so that nothing changed.
-The free queue is a linked list; the journal keeps the neighbours a block had
+Every mutation can be recorded in an undo log: a Step applies its operations
+one by one and, if a later one fails, replays the log backwards so that nothing
+changed (this is not the on-disk journal of `memd.journal`, which outlives memd).
+The free queue is a linked list; the undo log keeps the neighbours a block had
 when it left the queue, so undo in reverse order puts it back exactly there,
 even if the block re-entered the queue elsewhere in between.
 """
@@ -25,8 +26,8 @@ from typing import Any
 from memd.errors import PoolExhausted
 
 
-class Journal:
-    """Undo records of one Step; `rollback` restores the state before it."""
+class UndoLog:
+    """Undo records of one Step, in memory; `rollback` restores the state before it."""
 
     __slots__ = ("_undo",)
 
@@ -94,7 +95,7 @@ class FreeQueue:
         """Put `block` back between the neighbours `remove` returned.
 
         Correct when every queue change since that removal has been undone, as
-        a journal replayed backwards guarantees: then `prev` and `nxt` are adjacent again.
+        an undo log replayed backwards guarantees: then `prev` and `nxt` are adjacent again.
         """
         self._prev[block], self._next[block] = prev, nxt
         self._next[prev] = block
@@ -125,7 +126,7 @@ class BlockPool:
         # first allocation needs no memset.
         self.dirty = bytearray(num_blocks)
         self.last_access = [0.0] * num_blocks
-        self.journal: Journal | None = None
+        self.undo: UndoLog | None = None
 
     @property
     def num_free(self) -> int:
@@ -148,8 +149,8 @@ class BlockPool:
             self.hash_of[block] = self.tokens_of[block] = None
         self.ref[block] = 1
         self.dirty[block] = 1
-        if self.journal is not None:
-            self.journal.record(self._undo_allocate, block, links, old_hash, old_tokens, was_dirty,
+        if self.undo is not None:
+            self.undo.record(self._undo_allocate, block, links, old_hash, old_tokens, was_dirty,
                                 self.last_access[block])
         self.last_access[block] = time.monotonic()
         return block, bool(was_dirty)
@@ -167,8 +168,8 @@ class BlockPool:
     def incref(self, block: int) -> None:
         links = self.free.remove(block) if self.ref[block] == 0 else None
         self.ref[block] += 1
-        if self.journal is not None:
-            self.journal.record(self._undo_incref, block, links, self.last_access[block])
+        if self.undo is not None:
+            self.undo.record(self._undo_incref, block, links, self.last_access[block])
         self.last_access[block] = time.monotonic()
 
     def _undo_incref(self, block: int, links: tuple[int, int] | None, last_access: float) -> None:
@@ -181,8 +182,8 @@ class BlockPool:
         """Drop one reference; True when the block became free."""
         self.ref[block] -= 1
         freed = self.ref[block] == 0
-        if self.journal is not None:
-            self.journal.record(self._undo_decref, block, freed, self.last_access[block])
+        if self.undo is not None:
+            self.undo.record(self._undo_decref, block, freed, self.last_access[block])
         if freed:
             if self.hash_of[block] is None:
                 self.free.push_front(block)
@@ -203,8 +204,8 @@ class BlockPool:
             return
         self.hash_of[block], self.tokens_of[block] = digest, tokens
         self.by_hash[digest] = block
-        if self.journal is not None:
-            self.journal.record(self._undo_register, block, digest)
+        if self.undo is not None:
+            self.undo.record(self._undo_register, block, digest)
 
     def _undo_register(self, block: int, digest: bytes) -> None:
         del self.by_hash[digest]
@@ -258,7 +259,7 @@ class SwapSlots:
         return len(self._free)
 
     def take(self, count: int) -> list[int]:
-        """`count` slots, owned by the caller's copy (in `in_copy`) until `settle` or `give`."""
+        """`count` slots, owned by the caller's copy (in `in_copy`) until `assign` or `give`."""
         if count > len(self._free):
             raise ValueError(f"{count} swap slots asked, {len(self._free)} free")
         if not count:
@@ -268,7 +269,7 @@ class SwapSlots:
         self.in_copy.update(taken)
         return taken
 
-    def settle(self, slots: Iterable[int]) -> None:
+    def assign(self, slots: Iterable[int]) -> None:
         """A copy is done with these slots; they now belong to a sequence."""
         self.in_copy.difference_update(slots)
 

@@ -27,7 +27,6 @@ from typing import Protocol
 
 import structlog
 
-from memd.manager import Effect
 from memd.memory import (
     CudaMemory,
     PoolMemory,
@@ -267,16 +266,3 @@ def _mlock(address: int, size: int) -> bool:
                 "page it out under host memory pressure; raise LimitMEMLOCK= for memd", swap=format_size(size))
     return False
 
-
-def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[Effect]) -> None:
-    """A Step's page effects in order: zeroing and copies on the pool, swap-ins from the swap tier."""
-    start = 0
-    for i in range(1, len(effects) + 1):
-        if i == len(effects) or (effects[i][0] == "swap_in") != (effects[start][0] == "swap_in"):
-            run = effects[start:i]
-            if run[0][0] == "swap_in":
-                assert swap is not None
-                swap.copy_in([(slot, block) for _, slot, block in run])
-            else:
-                memory.apply(run)
-            start = i

@@ -1,4 +1,4 @@
-"""memd's journal (memd.state): whatever memd did, the journal read back rebuilds the same sequences.
+"""memd's journal (memd.journal, memd.recovery): whatever memd did, the journal read back rebuilds the same sequences.
 
 The manager state machine of test_manager_properties runs with a journal; after
 every rule the journal is read back into a fresh manager, as a memd restarted
@@ -18,10 +18,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 
-import memd.state
+import memd.journal
+from memd.journal import WriteAheadLog
 from memd.manager import KvManager
+from memd.recovery import restore
 from memd.sequences import SeqState, blocks_for
-from memd.state import Layout, StateDir, StateError, WriteAheadLog, restore
+from memd.state import Layout, StateDir, StateError
 from shared.ops import Open, Park, Resume
 from tests.test_manager_properties import NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
 
@@ -39,7 +41,7 @@ def expected_after_restart(manager: KvManager) -> dict[int, tuple]:
         if state is SeqState.RUNNING:           # its worker may still write past its whole blocks
             committed -= committed % seq.block_size
             state, blocks = SeqState.PARKED, blocks[:blocks_for(committed, seq.block_size)]
-        if seq.seq_id in manager.pending:
+        if manager.filling(seq.seq_id):
             state, blocks, slots, committed = SeqState.DROPPED, [], [], 0
         out[seq.seq_id] = (seq.model, seq.block_size, seq.session_id, state, blocks, slots, committed,
                            list(seq.token_ids), seq.turn_start, interrupted, seq.turn_id)
@@ -75,7 +77,7 @@ class JournaledMachine(KvManagerMachine):
         self.state = StateDir(self.dir)
         self.wal = WriteAheadLog(self.state, LAYOUT, fsync=False)
         self.wal.checkpoint(self.manager)
-        self._threshold, memd.state.CHECKPOINT_RECORDS = memd.state.CHECKPOINT_RECORDS, 8   # checkpoint often
+        self._threshold, memd.journal.CHECKPOINT_RECORDS = memd.journal.CHECKPOINT_RECORDS, 8   # checkpoint often
 
     def _flush_and_recover(self) -> None:
         self.wal.flush(self.manager)
@@ -100,7 +102,7 @@ class JournaledMachine(KvManagerMachine):
         try:
             self._flush_and_recover()
         finally:
-            memd.state.CHECKPOINT_RECORDS = self._threshold
+            memd.journal.CHECKPOINT_RECORDS = self._threshold
             self.wal.close()
             shutil.rmtree(self.dir, ignore_errors=True)
             super().teardown()
@@ -178,10 +180,10 @@ def test_a_journal_that_cannot_be_written_is_given_up_and_removed_and_memd_goes_
     opened, = manager.step(worker, [Open([1, 2, 3, 4, 5], session_id="kept")]).results
     os.close(wal._fd)                                   # as a write on a full tmpfs would fail: EBADF here
     wal.flush(manager)
-    assert not state.journal.exists() and not manager.changed
+    assert not state.journal.exists() and not manager.take_changes().seq_ids
     manager.step(worker, [Park(opened.seq_id, commit_to=5)])
     wal.flush(manager)                                  # nothing to write to, nothing raised
-    assert not state.journal.exists() and not manager.changed
+    assert not state.journal.exists() and not manager.take_changes().seq_ids
 
 
 def test_garbled_records_and_clashing_tables_are_never_trusted(tmp_path):
@@ -194,7 +196,7 @@ def test_garbled_records_and_clashing_tables_are_never_trusted(tmp_path):
     found = state.read()
     assert found is not None
     a, b = sorted(found.records)
-    found.records[b][memd.state.BLOCKS] = list(found.records[a][memd.state.BLOCKS])   # b claims a's pages
+    found.records[b][memd.journal.BLOCKS] = list(found.records[a][memd.journal.BLOCKS])   # b claims a's pages
     found.records[99] = ["S", 99, "parked", 7, 4, None, 0, [], [], 0.0, 0.0, 0.0, 0, [], False, 0, False]
     restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
     assert restored.dropped == {"block table clashes with another sequence's": 1} and restored.discarded == 1

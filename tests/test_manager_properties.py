@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from memd.errors import KvError, NotFound, OpError
 from memd.eviction import Evicted
 from memd.manager import KvManager, StepOutcome
+from memd.page_effects import Copy, PageEffect, SwapIn, Zero
 from memd.sequences import SeqState, SwapOut
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, Park, Resume
@@ -43,9 +44,9 @@ def new_manager() -> KvManager:
 def settle(manager: KvManager, outcome: StepOutcome, jobs: list[SwapOut]) -> None:
     """What memd's service does after a Step: effects done, slots back, preempted sequences evicted."""
     manager.release_slots(outcome.read_slots)
-    for seq, mode, reason in outcome.evict_after:
-        if seq.state is SeqState.PARKED and seq.seq_id not in manager.swap_jobs:
-            jobs += manager.evictions.evict(seq, mode, reason).jobs
+    for eviction in outcome.evictions:
+        if manager.evictable(eviction.seq):
+            jobs += manager.evictions.evict(eviction.seq, eviction.mode, eviction.reason).jobs
 
 
 def attach(manager: KvManager, model: str) -> int:
@@ -187,22 +188,21 @@ class KvManagerMachine(RuleBasedStateMachine):
         self.check_effects(before, ops, outcome.effects)
         settle(manager, outcome, self.jobs)
 
-    def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[tuple[str, int, int]]) -> None:
+    def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[PageEffect]) -> None:
         """A page is zeroed only if written before, and a written page is never handed out as it is."""
         pool, targets = self.manager.pool, set()
         # The retry of an interrupted turn (an Open continuing its session) releases what it does not keep.
         releases = any(isinstance(op, Free | Park) or (isinstance(op, Open) and op.continue_session) for op in ops)
-        for effect, src, dst in effects:
-            assert effect in ("zero", "copy", "swap_in")
-            if effect == "swap_in":
-                assert src in self.manager.swap.in_copy           # read before anyone may reuse the slot
+        for effect in effects:
+            assert isinstance(effect, Zero | Copy | SwapIn)
+            dst = effect.page
+            if isinstance(effect, SwapIn):
+                assert effect.slot in self.manager.swap.in_copy   # read before anyone may reuse the slot
                 event("resume: swapped back in")
             # A clean page is zeroed only if this Step took it, released it and takes it again.
-            assert before["dirty"][dst] or effect != "zero" or releases
+            assert before["dirty"][dst] or not isinstance(effect, Zero) or releases
             # Only a page released by this very Step may be reused while it was referenced before.
             assert before["ref"][dst] == 0 or releases
-            if effect == "zero":
-                assert src == dst
             targets.add(dst)
         for block in range(NUM_BLOCKS):
             was_free_and_written = before["ref"][block] == 0 and before["dirty"][block]
@@ -480,7 +480,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_tail():
     parent_blocks = manager.seqs[parent].block_ids
     assert child.block_ids[0] == parent_blocks[0]
     assert child.block_ids[1] != parent_blocks[1]
-    assert outcome.effects == [("copy", parent_blocks[1], child.block_ids[1])]
+    assert outcome.effects == [Copy(parent_blocks[1], child.block_ids[1])]
     assert child.num_committed == 6
     assert manager.violations() == []
     free_everything(manager)
@@ -569,7 +569,7 @@ def test_a_sequence_preempted_and_freed_in_one_step_is_not_swapped_out():
     worker = attach(manager, "m")
     seq = open_and_commit(manager, worker, list(range(8)))
     outcome = manager.step(worker, [Park(seq, preempt=True), Free(seq)])
-    assert outcome.evict_after == [] and manager.swap_jobs == {}
+    assert outcome.evictions == [] and manager.swap_jobs == {}
     assert manager.counters["preemptions"] == 1
     free_everything(manager)
 

@@ -7,7 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memd.errors import PoolExhausted
-from memd.pool import BlockPool, FreeQueue, Journal
+from memd.pool import BlockPool, FreeQueue, UndoLog
 
 NUM_BLOCKS = 8
 
@@ -306,7 +306,7 @@ def test_violations_report_a_queue_whose_length_disagrees_with_its_links():
     assert "free queue holds 3 blocks but counts 4" in pool.violations()
 
 
-# ---- BlockPool: journal rollback ---------------------------------------------
+# ---- BlockPool: undo-log rollback --------------------------------------------
 #
 # An op is (name, k); k picks the target among the blocks the op is valid for,
 # so that an op list stays meaningful whatever state it meets.
@@ -328,17 +328,17 @@ def apply_op(pool: BlockPool, name: str, k: int) -> None:
         pool.register(held[k % len(held)], digest(k % 5), (k % 5,))
 
 
-def journaled_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -> tuple[tuple, tuple]:
+def undone_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -> tuple[tuple, tuple]:
     pool = BlockPool(NUM_BLOCKS)
     for name, k in setup:
         apply_op(pool, name, k)
     before = snapshot(pool)
-    pool.journal = Journal()
+    pool.undo = UndoLog()
     for name, k in ops:
         apply_op(pool, name, k)
     assert pool.violations() == []
-    pool.journal.rollback()
-    pool.journal = None
+    pool.undo.rollback()
+    pool.undo = None
     assert pool.violations() == []
     return before, snapshot(pool)
 
@@ -351,7 +351,7 @@ def test_rollback_after_taking_blocks_restores_order_refs_and_hashes():
     pool.decref(a)
     pool.decref(b)                                  # queue: 3 4 5 a b
     before = snapshot(pool)
-    pool.journal = Journal()
+    pool.undo = UndoLog()
     pool.incref(b)                                  # prefix hit from the back
     pool.allocate()                                 # a plain page from the front
     pool.incref(c)
@@ -360,7 +360,7 @@ def test_rollback_after_taking_blocks_restores_order_refs_and_hashes():
     pool.allocate()
     pool.allocate()                                 # evicts cached a
     assert pool.lookup(digest(1), (1,)) is None
-    pool.journal.rollback()
+    pool.undo.rollback()
     assert snapshot(pool) == before
     assert pool.lookup(digest(1), (1,)) == a
 
@@ -371,14 +371,14 @@ def test_rollback_after_releasing_blocks_restores_order_refs_and_hashes():
     pool.register(a, digest(1), (1,))
     pool.incref(d)
     before = snapshot(pool)
-    pool.journal = Journal()
+    pool.undo = UndoLog()
     pool.decref(b)
     pool.decref(a)
     pool.decref(d)
     pool.decref(d)
     pool.register(c, digest(2), (2,))
     pool.decref(c)
-    pool.journal.rollback()
+    pool.undo.rollback()
     assert snapshot(pool) == before
 
 
@@ -388,7 +388,7 @@ def test_rollback_after_releasing_blocks_restores_order_refs_and_hashes():
 @example(setup=[("allocate", 0), ("register", 1)],
          ops=[("allocate", 0), ("register", 3), ("decref", 0), ("decref", 0)])
 def test_rollback_restores_the_pool_after_any_mix_of_operations(setup, ops):
-    before, after = journaled_roundtrip(setup, ops)
+    before, after = undone_roundtrip(setup, ops)
     assert after == before
 
 
@@ -398,11 +398,11 @@ def test_rollback_restores_the_pool_after_any_mix_of_operations(setup, ops):
 
 def test_rollback_puts_an_allocated_then_cached_and_freed_block_back_at_the_front():
     pool = BlockPool(3)
-    pool.journal = Journal()
+    pool.undo = UndoLog()
     block, _ = pool.allocate()                      # block 0, from the front
     pool.register(block, digest(1), (1,))
     pool.decref(block)                              # cached: re-enters at the back
-    pool.journal.rollback()
+    pool.undo.rollback()
     assert list(pool.free) == [0, 1, 2]             # not [1, 2, 0]
 
 
@@ -410,11 +410,11 @@ def test_rollback_keeps_every_free_block_in_the_queue():
     pool = BlockPool(4)
     (held,) = hold(pool, 1)                         # block 0, cached and held
     pool.register(held, digest(1), (1,))
-    pool.journal = Journal()
+    pool.undo = UndoLog()
     taken, _ = pool.allocate()                      # block 1
     pool.register(taken, digest(2), (2,))
     pool.decref(held)                               # queue: 2 3 0
     pool.decref(taken)                              # queue: 2 3 0 1
-    pool.journal.rollback()
+    pool.undo.rollback()
     assert pool.violations() == []                  # block 1 was free but unreachable in the queue
     assert list(pool.free) == [1, 2, 3]

@@ -1,0 +1,232 @@
+"""The journal: memd's write-ahead log on disk, which outlives a memd crash.
+
+The journal is physical: after every change memd appends the sequences it
+changed (their block table, swap slots, committed length and the token ids
+not yet written) or their removal, before any reply that lets a worker write
+to a page. A record torn by a crash is ignored. On start-up the journal is
+read back (`read_journal`; `memd.recovery` decides what to trust), and a
+fresh journal replaces the old one (a checkpoint); one also follows every few
+thousand records, so the file stays about the size of the live state.
+
+(Not to be confused with a Step's undo log, `memd.pool.UndoLog`, which lives
+in memory for the length of one Step.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import structlog
+
+from memd.sequences import SeqState, Sequence
+
+if TYPE_CHECKING:
+    from memd.manager import KvManager
+    from memd.state import Layout, StateDir
+
+log = structlog.get_logger("memd.journal")
+
+FORMAT = "kvpool-journal"
+VERSION = 1
+CHECKPOINT_RECORDS = 20_000        # records appended before the journal is rewritten from the live state
+
+
+@dataclass(slots=True)
+class Recovered:
+    """The journal of the memd before this one, read back."""
+
+    header: dict[str, Any]
+    records: dict[int, list[Any]]              # seq id -> its latest record
+    fences: dict[int, list[int]] = field(default_factory=dict)    # pid -> pages fenced for it
+    max_seq_id: int = 0
+    torn: bool = False                          # the last record was cut short by the crash
+
+
+def read_journal(path: Path) -> Recovered | None:
+    """The journal at `path`, or None when there is none; ValueError (one line) when it is not a journal."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1 << 20))
+    unpacker.feed(data)
+    try:
+        header = next(unpacker)
+    except (StopIteration, ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"{path} does not start with a journal header ({exc or 'empty'})") from None
+    if not isinstance(header, list) or len(header) != 2 or header[0] != "H" or not isinstance(header[1], dict) \
+            or header[1].get("format") != FORMAT:
+        raise ValueError(f"{path} is not a kvpool journal")
+    if header[1].get("version") != VERSION:
+        raise ValueError(f"{path} has journal version {header[1].get('version')}; "
+                         f"this memd reads version {VERSION}")
+    found = Recovered(header[1], {})
+    tokens: dict[int, list[int]] = {}
+    end = unpacker.tell()               # of the last whole record
+    try:
+        for record in unpacker:
+            _replay(record, found, tokens)
+            end = unpacker.tell()
+    except Exception:        # a garbled record, of any shape: what came before it stands
+        pass
+    found.torn = end < len(data)        # a record cut short or garbled: what came before it stands
+    for seq_id, record in found.records.items():
+        record[TOKENS] = tokens.get(seq_id, [])
+    return found
+
+
+# A sequence record: ["S", seq_id, state, model, block_size, session_id, num_committed, block_ids, slots,
+#                     heat, heat_at, last_access, tokens_from, new_token_ids, pending, turn_start, mid_turn]
+#   (then owner_pid: the pid of the worker running it, 0 if none; then turn_id, absent from older journals)
+# A removal: ["D", seq_id]
+# Fenced pages (KvManager.fences): ["F", pid, block_ids], [] once lifted
+SEQ_ID, STATE, MODEL, BLOCK_SIZE, SESSION, COMMITTED, BLOCKS, SLOTS, HEAT, HEAT_AT, LAST_ACCESS, TOKENS_FROM, \
+    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID, TURN_ID = range(1, 19)
+
+
+def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None:
+    if record[0] == "F":
+        pid, blocks = int(record[1]), [int(b) for b in record[2]]
+        if blocks:
+            found.fences[pid] = blocks
+        else:
+            found.fences.pop(pid, None)
+        return
+    kind, seq_id = record[0], int(record[1])
+    found.max_seq_id = max(found.max_seq_id, seq_id)
+    if kind == "D":
+        found.records.pop(seq_id, None)
+        tokens.pop(seq_id, None)
+        return
+    if kind != "S" or len(record) not in (OWNER_PID + 1, TURN_ID + 1):
+        raise ValueError(f"unknown record {kind!r}")
+    have = tokens.setdefault(seq_id, [])
+    start = int(record[TOKENS_FROM])
+    if start > len(have):
+        raise ValueError(f"sequence {seq_id}: tokens from {start}, {len(have)} known")
+    del have[start:]
+    have.extend(record[TOKENS])
+    record[TOKENS] = None
+    found.records[seq_id] = record
+
+
+class WriteAheadLog:
+    """The journal being written: one append per flush, all changed sequences in it."""
+
+    def __init__(self, state: StateDir, layout: Layout, *, fsync: bool) -> None:
+        self.state, self.layout, self.fsync = state, layout, fsync
+        self._fd: int | None = None
+        self._tokens_written: dict[int, int] = {}
+        self.records = 0                     # appended since the last checkpoint
+
+    def checkpoint(self, manager: KvManager) -> None:
+        """Rewrite the journal from the live state: a new file, renamed over the old one."""
+        tmp = self.state.journal.with_name("journal.new")
+        parts = [_pack(["H", self.layout.header()])]
+        self._tokens_written = {}
+        manager.take_changes()               # all of it is in the checkpoint
+        for seq in manager.seqs.values():
+            parts.append(self._seq_record(seq, manager))
+        parts += [_pack(["F", pid, blocks]) for pid, blocks in manager.fences.items()]
+        data = b"".join(parts)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, data)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.replace(tmp, self.state.journal)
+        if self.fsync:
+            dir_fd = os.open(self.state.path, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        if self._fd is not None:
+            os.close(self._fd)
+        os.lseek(fd, 0, os.SEEK_END)
+        self._fd = fd
+        self.records = 0
+
+    def flush(self, manager: KvManager) -> None:
+        """Append the sequences changed since the last flush; call before replying to whoever changed them."""
+        changes = manager.take_changes()
+        if self._fd is None:
+            return                           # persistence given up (a write failed): nothing to record
+        parts = [_pack(["F", pid, manager.fences.get(pid, [])]) for pid in changes.fence_pids]
+        for seq_id in changes.seq_ids:
+            seq = manager.seqs.get(seq_id)
+            if seq is None:
+                if self._tokens_written.pop(seq_id, None) is not None:
+                    parts.append(_pack(["D", seq_id]))
+            else:
+                parts.append(self._seq_record(seq, manager, retokened=seq_id in changes.retokened))
+        if not parts:
+            return
+        data = b"".join(parts)
+        try:
+            _write_all(self._fd, data)
+            if self.fsync:
+                os.fsync(self._fd)
+            self.records += len(parts)
+            if self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
+                self.checkpoint(manager)
+        except OSError as exc:
+            self.give_up(exc)
+
+    def give_up(self, exc: OSError) -> None:
+        """A write failed (a full tmpfs, say): remove the journal, which no longer tells the truth, and go on.
+
+        memd keeps serving from memory; a memd started after it finds pool files
+        without a journal and starts empty, rather than trusting a stale record.
+        """
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(OSError):
+            self.state.journal.unlink()
+        log.error("cannot write the journal: memd goes on, but its sessions will not survive it",
+                  journal=str(self.state.journal), error=exc.strerror or str(exc))
+
+    def _seq_record(self, seq: Sequence, manager: KvManager, *, retokened: bool = False) -> bytes:
+        start = self._tokens_written.get(seq.seq_id, 0)
+        if start > len(seq.token_ids) or retokened:
+            start = 0                        # cut back (a retried turn): rewrite them all
+        self._tokens_written[seq.seq_id] = len(seq.token_ids)
+        return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,
+                      seq.num_committed, seq.block_ids, seq.slots, seq.heat, seq.heat_at, seq.last_access,
+                      start, seq.token_ids[start:], manager.filling(seq.seq_id), seq.turn_start,
+                      seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
+                      _owner_pid(seq, manager), seq.turn_id])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            if self.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _owner_pid(seq: Sequence, manager: KvManager) -> int:
+    worker = manager.workers.get(seq.owner) if seq.owner is not None else None
+    return worker.pid if worker is not None else 0
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -1,0 +1,73 @@
+"""The one place page contents change: a Step's effects and swap-out copies, off the event loop.
+
+Effects on the same pages land in Step order: one FIFO thread takes every
+queued effect, and a Step whose pages a queued effect still touches queues
+behind it. A small Step on other pages runs inline, so it need not wait behind
+another worker's large swap-in. Swap-outs copy on a thread of their own, so
+Steps' small effects never queue behind them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+from memd.memory import PoolMemory
+from memd.page_effects import PageEffect, SwapIn, pages_touched, run_effects
+from memd.swap import SwapMemory
+
+# Effects larger than this run off the event loop, so other workers' Steps
+# are answered while a big page copy is in flight.
+INLINE_EFFECT_BYTES = 1 << 20
+
+
+class PageCopier:
+    """Runs page effects and swap-out copies off the event loop, in an order that keeps pages consistent."""
+
+    def __init__(self, memory: PoolMemory, swap: SwapMemory | None, block_bytes: int) -> None:
+        self.memory, self.swap, self.block_bytes = memory, swap, block_bytes
+        self._effects = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-pages")
+        self._swap_outs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap")
+        self._busy: Counter[int] = Counter()      # pages that queued effects still touch
+
+    async def apply(self, effects: list[PageEffect]) -> None:
+        """Zero, copy and swap in pages before the reply; the Step's state change is already made.
+
+        Shielded: a client that cancels or times out must not leave its pages
+        unzeroed, since memd has handed them out all the same.
+        """
+        pages = pages_touched(effects)
+        small = len(effects) * self.block_bytes <= INLINE_EFFECT_BYTES and \
+            not any(isinstance(e, SwapIn) for e in effects)
+        if small and self._busy.keys().isdisjoint(pages):
+            run_effects(self.memory, self.swap, effects)
+            return
+        self._busy.update(pages)
+        job = asyncio.get_running_loop().run_in_executor(self._effects, run_effects, self.memory, self.swap,
+                                                         effects)
+        job.add_done_callback(lambda _job: self._settle(pages))
+        await asyncio.shield(job)
+
+    async def queued_effects_done(self) -> None:
+        """Returns once every effect queued so far has landed (the queue is FIFO: a no-op waits behind them)."""
+        await asyncio.get_running_loop().run_in_executor(self._effects, lambda: None)
+
+    async def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (page, slot) pairs to the swap tier; pages with effects queued are copied once those landed."""
+        assert self.swap is not None
+        if not self._busy.keys().isdisjoint(page for page, _ in pairs):
+            await self.queued_effects_done()     # a swap-in or a fork's copy: copy what the pages will hold
+        await asyncio.get_running_loop().run_in_executor(self._swap_outs, self.swap.copy_out, pairs)
+
+    def _settle(self, pages: list[int]) -> None:
+        busy = self._busy
+        busy.subtract(pages)
+        for page in pages:
+            if busy.get(page, 0) <= 0:
+                busy.pop(page, None)
+
+    def close(self) -> None:
+        """Wait for every queued copy: the pool must outlive them."""
+        self._swap_outs.shutdown(wait=True)
+        self._effects.shutdown(wait=True)

@@ -1,0 +1,63 @@
+"""What a committed Step asks of the pages, and the one place that does it.
+
+A Step changes only bookkeeping (`memd.manager`); the page contents its
+changes imply come back as effects, in order: zero a reused page before its
+new tenant may read it, copy the partly written page a fork must not share,
+copy a swapped-out page back in. They are done before the worker hears back
+(`memd.page_copier` runs them off the event loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memd.memory import PoolMemory
+    from memd.swap import SwapMemory
+
+
+@dataclass(frozen=True, slots=True)
+class Zero:
+    """A page handed out again: its last tenant's K/V must not be read as the new one's."""
+
+    page: int
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """A fork's partly written last page: each side gets its own, since each will write it."""
+
+    src: int
+    page: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    """A swapped-out page back from its swap slot into a pool page."""
+
+    slot: int
+    page: int
+
+
+PageEffect = Zero | Copy | SwapIn
+
+
+def pages_touched(effects: list[PageEffect]) -> list[int]:
+    """Every pool page the effects read or write (a swap-in reads a slot, not a page)."""
+    return [page for e in effects for page in ((e.src, e.page) if isinstance(e, Copy) else (e.page,))]
+
+
+def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageEffect]) -> None:
+    """The effects in order: zeroing and copies on the pool, runs of swap-ins from the swap tier."""
+    start = 0
+    for i in range(1, len(effects) + 1):
+        if i == len(effects) or isinstance(effects[i], SwapIn) != isinstance(effects[start], SwapIn):
+            run = effects[start:i]
+            if isinstance(run[0], SwapIn):
+                assert swap is not None
+                swap.copy_in([(e.slot, e.page) for e in run])          # type: ignore[union-attr]
+            else:
+                memory.apply(run)                                       # type: ignore[arg-type]
+            start = i
+

@@ -1,0 +1,196 @@
+"""Runs a worker's Step to the end: room made, state committed, journaled, pages filled, evictions done.
+
+No gRPC here (memd.service decodes and encodes around it), so the whole of
+a Step can run in-process too. In order:
+
+1. `KvManager.step` applies the ops all or nothing. When the pool is short,
+   cold PARKED sequences are evicted (or swap-outs already in flight awaited)
+   and the Step runs again, a few rounds at most; only when nothing parked can
+   make room is it refused (PoolExhausted: the worker preempts its own).
+2. The journal records the change, before any page is handed to the worker.
+3. The page effects run (memd.page_copier); then the manager learns they
+   landed and the swap slots they read go free; the journal records that.
+4. Sequences the Step parked to be evicted (preemptions, revocations) are
+   swapped out or dropped before the reply, and their results say so.
+5. Pages the worker waits for (`wanted_blocks`) and the free-block watermark
+   start evictions that run on after the reply.
+
+The eviction policy's periodic sweep (`police`) lives here too: it starts
+the same swap-out tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import structlog
+
+from memd.errors import KvError, OpError, PoolExhausted
+from memd.eviction import Evicted
+from memd.journal import WriteAheadLog
+from memd.manager import KvManager, StepOutcome
+from memd.page_copier import PageCopier
+from memd.sequences import SeqState, SwapOut
+from shared.ops import Op
+
+log = structlog.get_logger("memd")
+
+# Evict-and-retry rounds of a Step that finds the pool short, before it is refused.
+PRESSURE_ROUNDS = 8
+
+
+class StepRunner:
+    def __init__(self, manager: KvManager, copier: PageCopier, wal: WriteAheadLog | None = None) -> None:
+        self.manager, self.copier, self.wal = manager, copier, wal
+        self._swap_tasks: set[asyncio.Task[bool]] = set()
+        self._pressure = asyncio.Event()
+        # Called whenever sequences changed state (a drain waits for that).
+        self.on_change: Callable[[], None] = lambda: None
+
+    async def run(self, worker_id: int, ops: list[Op], lease: bytes | None = None,
+                  wanted_blocks: int = 0) -> StepOutcome:
+        """The Step, committed and done; KvError (journaled, counted) when it is refused."""
+        m = self.manager
+        try:
+            outcome = await self._run_making_room(worker_id, ops, lease)
+        except KvError:
+            m.counters["steps_refused"] += 1
+            self.persist()          # evictions made on the way stand
+            raise
+        self.persist()              # write-ahead: journaled before the worker may write a page it was given
+        # The Step is committed: what follows must finish even if the caller is cancelled.
+        await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))
+        self.on_change()
+        wanted = min(wanted_blocks, m.pool.num_blocks) - m.pool.num_free
+        if wanted > 0:
+            self.start(m.evictions.make_room(wanted, reason="pressure"))
+        if m.pool.num_free < m.evictions.watermark_blocks:
+            self._pressure.set()
+        return outcome
+
+    async def _run_making_room(self, worker_id: int, ops: list[Op], lease: bytes | None) -> StepOutcome:
+        for _ in range(PRESSURE_ROUNDS):
+            try:
+                return self.manager.step(worker_id, ops, lease)
+            except OpError as err:
+                if not isinstance(err.cause, PoolExhausted):
+                    raise
+                short, evictions = err.cause.needed - err.cause.free, self.manager.evictions
+                plan = evictions.plan(time.monotonic(), self._named(ops))
+                if evictions.reclaimable(plan=plan) < short:
+                    raise          # evicting would lose cached KV and still not make room
+                evicted = evictions.make_room(short, reason="pressure", plan=plan)
+                self.start(evicted)
+                self.manager.counters["steps_waited_for_room"] += 1
+                if self._swap_tasks:
+                    await asyncio.wait(set(self._swap_tasks), return_when=asyncio.FIRST_COMPLETED)
+                elif not evicted.blocks_freed:
+                    raise
+        return self.manager.step(worker_id, ops, lease)
+
+    def _named(self, ops: list[Op]) -> frozenset[int]:
+        """Sequences a Step names: pressure must not evict what the Step is about to use."""
+        named = set()
+        for op in ops:
+            if seq_id := getattr(op, "seq_id", None):
+                named.add(seq_id)
+            if (session := getattr(op, "session_id", None)) and session in self.manager.sessions:
+                named.add(self.manager.sessions[session])
+        return frozenset(named)
+
+    async def _after_commit(self, outcome: StepOutcome) -> None:
+        """Page effects, then what they free: swap slots read, prefix blocks now written, preemptions."""
+        m = self.manager
+        if any(m.filling(r.seq_id) and r.seq_id not in outcome.filling for r in outcome.results):
+            # A sequence an earlier Step's copies still fill (its worker died waiting for a swap-in, and
+            # this is the retry): the copier is FIFO, so waiting for the queue waits for those copies.
+            await self.copier.queued_effects_done()
+        try:
+            if outcome.effects:
+                await self.copier.apply(outcome.effects)
+            m.effects_landed(outcome)
+        finally:
+            m.release_slots(outcome.read_slots)
+            self.persist()
+        if outcome.evictions:
+            await self._evict_parked(outcome)
+
+    async def _evict_parked(self, outcome: StepOutcome) -> None:
+        """Preempted (or operator-revoked) sequences this Step parked: swap or drop them before the reply."""
+        m, tasks = self.manager, []
+        for eviction in outcome.evictions:
+            if m.evictable(eviction.seq):
+                m.revoked.pop(eviction.seq.seq_id, None)
+                tasks += self.start(m.evictions.evict(eviction.seq, eviction.mode, eviction.reason))
+        if tasks:
+            await asyncio.gather(*tasks)
+        for result in outcome.results:
+            seq = m.seqs.get(result.seq_id)
+            if seq is not None and result.state == "parked" and seq.state in (SeqState.SWAPPED, SeqState.DROPPED):
+                result.state, result.num_blocks, result.first_block = seq.state.value, 0, 0
+
+    def start(self, evicted: Evicted) -> list[asyncio.Task[bool]]:
+        """Launch the copies of swap-outs the manager began; drops are already done."""
+        self.persist()
+        if evicted.dropped:
+            log.info("dropped", seq_ids=evicted.dropped, blocks_freed=evicted.blocks_freed)
+        tasks = []
+        for job in evicted.jobs:
+            task = asyncio.ensure_future(self._swap_out(job))
+            self._swap_tasks.add(task)
+            task.add_done_callback(self._swap_tasks.discard)
+            tasks.append(task)
+        return tasks
+
+    async def _swap_out(self, job: SwapOut) -> bool:
+        try:
+            await self.copier.swap_out(list(zip(job.blocks, job.slots, strict=True)))
+        except Exception:
+            log.exception("swap-out failed; the sequence stays parked", seq=job.seq.seq_id)
+            self.manager.evictions.abort_swap_out(job)
+            return False
+        done = self.manager.evictions.finish_swap_out(job)
+        self.persist()
+        if done:
+            log.info("swapped out", seq=job.seq.seq_id, blocks=len(job.slots), blocks_freed=job.blocks_freed,
+                     reason=job.reason or "preempted")
+        return done
+
+    async def evict(self, evicted: Evicted) -> list[int]:
+        """An operator's eviction: wait for its swap-outs; returns the sequences actually swapped out."""
+        tasks = self.start(evicted)
+        done = await asyncio.shield(asyncio.gather(*tasks))
+        return [job.seq.seq_id for job, ok in zip(evicted.jobs, done, strict=True) if ok]
+
+    async def police(self) -> None:
+        """The eviction policy's periodic sweep (idle TTL, revocations, watermark), sooner when woken."""
+        ttl = self.manager.evictions.idle_ttl_s
+        tick = min(1.0, ttl / 4) if ttl else 1.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._pressure.wait(), tick)   # a periodic sweep, or a wake-up
+            self._pressure.clear()
+            try:
+                self.start(self.manager.evictions.sweep(time.monotonic()))
+            except Exception:        # a bug must not silently end the policy: log it, sweep again
+                log.exception("eviction sweep failed")
+
+    def persist(self) -> None:
+        """Journal what changed, if memd keeps a state directory.
+
+        Called after every change and before any reply that hands out a page, so
+        the journal never lags behind what a worker may have written.
+        """
+        if self.wal is not None:
+            self.wal.flush(self.manager)
+
+    async def close(self) -> None:
+        """Wait for swap copies and queued page effects: the pool must outlive them."""
+        if self._swap_tasks:
+            await asyncio.wait(set(self._swap_tasks))
+        self.copier.close()
+        self.persist()
+

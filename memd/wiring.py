@@ -1,0 +1,69 @@
+"""memd's parts, wired together: the same wiring for the daemon and for an in-process memd.
+
+The manager owns the bookkeeping; the step runner runs Steps and evictions
+on the pages; fences and leases follow the workers; the servicer translates
+gRPC. `wire` builds them over memory that is already allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+
+from memd.fdpass import FdServer
+from memd.fences import FenceWatch
+from memd.journal import WriteAheadLog
+from memd.leases import Leases
+from memd.manager import KvManager
+from memd.memory import PoolMemory
+from memd.page_copier import PageCopier
+from memd.service import MemdService
+from memd.step_runner import StepRunner
+from memd.swap import SwapMemory
+from shared.geometry import PoolGeometry
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The flags that shape memd's behaviour once its memory is allocated."""
+
+    lease_timeout_s: float = 10.0
+    heat_decay: float = 0.9
+    heat_interval_s: float = 10.0
+    swap_ratio: float = 0.3              # 0: no swap tier
+    idle_ttl_s: float = 300.0            # 0: never
+    free_watermark: float = 0.02
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Policy:
+        return cls(args.lease_timeout, args.heat_decay, args.heat_interval,
+                   0.0 if args.disable_swap else args.swap_ratio, args.idle_ttl, args.free_watermark)
+
+    def swap_slots(self, geometry: PoolGeometry) -> int:
+        return int(geometry.num_blocks * self.swap_ratio)
+
+
+@dataclass(slots=True)
+class Parts:
+    manager: KvManager
+    runner: StepRunner
+    fences: FenceWatch
+    leases: Leases
+    service: MemdService
+
+
+def new_manager(geometry: PoolGeometry, policy: Policy) -> KvManager:
+    return KvManager(geometry, heat_decay=policy.heat_decay, heat_interval_s=policy.heat_interval_s,
+                     swap_slots=policy.swap_slots(geometry), idle_ttl_s=policy.idle_ttl_s,
+                     watermark_blocks=math.ceil(geometry.num_blocks * policy.free_watermark))
+
+
+def wire(manager: KvManager, policy: Policy, memory: PoolMemory, swap: SwapMemory | None,
+         wal: WriteAheadLog | None = None, fd_server: FdServer | None = None) -> Parts:
+    runner = StepRunner(manager, PageCopier(memory, swap, manager.geometry.block_bytes), wal)
+    fences = FenceWatch(manager, runner.persist)
+    leases = Leases(manager, runner, fences, policy.lease_timeout_s)
+    service = MemdService(manager, runner, leases, fences, memory, fd_server, generation=time.time_ns())
+    return Parts(manager, runner, fences, leases, service)
