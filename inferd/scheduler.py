@@ -19,6 +19,9 @@ when swap is full, and the worker recomputes), and the request waits at the
 head of the queue to be resumed. An operator's eviction of a running sequence
 arrives as a revocation and is answered the same way. No request fails for
 want of memory that a later step can serve.
+
+A request goes WAITING -> RUNNING (<-> PREEMPTED) -> FINISHED (`inferd.requests`);
+what each op of a Step does with memd's answer, or its refusal, is in `inferd.memd_ops`.
 """
 
 from __future__ import annotations
@@ -27,92 +30,29 @@ import asyncio
 import contextlib
 import math
 import time
-import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
 import torch
 
 from inferd.kv_audit import KvAudit
+from inferd.memd_ops import Admit, CommitForFork, End, ForkChild, Grow, PendingOp, Preempt, ResetSession, StepAttempt
 from inferd.model import PagedDecoder, build_batch
-from inferd.sampling import SamplingParams, sample
+from inferd.requests import Event, GenerationError, Request, RequestStatus
+from inferd.sampling import sample
 from shared.client import MemdClient, MemdError
-from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
+from shared.ops import Extend, Fork, Free, Open, Park, Resume
+
+__all__ = ["DRAINING", "Event", "GenerationError", "Request", "RequestStatus", "Scheduler"]
 
 log = structlog.get_logger("inferd.scheduler")
 
 IDLE_POLL_S = 0.05     # how often waiting requests re-check memd's free pages when nothing else runs
 
-
-class GenerationError(Exception):
-    """Why a request failed; `code` is the gRPC status name the service returns."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-@dataclass(slots=True)
-class Event:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None       # "stop", "length", "cancelled", "reset"
-    usage: dict[str, float] | None = None
-    error: GenerationError | None = None
-    index: int = 0                         # which of the request's n completions
-
-
 DRAINING = "this worker is draining (memctl drain): send the request to another worker"
-
-
-@dataclass(eq=False)
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    session_id: str | None = None
-    turn_id: str | None = None                         # the client's name for this turn (retries reuse it)
-    arrived: float = field(default_factory=time.monotonic)
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    seq_id: int = 0
-    table: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)    # the whole history: memd's, the prompt, the generated
-    computed: int = 0                                  # tokens whose K/V are in the pool
-    told_tokens: int = 0                               # history length memd knows
-    generated: list[int] = field(default_factory=list)
-    emitted_text: str = ""
-    num_prompt: int = 0
-    num_cached: int = 0
-    first_token_at: float = 0.0
-    cancelled: str | None = None                       # "cancelled" or "reset"
-    generator: torch.Generator | None = None
-    index: int = 0                                     # completion number, for n > 1
-    children: list[Request] = field(default_factory=list)
-    done: bool = False
-    preempted: bool = False                            # waiting; memd holds its sequence (swapped or dropped)
-    preemptions: int = 0
-    fork_of: Request | None = None                     # n > 1: the request whose prompt this one forks
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # or the client's x-request-id
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        self.cancelled = self.cancelled or reason
-        for child in self.children:
-            child.cancel(reason)
-
-    def fail(self, error: GenerationError) -> None:
-        """End with `error` as the final event; only for a request that holds nothing in memd."""
-        self.done = True
-        self.events.put_nowait(Event([], "", usage=self.usage(), error=error, index=self.index))
-
-    def usage(self) -> dict[str, float]:
-        n = len(self.generated)
-        end = time.monotonic()
-        ttft = (self.first_token_at - self.arrived) * 1000 if self.first_token_at else 0.0
-        tpot = (end - self.first_token_at) * 1000 / (n - 1) if n > 1 else 0.0
-        return {"prompt_tokens": self.num_prompt, "cached_tokens": self.num_cached,
-                "completion_tokens": n, "ttft_ms": ttft, "tpot_ms": tpot}
 
 
 class Scheduler:
@@ -127,14 +67,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Park/Free of ended requests, each with the final event it releases once memd has applied it.
-        self._ending: list[tuple[Op, Request, Event]] = []
-        self._forks: list[tuple[Request, Extend, list[Request]]] = []
-        self._resets: list[tuple[asyncio.Future[None], Op]] = []
+        self._ending: list[End] = []
+        self._forks: list[tuple[Request, Extend, list[Request]]] = []     # parent, its commit, children to fork
+        self._resets: list[ResetSession] = []
         # The Step memd is applying now: its requests are in no other list meanwhile.
-        self._inflight: list[tuple[str, Any, Op]] = []
+        self._inflight: list[PendingOp] = []
         self._forward_job: asyncio.Future[torch.Tensor] | None = None
         self._wake = asyncio.Event()
-        self._preempting: list[tuple[Request, Park]] = []
+        self._preempting: list[Preempt] = []
         self._unforked: list[Request] = []               # children whose Fork found no page: forked next step
         self._revoked: set[int] = set()                  # seq ids memd revoked, not yet preempted
         self._wanted = 0                                 # free blocks the head of the queue waits for
@@ -177,7 +117,7 @@ class Scheduler:
         self.draining = on
         if not on:
             return
-        for request in [r for r in self.waiting if not r.preempted and not r.seq_id]:
+        for request in [r for r in self.waiting if r.status is RequestStatus.WAITING]:
             self.waiting.remove(request)
             request.fail(GenerationError("UNAVAILABLE", DRAINING))
 
@@ -190,18 +130,18 @@ class Scheduler:
 
         Raises GenerationError NOT_FOUND when memd has no such session.
         """
-        preempting = [request for request, _ in self._preempting]
+        preempting = [p.request for p in self._preempting]
         for request in [*self.waiting, *self.running, *self._inflight_requests(), *preempting]:
             if request.session_id == session_id:
                 request.cancel("reset")
         done = asyncio.get_running_loop().create_future()
-        self._resets.append((done, Free(session_id=session_id)))
+        self._resets.append(ResetSession(done, Free(session_id=session_id)))
         self._wake.set()
         await done
 
     def _inflight_requests(self) -> list[Request]:
-        return [owner for kind, owner, _ in self._inflight if kind in ("admit", "fork", "grow", "preempt")] + \
-            [owner[0] for kind, owner, _ in self._inflight if kind == "end"]
+        taking = [p.request for p in self._inflight if isinstance(p, Admit | ForkChild | Grow | Preempt)]
+        return taking + [p.request for p in self._inflight if isinstance(p, End)]
 
     def _on_revoke(self, seq_id: int, reason: str) -> None:
         self._revoked.add(seq_id)
@@ -240,22 +180,22 @@ class Scheduler:
         generated) do not fail: they are returned, to wait for the next
         attachment (`adopt`); they hold nothing that memd's going could lose.
         """
-        kept = [r for r in self.waiting if not r.seq_id and not r.preempted and not r.generated
+        kept = [r for r in self.waiting if r.status is RequestStatus.WAITING and not r.generated
                 and not r.cancelled and r.fork_of is None] if keep_unstarted else []
         for request in kept:
             self.waiting.remove(request)
-        pending = [request for _, request, _ in self._ending] + self._inflight_requests()
+        pending = [end.request for end in self._ending] + self._inflight_requests()
         pending += [child for _, _, group in self._forks for child in group] + self._unforked
-        pending += [request for request, _ in self._preempting]
+        pending += [p.request for p in self._preempting]
         failed: set[int] = set()
         for request in [*self.waiting, *self.running, *pending]:
             if id(request) not in failed:
                 failed.add(id(request))
                 request.fail(error)
-        resets = [done for done, _ in self._resets] + [o for k, o, _ in self._inflight if k == "reset"]
-        for done in resets:
-            if not done.done():
-                done.set_exception(error)
+        resets = [*self._resets, *(p for p in self._inflight if isinstance(p, ResetSession))]
+        for reset in resets:
+            if not reset.done.done():
+                reset.done.set_exception(error)
         self.waiting.clear()
         self.running.clear()
         self._ending.clear()
@@ -289,27 +229,27 @@ class Scheduler:
         self._take_revocations()
         preempted = bool(self._preempting)
         if preempted:
-            await self._memd_step([("preempt", request, op) for request, op in self._preempting])
+            await self._memd_step(list(self._preempting))
             self._preempting = []
             self._retire_cancelled()          # a reset or cancel that came while memd swapped them out
         ops, forks = self._fork_ops()
-        ops += [("end", (request, event), op) for op, request, event in self._ending]
-        ops += [("reset", done, op) for done, op in self._resets]
+        ops += self._ending
+        ops += self._resets
         self._ending, self._resets = [], []
         growing = 0                                         # running sequences first, then newcomers
         for request in self.running:
             needed = len(request.tokens)                    # slots this pass writes up to
             if needed > len(request.table) * self.block_size:
-                extend = Extend(request.seq_id, append=request.tokens[request.told_tokens:],
-                                commit_to=request.computed, reserve=self._reserve(request))
-                ops.append(("grow", request, extend))
-                request.told_tokens = len(request.tokens)   # undone in _refused if memd says no
+                extend = Extend(request.seq_id, append=request.tokens[request.num_known_to_memd:],
+                                commit_to=request.num_computed, reserve=self._reserve(request))
+                ops.append(Grow(request, extend))
+                request.num_known_to_memd = len(request.tokens)   # undone in Grow.refused if memd says no
                 growing += math.ceil((needed + extend.reserve) / self.block_size) - len(request.table)
         admitted = self._admit(ops, self.client.free_blocks - growing)
         stalled = await self._memd_step(ops, self._wanted)
         # A preempted request whose Resume memd refused is back at the head of the queue, still preempted
         # (and still naming its sequence): it runs only once a Resume succeeds.
-        self.running += [r for r in admitted + forks if r.seq_id and not r.done and not r.preempted]
+        self.running += [r for r in admitted + forks if r.status is RequestStatus.RUNNING]
         unforked = self._refork()
         holding = {id(parent) for parent, _, _ in self._forks}      # a parent decodes once its children forked
         ready = [r for r in self.running if r not in stalled and id(r) not in holding
@@ -324,7 +264,7 @@ class Scheduler:
         """Children memd could not give a page: their Fork goes again in the next Step."""
         groups: dict[int, tuple[Request, list[Request]]] = {}
         for child in self._unforked:
-            if child.fork_of is not None and not child.done:
+            if child.fork_of is not None and child.status is not RequestStatus.FINISHED:
                 groups.setdefault(id(child.fork_of), (child.fork_of, []))[1].append(child)
         self._forks += [(parent, Extend(parent.seq_id), group) for parent, group in groups.values()]
         count, self._unforked = len(self._unforked), []
@@ -346,14 +286,15 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        request.preempted = True
+        request.status = RequestStatus.PREEMPTED
         request.preemptions += 1
         self.preemptions += 1
-        self._preempting.append((request, Park(request.seq_id, append=request.tokens[request.told_tokens:],
-                                               commit_to=request.computed, preempt=True)))
-        request.told_tokens = len(request.tokens)
+        park = Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
+                    commit_to=request.num_computed, preempt=True)
+        self._preempting.append(Preempt(request, park))
+        request.num_known_to_memd = len(request.tokens)
         log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq_id,
-                 tokens=len(request.tokens), computed=request.computed)
+                 tokens=len(request.tokens), computed=request.num_computed)
 
     def _take_revocations(self) -> None:
         """memd revoked sequences (an operator evicted them): preempt those running here."""
@@ -364,18 +305,18 @@ class Scheduler:
             self._preempt(request)
         self._revoked &= forking           # preempted once forked; the others ended already
 
-    def _fork_ops(self) -> tuple[list[tuple[str, Any, Op]], list[Request]]:
+    def _fork_ops(self) -> tuple[list[PendingOp], list[Request]]:
         """Forks of n > 1 requests go first in the Step, before anything frees their parent."""
-        ops: list[tuple[str, Any, Op]] = []
+        ops: list[PendingOp] = []
         children: list[Request] = []
         for parent, commit, group in self._forks:
             for child in group:
-                if child.cancelled and not child.done:
+                if child.cancelled and child.status is not RequestStatus.FINISHED:
                     self._end(child, reason=child.cancelled)
-            live = [c for c in group if not c.done]
+            live = [c for c in group if c.status is not RequestStatus.FINISHED]
             if live:
-                ops.append(("commit", parent, commit))
-                ops += [("fork", child, Fork(parent.seq_id)) for child in live]
+                ops.append(CommitForFork(parent, commit))
+                ops += [ForkChild(child, Fork(parent.seq_id)) for child in live]
                 children += live
         self._forks = []
         return ops, children
@@ -384,15 +325,15 @@ class Scheduler:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             final = Event([], "", finish_reason=request.cancelled, usage=request.usage(), index=request.index)
-            if request.preempted and request.seq_id and request.session_id is None:
-                request.done = True
-                self._ending.append((Free(request.seq_id), request, final))   # memd still holds it
+            if request.status is RequestStatus.PREEMPTED and request.seq_id and request.session_id is None:
+                self._ending.append(End(request, final, Free(request.seq_id)))   # memd still holds it
             else:
                 request.events.put_nowait(final)        # a session's preempted turn stays parked
+            request.status = RequestStatus.FINISHED
         for request in [r for r in self.running if r.cancelled]:
             self._end(request, reason=request.cancelled)
 
-    def _admit(self, ops: list[tuple[str, Any, Op]], budget: int) -> list[Request]:
+    def _admit(self, ops: list[PendingOp], budget: int) -> list[Request]:
         admitted: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         self._wanted = 0
@@ -407,19 +348,20 @@ class Scheduler:
             seats -= self._seats(request)
             self.waiting.popleft()
             admitted.append(request)
-            ops.append(("admit", request, self._admission(request)))
+            ops.append(Admit(request, self._admission(request)))
         return admitted
 
     @staticmethod
     def _seats(request: Request) -> int:
         """n > 1: its forks will need seats too, unless it was preempted after forking them."""
-        return 1 if request.preempted and request.generated else request.params.n
+        return 1 if request.status is RequestStatus.PREEMPTED and request.generated else request.params.n
 
-    def _admission(self, request: Request) -> Op:
+    def _admission(self, request: Request) -> Open | Resume:
         reserve = self._reserve(request)
-        if request.preempted and request.seq_id:
+        preempted = request.status is RequestStatus.PREEMPTED
+        if preempted and request.seq_id:
             return Resume(request.seq_id, reserve=reserve)    # swapped back in, or recomputed if dropped
-        if request.preempted:                               # memd forgot it: start over from the history
+        if preempted:                                       # memd forgot it: start over from the history
             return Open(request.tokens, reserve=reserve)
         return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
                     continue_session=request.session_id is not None, turn_id=request.turn_id)
@@ -430,131 +372,45 @@ class Scheduler:
         A preempted request asks for one: it ran without lookahead before it gave way, and must not
         come back needing more than it had.
         """
-        if request.preempted:
+        if request.status is RequestStatus.PREEMPTED:
             return 1
         return max(1, min(self.lookahead, request.params.max_tokens - len(request.generated)))
 
-    async def _memd_step(self, ops: list[tuple[str, Any, Op]], wanted_blocks: int = 0) -> set[Request]:
-        """Run the iteration's page operations as one Step; an op memd refuses is taken out and the rest retried."""
-        stalled: set[Request] = set()
-        refused_admits: list[Request] = []
+    async def _memd_step(self, ops: list[PendingOp], wanted_blocks: int = 0) -> set[Request]:
+        """Run the iteration's page operations as one Step; an op memd refuses is taken out and the rest retried.
+
+        Returns the running requests memd had no page for.
+        """
+        step = StepAttempt(ops)
         self._inflight = ops
         try:
-            await self._memd_step_rounds(ops, wanted_blocks, stalled, refused_admits)
+            await self._memd_step_rounds(step, wanted_blocks)
         except BaseException:
-            self.waiting.extendleft(reversed(refused_admits))     # fail_all finds them there
+            self.waiting.extendleft(reversed(step.requeued))      # fail_all finds them there
             raise
         self._inflight = []
-        self.waiting.extendleft(reversed(refused_admits))         # back to the head of the queue, in order
-        return stalled
+        self.waiting.extendleft(reversed(step.requeued))          # back to the head of the queue, in order
+        return step.stalled
 
-    async def _memd_step_rounds(self, ops: list[tuple[str, Any, Op]], wanted_blocks: int, stalled: set[Request],
-                                refused_admits: list[Request]) -> None:
+    async def _memd_step_rounds(self, step: StepAttempt, wanted_blocks: int) -> None:
+        ops = step.ops
         while ops:
             try:
-                results = await self.client.step(*[op for _, _, op in ops], wanted_blocks=wanted_blocks)
+                results = await self.client.step(*[pending.op for pending in ops], wanted_blocks=wanted_blocks)
             except MemdError as err:
                 if err.op_index is None:
                     raise
-                kind, request, op = ops[err.op_index]
-                if kind == "grow" and err.code.name == "RESOURCE_EXHAUSTED" and op.reserve > 1:
-                    ops[err.op_index] = (kind, request, replace(op, reserve=1))    # the lookahead can wait
+                rejected = ops[err.op_index]
+                retry = rejected.retry(err)
+                if retry is not None:
+                    ops[err.op_index] = retry
                     continue
                 ops.pop(err.op_index)
-                if kind == "admit" and err.code.name == "RESOURCE_EXHAUSTED":
-                    refused_admits.append(request)           # back to the head of the queue, in order
-                elif kind == "admit" and request.preempted and err.code.name == "NOT_FOUND" \
-                        and request.session_id is None:
-                    request.seq_id = 0                       # forgotten while it waited: recompute it all
-                    refused_admits.append(request)
-                elif kind == "commit":                       # no prompt to fork from: its children fail
-                    dropped = [o for o in ops if o[0] == "fork" and o[1] in request.children]
-                    ops[:] = [o for o in ops if o not in dropped]
-                    for _, child, _ in dropped:
-                        self._end(child, error=GenerationError(err.code.name, err.message))
-                else:
-                    self._refused(kind, request, err, stalled, op)
+                rejected.refused(self, err, step)
                 continue
-            for (kind, owner, _), result in zip(ops, results, strict=True):
-                if kind == "reset":
-                    if not owner.done():                     # its caller may have gone away
-                        owner.set_result(None)
-                elif kind == "end":
-                    owner[0].events.put_nowait(owner[1])
-                elif owner is not None:
-                    self._apply(kind, owner, result)
+            for pending, result in zip(ops, results, strict=True):
+                pending.applied(self, result)
             break
-
-    def _refused(self, kind: str, request: Any, err: MemdError, stalled: set[Request], op: Op) -> None:
-        if kind == "reset":
-            if not request.done():
-                request.set_exception(GenerationError(err.code.name, err.message))
-        elif kind == "end":
-            log.warning("memd refused to release a sequence", error=str(err))
-            request[0].events.put_nowait(request[1])
-        elif kind == "admit":
-            request.done = True
-            final = Event([], "", usage=request.usage(), error=GenerationError(err.code.name, err.message),
-                          index=request.index)
-            if request.preempted and request.seq_id and request.session_id is None:
-                self._ending.append((Free(request.seq_id), request, final))    # memd still holds it
-            else:
-                request.events.put_nowait(final)
-        elif kind == "grow":
-            assert isinstance(op, Extend)
-            request.told_tokens -= len(op.append)
-            if err.code.name == "RESOURCE_EXHAUSTED":
-                stalled.add(request)
-            else:
-                self._end(request, error=GenerationError(err.code.name, err.message))
-        elif kind == "fork" and err.code.name == "RESOURCE_EXHAUSTED":
-            self._unforked.append(request)          # no page for its copy yet: the parent waits with it
-        elif kind == "fork":
-            self._end(request, error=GenerationError(err.code.name, err.message))
-        elif kind == "preempt":
-            request.preempted = False
-            self._end(request, error=GenerationError(err.code.name, f"preemption failed: {err.message}"))
-
-    def _apply(self, kind: str, request: Request, result: OpResult) -> None:
-        if self.audit is not None and kind in ("preempt", "admit", "fork"):
-            self.audit.forget(id(request))             # a new table: its slots are taken as found when it runs
-        if kind == "preempt":
-            request.table = []
-            self._requeue(request)
-        elif kind == "admit" and request.preempted:
-            request.preempted = False
-            request.seq_id = result.seq_id
-            request.table = list(result.block_ids)
-            request.tokens = list(result.token_ids) if result.token_ids else request.tokens
-            request.computed = result.num_committed          # the rest is recomputed
-            request.told_tokens = len(request.tokens)
-        elif kind == "admit":
-            request.seq_id = result.seq_id
-            request.table = list(result.block_ids)
-            request.tokens = list(result.token_ids) if result.token_ids else list(request.prompt_ids)
-            request.computed = request.num_cached = result.num_committed
-            request.told_tokens = len(request.tokens)
-            request.num_prompt = len(request.tokens)
-            limit = self.model.config.max_position
-            if len(request.tokens) >= limit:               # a session's history can outgrow the model
-                self._end(request, keep=True, error=GenerationError(
-                    "INVALID_ARGUMENT", f"session {request.session_id!r} holds {len(request.tokens)} tokens with "
-                    f"this message; the model has {limit} positions: reset the session"))
-        elif kind == "grow":
-            if result.first_block != len(request.table) or result.num_committed != request.computed:
-                # memd's table or committed length is not the one this worker computed against: the K/V
-                # the next pass would read cannot be trusted. Fail the turn rather than answer it wrong.
-                log.error("memd and this worker disagree about a sequence", request=request.request_id,
-                          seq=request.seq_id, blocks=len(request.table), memd_first_block=result.first_block,
-                          computed=request.computed, memd_committed=result.num_committed)
-                self._end(request, error=GenerationError(
-                    "INTERNAL", f"sequence {request.seq_id}: memd's block table or committed length differs "
-                    "from this worker's; the turn is failed rather than answered from unknown K/V"))
-                return
-            request.table[result.first_block:] = result.block_ids
-        elif kind == "fork":
-            request.seq_id, request.table = result.seq_id, list(result.block_ids)
-            request.computed = request.told_tokens = result.num_committed
 
     def _requeue(self, request: Request) -> None:
         """A preempted request waits ahead of every later arrival (a cancel meanwhile is retired from there)."""
@@ -567,8 +423,8 @@ class Scheduler:
     async def _forward(self, ready: list[Request]) -> None:
         budget = self.max_batch_tokens
         chunks: list[tuple[Request, list[int]]] = []
-        for request in sorted(ready, key=lambda r: len(r.tokens) - r.computed):   # decodes first
-            pending = request.tokens[request.computed:]
+        for request in sorted(ready, key=lambda r: len(r.tokens) - r.num_computed):   # decodes first
+            pending = request.tokens[request.num_computed:]
             take = pending[:max(budget, 1 if not chunks else 0)]
             if not take:
                 break
@@ -578,7 +434,7 @@ class Scheduler:
             chunks = self._audited(chunks)
             if not chunks:
                 return
-        batch = build_batch([(take, r.computed, r.table) for r, take in chunks], self.block_size,
+        batch = build_batch([(take, r.num_computed, r.table) for r, take in chunks], self.block_size,
                             self.model.device)
         self._forward_job = asyncio.get_running_loop().run_in_executor(self._compute, self.model.forward, batch)
         # Shielded: cancelling the scheduler cannot stop the thread writing pages, so the job must
@@ -588,9 +444,10 @@ class Scheduler:
         finishing = []
         for row, (request, take) in enumerate(chunks):
             if self.audit is not None:
-                self.audit.record(id(request), request.table, request.computed, request.computed + len(take))
-            request.computed += len(take)
-            if request.computed == len(request.tokens):     # the whole history is in: a token to sample
+                self.audit.record(id(request), request.table, request.num_computed,
+                                  request.num_computed + len(take))
+            request.num_computed += len(take)
+            if request.num_computed == len(request.tokens):     # the whole history is in: a token to sample
                 finishing.append((row, request))
         if not finishing:
             return
@@ -610,7 +467,7 @@ class Scheduler:
         assert self.audit is not None
         kept = []
         for request, take in chunks:
-            tampered = self.audit.check(id(request), request.table, request.computed)
+            tampered = self.audit.check(id(request), request.table, request.num_computed)
             if tampered is None:
                 kept.append((request, take))
                 continue
@@ -636,8 +493,9 @@ class Scheduler:
             parent.children.append(child)
             self._emit(child, token)
         # memd forks what it knows: the prompt, committed, and none of the parent's own sampled tokens.
-        commit = Extend(parent.seq_id, append=parent.tokens[parent.told_tokens:], commit_to=parent.computed)
-        parent.told_tokens = parent.computed
+        commit = Extend(parent.seq_id, append=parent.tokens[parent.num_known_to_memd:],
+                        commit_to=parent.num_computed)
+        parent.num_known_to_memd = parent.num_computed
         self._forks.append((parent, commit, parent.children))
 
     def _emit(self, request: Request, token: int) -> None:
@@ -666,7 +524,7 @@ class Scheduler:
     def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None,
              keep: bool = False) -> None:
         """Leave the batch: queue the sequence's Park (a session keeps its history) or Free."""
-        request.done = True
+        request.status = RequestStatus.FINISHED
         if request in self.running:
             self.running.remove(request)
         if self.audit is not None:
@@ -675,9 +533,9 @@ class Scheduler:
         if request.seq_id:
             # A session keeps its turn (a reset's Free follows in the same Step); an error frees.
             keep = request.session_id is not None and (error is None or keep)
-            op: Op = (Park(request.seq_id, append=request.tokens[request.told_tokens:], commit_to=request.computed)
-                      if keep else Free(request.seq_id))
-            self._ending.append((op, request, final))      # the final event waits for memd: then nothing is RUNNING
+            op = (Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
+                       commit_to=request.num_computed) if keep else Free(request.seq_id))
+            self._ending.append(End(request, final, op))   # the final event waits for memd: then nothing is RUNNING
         else:
             request.events.put_nowait(final)
         self._wake.set()

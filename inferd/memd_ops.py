@@ -1,0 +1,224 @@
+"""The scheduler's memd operations while a Step carries them: each op with whoever waits on its outcome.
+
+An iteration's Step holds, in this order, the forks of n > 1 requests and
+their parent's commit, then the Park/Free of requests that ended, session
+resets, Extends of running sequences, and admissions (preemptions go in a
+Step of their own, first). memd applies a Step all or nothing: when it
+refuses one op it says which, and the scheduler takes that op out, lets it
+settle with its owner (`refused`), and sends the rest again. Once a Step is
+applied, each op hands its result to its owner (`applied`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import structlog
+
+from inferd.requests import Event, GenerationError, Request, RequestStatus
+from shared.client import MemdError
+from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
+
+if TYPE_CHECKING:
+    from inferd.scheduler import Scheduler
+
+log = structlog.get_logger("inferd.scheduler")     # the scheduler's own log lines, split out for reading
+
+
+@dataclass(eq=False)
+class StepAttempt:
+    """A Step on its way through memd, and what the ops it refused leave for the iteration."""
+
+    ops: list[PendingOp]              # shrinks as memd refuses ops; the scheduler's `_inflight` is this very list
+    stalled: set[Request] = field(default_factory=set)       # running sequences memd had no page for
+    requeued: list[Request] = field(default_factory=list)    # admissions to put back at the head of the queue
+
+
+class PendingOp:
+    """One memd op of a Step and its owner; subclasses are frozen dataclasses with an `op` field."""
+
+    __slots__ = ()
+    op: Op
+
+    def retry(self, err: MemdError) -> PendingOp | None:
+        """What to send in this op's place after memd refused it with `err`; None takes it out of the Step."""
+        return None
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        pass
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        pass
+
+
+def _error(err: MemdError, prefix: str = "") -> GenerationError:
+    return GenerationError(err.code.name, prefix + err.message)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Admit(PendingOp):
+    """A waiting request's Open (new, or a preempted one memd forgot) or Resume (a preempted one memd holds)."""
+
+    request: Request
+    op: Open | Resume
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        request = self.request
+        if scheduler.audit is not None:
+            scheduler.audit.forget(id(request))        # a new table: its slots are taken as found when it runs
+        resumed = request.status is RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.seq_id = result.seq_id
+        request.table = list(result.block_ids)
+        if resumed:
+            request.tokens = list(result.token_ids) if result.token_ids else request.tokens
+            request.num_computed = result.num_committed          # the rest is recomputed
+            request.num_known_to_memd = len(request.tokens)
+            return
+        request.tokens = list(result.token_ids) if result.token_ids else list(request.prompt_ids)
+        request.num_computed = request.num_cached = result.num_committed
+        request.num_known_to_memd = len(request.tokens)
+        request.num_prompt = len(request.tokens)
+        limit = scheduler.model.config.max_position
+        if len(request.tokens) >= limit:               # a session's history can outgrow the model
+            scheduler._end(request, keep=True, error=GenerationError(
+                "INVALID_ARGUMENT", f"session {request.session_id!r} holds {len(request.tokens)} tokens with "
+                f"this message; the model has {limit} positions: reset the session"))
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        request = self.request
+        preempted = request.status is RequestStatus.PREEMPTED
+        if err.code.name == "RESOURCE_EXHAUSTED":
+            step.requeued.append(request)            # back to the head of the queue, in order
+        elif preempted and err.code.name == "NOT_FOUND" and request.session_id is None:
+            request.seq_id = 0                       # forgotten while it waited: recompute it all
+            step.requeued.append(request)
+        else:
+            request.status = RequestStatus.FINISHED
+            final = Event([], "", usage=request.usage(), error=_error(err), index=request.index)
+            if preempted and request.seq_id and request.session_id is None:
+                scheduler._ending.append(End(request, final, Free(request.seq_id)))    # memd still holds it
+            else:
+                request.events.put_nowait(final)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Grow(PendingOp):
+    """A running sequence's Extend: its new tokens, its commit, and pages for the next pass (and lookahead)."""
+
+    request: Request
+    op: Extend
+
+    def retry(self, err: MemdError) -> PendingOp | None:
+        if err.code.name == "RESOURCE_EXHAUSTED" and self.op.reserve > 1:
+            return Grow(self.request, replace(self.op, reserve=1))    # the lookahead can wait
+        return None
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        request = self.request
+        if result.first_block != len(request.table) or result.num_committed != request.num_computed:
+            # memd's table or committed length is not the one this worker computed against: the K/V
+            # the next pass would read cannot be trusted. Fail the turn rather than answer it wrong.
+            log.error("memd and this worker disagree about a sequence", request=request.request_id,
+                      seq=request.seq_id, blocks=len(request.table), memd_first_block=result.first_block,
+                      computed=request.num_computed, memd_committed=result.num_committed)
+            scheduler._end(request, error=GenerationError(
+                "INTERNAL", f"sequence {request.seq_id}: memd's block table or committed length differs "
+                "from this worker's; the turn is failed rather than answered from unknown K/V"))
+            return
+        request.table[result.first_block:] = result.block_ids
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        self.request.num_known_to_memd -= len(self.op.append)    # memd did not take them
+        if err.code.name == "RESOURCE_EXHAUSTED":
+            step.stalled.add(self.request)
+        else:
+            scheduler._end(self.request, error=_error(err))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class CommitForFork(PendingOp):
+    """n > 1: the parent's Extend that commits its prompt, so that memd forks all of it."""
+
+    parent: Request
+    op: Extend
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        """No prompt to fork from: its children's Forks leave the Step and the children fail."""
+        dropped = [p for p in step.ops if isinstance(p, ForkChild) and p.request in self.parent.children]
+        step.ops[:] = [p for p in step.ops if p not in dropped]
+        for fork in dropped:
+            scheduler._end(fork.request, error=_error(err))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ForkChild(PendingOp):
+    """n > 1: a child's Fork of its parent's prompt."""
+
+    request: Request
+    op: Fork
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        request = self.request
+        if scheduler.audit is not None:
+            scheduler.audit.forget(id(request))        # a new table: its slots are taken as found when it runs
+        request.status = RequestStatus.RUNNING
+        request.seq_id, request.table = result.seq_id, list(result.block_ids)
+        request.num_computed = request.num_known_to_memd = result.num_committed
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        if err.code.name == "RESOURCE_EXHAUSTED":
+            scheduler._unforked.append(self.request)   # no page for its copy yet: the parent waits with it
+        else:
+            scheduler._end(self.request, error=_error(err))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class End(PendingOp):
+    """An ended request's Park (a session keeps its turn) or Free; its final event waits for memd's answer."""
+
+    request: Request
+    final: Event
+    op: Park | Free
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        self.request.events.put_nowait(self.final)
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        log.warning("memd refused to release a sequence", error=str(err))
+        self.request.events.put_nowait(self.final)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ResetSession(PendingOp):
+    """A session reset's Free; `done` answers the caller of `Scheduler.reset`."""
+
+    done: asyncio.Future[None]
+    op: Free
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        if not self.done.done():                     # its caller may have gone away
+            self.done.set_result(None)
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        if not self.done.done():
+            self.done.set_exception(_error(err))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Preempt(PendingOp):
+    """A running request's Park with `preempt`: memd swaps its sequence out (or drops it) to free pages."""
+
+    request: Request
+    op: Park
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        if scheduler.audit is not None:
+            scheduler.audit.forget(id(self.request))   # a new table: its slots are taken as found when it runs
+        self.request.table = []
+        scheduler._requeue(self.request)
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        scheduler._end(self.request, error=_error(err, "preemption failed: "))

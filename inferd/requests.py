@@ -1,0 +1,85 @@
+"""A generation request as the scheduler tracks it, the events it streams back, and why one fails."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from inferd.sampling import SamplingParams
+
+
+class GenerationError(Exception):
+    """Why a request failed; `code` is the gRPC status name the service returns."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(slots=True)
+class Event:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None       # "stop", "length", "cancelled", "reset"
+    usage: dict[str, float] | None = None
+    error: GenerationError | None = None
+    index: int = 0                         # which of the request's n completions
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()       # queued (or a fork child waiting for its page): memd holds nothing for it yet
+    RUNNING = enum.auto()       # memd gave it a sequence: it is in the batch
+    PREEMPTED = enum.auto()     # gave its pages up for others: memd swaps or drops its sequence (or forgot it:
+                                # seq_id 0) and it waits at the head of the queue to be resumed
+    FINISHED = enum.auto()      # ended: its final event is out, or waits for memd to release the sequence
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    turn_id: str | None = None                         # the client's name for this turn (retries reuse it)
+    arrived: float = field(default_factory=time.monotonic)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    status: RequestStatus = RequestStatus.WAITING
+    seq_id: int = 0                                    # memd's sequence, once it has one (0: none)
+    table: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)    # the whole history: memd's, the prompt, the generated
+    num_computed: int = 0                              # tokens whose K/V are in the pool
+    num_known_to_memd: int = 0                         # history length memd knows
+    generated: list[int] = field(default_factory=list)
+    emitted_text: str = ""
+    num_prompt: int = 0
+    num_cached: int = 0
+    first_token_at: float = 0.0
+    cancelled: str | None = None                       # "cancelled" or "reset"
+    generator: torch.Generator | None = None
+    index: int = 0                                     # completion number, for n > 1
+    children: list[Request] = field(default_factory=list)
+    preemptions: int = 0
+    fork_of: Request | None = None                     # n > 1: the request whose prompt this one forks
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # or the client's x-request-id
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        self.cancelled = self.cancelled or reason
+        for child in self.children:
+            child.cancel(reason)
+
+    def fail(self, error: GenerationError) -> None:
+        """End with `error` as the final event; only for a request that holds nothing in memd."""
+        self.status = RequestStatus.FINISHED
+        self.events.put_nowait(Event([], "", usage=self.usage(), error=error, index=self.index))
+
+    def usage(self) -> dict[str, float]:
+        n = len(self.generated)
+        end = time.monotonic()
+        ttft = (self.first_token_at - self.arrived) * 1000 if self.first_token_at else 0.0
+        tpot = (end - self.first_token_at) * 1000 / (n - 1) if n > 1 else 0.0
+        return {"prompt_tokens": self.num_prompt, "cached_tokens": self.num_cached,
+                "completion_tokens": n, "ttft_ms": ttft, "tpot_ms": tpot}
