@@ -1,4 +1,10 @@
-"""Fixtures that start real memd and worker processes and always clean them up."""
+"""Fixtures that start real memd and worker processes and always clean them up.
+
+A test that starts a process is marked `processes` (the fixtures below mark
+their users; a test that runs a command itself says so). `pytest -m "not
+processes"` runs the rest in seconds, and a test left unmarked that starts a
+process anyway fails, so the mark stays true.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +24,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from shared.client import MemdAdmin
+from shared.client import MemdAdmin, MemdClient
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
@@ -25,6 +32,31 @@ START_TIMEOUT_S = 60.0
 # Property tests assert behaviour, not speed: on a busy machine an example may take seconds.
 settings.register_profile("kvpool", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("kvpool")
+
+
+# Fixtures whose users start processes.
+PROCESS_FIXTURES = {"daemons", "memd_factory", "inferd_factory", "spawn_worker", "memd"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
+
+
+@pytest.fixture(autouse=True)
+def _only_marked_tests_start_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("processes") is not None:
+        return
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.processes")
+
+    async def refuse_async(*args: Any, **kwargs: Any) -> Any:
+        refuse()
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse_async)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -83,6 +115,10 @@ class Daemon:
 
     def admin(self) -> MemdAdmin:
         return MemdAdmin(self.address)
+
+    async def attach(self, **attach: Any) -> MemdClient:
+        """A worker's client on this memd (as tests/local_memd.LocalMemd.attach on an in-process one)."""
+        return await MemdClient.attach(self.address, **attach)
 
     async def stop(self) -> int:
         if self.proc.returncode is None:
@@ -157,6 +193,20 @@ def memd_factory(tmp_path: Path, daemons: list[Daemon]) -> Callable[..., Any]:
         daemons.append(await start_memd(tmp_path, *args, name=name, env=env))
         return daemons[-1]
     return factory
+
+
+@pytest.fixture
+async def local_memd_factory() -> AsyncIterator[Callable[..., Any]]:
+    """memd's real parts in the test's own process (tests/local_memd.py), from memd's flags; no processes."""
+    from tests.local_memd import LocalMemd
+    made: list[LocalMemd] = []
+
+    async def factory(*args: str, name: str = "memd") -> LocalMemd:
+        made.append(await LocalMemd.start(*args))
+        return made[-1]
+    yield factory
+    for memd in made:
+        await memd.close()
 
 
 @pytest.fixture

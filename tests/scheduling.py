@@ -1,4 +1,7 @@
-"""Helpers for tests that run the scheduler on a real memd: start it, collect a request, check for leaks."""
+"""Helpers for tests that run the scheduler on a real memd: start it, collect a request, check for leaks.
+
+`memd_factory` is either conftest's (a memd process) or `local_memd_factory` (memd's parts in this process).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ async def start_scheduler(memd_factory, checkpoint, num_blocks: int = 256, memd_
     page = BS * config.bytes_per_token
     memd = await memd_factory("--device", "cpu", "--pool-bytes", str(num_blocks * page), "--block-bytes", str(page),
                               *memd_args, name=name)
-    client = await MemdClient.attach(memd.address, model="tiny", block_size=BS, bytes_per_token=config.bytes_per_token)
+    client = await memd.attach(model="tiny", block_size=BS, bytes_per_token=config.bytes_per_token)
     model = PagedDecoder(config, load_weights(checkpoint, config.dtype), client.pool.view(config.dtype,
                                                                                           config.page_shape(BS)))
     scheduler = Scheduler(client, model, load_tokenizer(checkpoint), **kwargs)

@@ -168,6 +168,7 @@ async def test_the_pool_handle_goes_to_no_other_user_even_through_an_open_socket
     shutil.rmtree(open_dir, ignore_errors=True)
 
 
+@pytest.mark.processes
 async def test_token_files_the_operator_gives_must_be_private_and_plain(tmp_path):
     from test_memd_startup import run_memd
     sock = f"unix:{tmp_path}/m.sock"
@@ -186,6 +187,7 @@ async def test_token_files_the_operator_gives_must_be_private_and_plain(tmp_path
     assert not (tmp_path / "m.sock.admin-token").exists()         # a failed start leaves no token behind
 
 
+@pytest.mark.processes
 async def test_a_start_that_fails_late_removes_its_token_files(tmp_path):
     from test_memd_startup import run_memd
     with socket.socket() as taken:

@@ -89,6 +89,7 @@ def test_inferd_needs_a_model_from_some_layer(tmp_path):
     assert args.model == tmp_path and args.max_num_seqs == 16
 
 
+@pytest.mark.processes
 def test_the_daemons_print_their_config_and_refuse_a_bad_file_in_one_line(tmp_path):
     conf = tmp_path / "memd.toml"
     conf.write_text('pool-bytes = "8MiB"\n')

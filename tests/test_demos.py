@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -15,6 +17,7 @@ def run_demo(module: str) -> str:
     return done.stdout
 
 
+@pytest.mark.processes
 def test_the_chat_demo_shows_later_turns_reusing_the_conversation():
     out = run_demo("inferd.demo")
     turns = [line for line in out.splitlines() if "reused from memd" in line]
@@ -27,6 +30,7 @@ def test_the_chat_demo_shows_later_turns_reusing_the_conversation():
     assert "sequences running 0, parked 1, swapped 0, dropped 0" in out and "check: ok" in out
 
 
+@pytest.mark.processes
 def test_the_pool_demo_shares_bytes_between_two_workers():
     out = run_demo("memd.demo")
     assert "K/V bytes identical: True" in out and "sharing alice's first 64 tokens" in out

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import pytest
 from conftest import ROOT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -78,6 +79,7 @@ async def test_health_says_serving_and_reflection_lists_the_services(memd):
         assert {"kvpool.memd.v1.Memd", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.processes
 async def test_a_metrics_port_in_use_fails_at_start_in_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -109,6 +111,7 @@ async def memd_on_a_notify_socket(tmp_path: Path, **env: str) -> AsyncIterator[t
             await proc.wait()
 
 
+@pytest.mark.processes
 async def test_under_a_watchdog_memd_pings_from_its_loop_with_the_pool_in_its_status(tmp_path):
     async with memd_on_a_notify_socket(tmp_path, WATCHDOG_USEC="200000") as (listener, _):
         loop, messages = asyncio.get_running_loop(), []
@@ -123,6 +126,7 @@ async def test_under_a_watchdog_memd_pings_from_its_loop_with_the_pool_in_its_st
     assert status == ["STATUS=pool 0% used (0/16 blocks), swap 0/4; 0 worker(s); sequences: none"]
 
 
+@pytest.mark.processes
 async def test_ready_comes_only_once_the_socket_answers_calls(tmp_path):
     # systemd starts inferd@ units the moment memd says READY=1: by then a call must succeed on the
     # first try, with no retry and no wait for the channel to become ready.

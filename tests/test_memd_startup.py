@@ -31,6 +31,7 @@ def write_config(path: Path, **overrides: object) -> Path:
     return path
 
 
+@pytest.mark.processes
 async def test_a_pool_larger_than_memory_fails_at_start(tmp_path):
     rc, err = await run_memd("--device", "cpu", "--pool-bytes", "100TiB", "--listen", f"unix:{tmp_path}/m.sock")
     assert rc == 1
@@ -38,6 +39,7 @@ async def test_a_pool_larger_than_memory_fails_at_start(tmp_path):
     assert "Traceback" not in err and not (tmp_path / "m.sock").exists()
 
 
+@pytest.mark.processes
 async def test_bad_sizes_are_refused_by_the_command_line(tmp_path):
     rc, err = await run_memd("--pool-bytes", "12XB")
     assert rc == 2 and "not a size: '12XB'" in err
@@ -58,6 +60,7 @@ async def test_a_model_config_sizes_the_blocks(memd_factory, tmp_path):
         assert client.geometry.block_size == 32
 
 
+@pytest.mark.processes
 async def test_a_missing_model_config_is_one_clear_line(tmp_path):
     rc, err = await run_memd("--device", "cpu", "--model", str(tmp_path / "nothing"), "--listen",
                              f"unix:{tmp_path}/m.sock")
@@ -109,6 +112,7 @@ async def test_memd_serves_over_tcp_only_with_tokens(memd_factory, tmp_path, mon
     assert worker_token.exists()             # the operator's token files outlive memd
 
 
+@pytest.mark.processes
 async def test_unusable_socket_paths_are_refused_clearly(tmp_path):
     long_dir = tmp_path / ("d" * 100)
     rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--listen", f"unix:{long_dir}/memd.sock")
@@ -119,6 +123,7 @@ async def test_unusable_socket_paths_are_refused_clearly(tmp_path):
     assert (tmp_path / "precious.txt").read_text() == "not a socket"
 
 
+@pytest.mark.processes
 async def test_a_swap_tier_larger_than_memory_or_a_bad_latency_setting_fails_at_start(tmp_path):
     listen = ("--listen", f"unix:{tmp_path}/m.sock")
     rc, err = await run_memd("--device", "cpu", "--pool-bytes", "64MiB", "--swap-ratio", "100000", *listen)

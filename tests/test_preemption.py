@@ -10,7 +10,6 @@ from scheduling import BS, assert_clean, collect, greedy, on_step, start_schedul
 
 from inferd.sampling import SamplingParams
 from inferd.scheduler import Request
-from shared.client import MemdClient
 from shared.ops import Extend, Fork, Free, Open, Park, Resume
 
 SESSIONS, TURNS, MAX_TOKENS = 16, 3, 24
@@ -35,12 +34,12 @@ async def chat(scheduler) -> dict[tuple[int, int], list[int]]:
     return outputs
 
 
-async def test_sixteen_long_chats_on_a_pool_for_four_match_an_unconstrained_run(memd_factory, checkpoint, judge):
+async def test_sixteen_long_chats_on_a_pool_for_four_match_an_unconstrained_run(local_memd_factory, checkpoint, judge):
     # A whole chat is about 3 x (8 + 24) tokens: 24 blocks of 4. The small pool holds 4 such chats.
     _, big_client, big_scheduler, big_task = await start_scheduler(
-        memd_factory, checkpoint, num_blocks=2048, name="big", max_num_seqs=SESSIONS)
+        local_memd_factory, checkpoint, num_blocks=2048, name="big", max_num_seqs=SESSIONS)
     small, client, scheduler, task = await start_scheduler(
-        memd_factory, checkpoint, num_blocks=96, name="small", max_num_seqs=SESSIONS)
+        local_memd_factory, checkpoint, num_blocks=96, name="small", max_num_seqs=SESSIONS)
     try:
         expected = await chat(big_scheduler)
         got = await chat(scheduler)
@@ -68,9 +67,9 @@ async def test_sixteen_long_chats_on_a_pool_for_four_match_an_unconstrained_run(
 
 
 @pytest.mark.parametrize("mode, how", [("swap", "swap_ins"), ("drop", "drops")])
-async def test_an_operator_evicting_a_running_sequence_delays_it_and_changes_nothing(memd_factory, checkpoint,
+async def test_an_operator_evicting_a_running_sequence_delays_it_and_changes_nothing(local_memd_factory, checkpoint,
                                                                                      judge, mode, how):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=64)
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=64)
     revoked = asyncio.Event()
     deliver = client.on_revoke
 
@@ -118,10 +117,10 @@ async def revoke(memd, client, seq_id: int, mode: str = "swap") -> None:
     client.on_revoke = deliver
 
 
-async def test_a_request_that_preempted_itself_resumes_when_another_worker_frees_pages(memd_factory, checkpoint,
+async def test_a_request_that_preempted_itself_resumes_when_another_worker_frees_pages(local_memd_factory, checkpoint,
                                                                                      judge):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
-    hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=16)
+    hog = await memd.attach(model="tiny", block_size=BS)
     try:
         held, = await hog.step(Open([1] * 36))              # 9 of 16 pages, running on another worker
         await client.step()
@@ -147,8 +146,8 @@ async def test_a_request_that_preempted_itself_resumes_when_another_worker_frees
 
 
 async def test_a_reset_while_preemptions_are_swapped_out_ends_the_turns_and_forgets_the_session(
-        memd_factory, checkpoint):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=256,
+        local_memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=256,
                                                           memd_args=("--swap-ratio", "0.5"))
     try:
         first = Request([10, 11, 12, 13, 14], greedy(3), session_id="s")
@@ -179,9 +178,9 @@ async def test_a_reset_while_preemptions_are_swapped_out_ends_the_turns_and_forg
         await client.close()
 
 
-async def test_forks_wait_for_a_page_instead_of_failing(memd_factory, checkpoint):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
-    hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+async def test_forks_wait_for_a_page_instead_of_failing(local_memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=16)
+    hog = await memd.attach(model="tiny", block_size=BS)
     try:
         held, = await hog.step(Open([1] * 48))              # 12 of 16 pages, running on another worker
         await client.step()
@@ -209,8 +208,8 @@ async def test_forks_wait_for_a_page_instead_of_failing(memd_factory, checkpoint
         await client.close()
 
 
-async def test_a_preempted_request_comes_back_without_its_lookahead(memd_factory, checkpoint):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
+async def test_a_preempted_request_comes_back_without_its_lookahead(local_memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=16)
     try:
         request = Request([5, 6, 7, 8, 9], greedy(100))     # grows to the end of the 64-token pool
         scheduler.submit(request)
@@ -254,9 +253,9 @@ async def mixed_load(scheduler) -> list[dict[int, list[int]]]:
 
 
 @pytest.mark.parametrize("memd_args", [("--swap-ratio", "0.5"), ("--disable-swap",)], ids=["swap", "no-swap"])
-async def test_sampling_and_forks_on_a_small_pool_match_a_big_one(memd_factory, checkpoint, memd_args):
-    _, big_client, big, big_task = await start_scheduler(memd_factory, checkpoint, num_blocks=1024, name="big")
-    memd, client, small, task = await start_scheduler(memd_factory, checkpoint, num_blocks=40, name="small",
+async def test_sampling_and_forks_on_a_small_pool_match_a_big_one(local_memd_factory, checkpoint, memd_args):
+    _, big_client, big, big_task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=1024, name="big")
+    memd, client, small, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=40, name="small",
                                                       memd_args=memd_args)
     try:
         assert await mixed_load(small) == await mixed_load(big)
@@ -268,10 +267,11 @@ async def test_sampling_and_forks_on_a_small_pool_match_a_big_one(memd_factory, 
         await big_client.close()
 
 
-async def test_a_preempted_turn_whose_resume_memd_refuses_waits_and_resumes_later(memd_factory, checkpoint, judge):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=64,
+async def test_a_preempted_turn_whose_resume_memd_refuses_waits_and_resumes_later(local_memd_factory, checkpoint,
+                                                                                  judge):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=64,
                                                           memd_args=("--swap-ratio", "0.5"))
-    hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+    hog = await memd.attach(model="tiny", block_size=BS)
     try:
         first = Request([10, 11, 12, 13, 14], greedy(3), session_id="chat")
         scheduler.submit(first)

@@ -11,15 +11,14 @@ from scheduling import BS, assert_clean, collect, greedy, on_step, start_schedul
 
 from inferd.sampling import SamplingParams
 from inferd.scheduler import GenerationError, Request
-from shared.client import MemdClient
 from shared.ops import Extend, Free, Open
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture
-async def served(memd_factory, checkpoint):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint)
+async def served(local_memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint)
     yield memd, scheduler
     task.cancel()
     await client.close()
@@ -134,8 +133,8 @@ async def test_bad_requests_are_refused_before_they_queue(served):
     assert not scheduler.waiting
 
 
-async def test_admission_waits_for_pages_and_everyone_finishes(memd_factory, checkpoint, judge):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=24)
+async def test_admission_waits_for_pages_and_everyone_finishes(local_memd_factory, checkpoint, judge):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=24)
     try:
         prompts = [[i + 3] * 9 for i in range(6)]        # 6 x (9 + 10 tokens) needs ~30 blocks; the pool has 24
         requests = [Request(p, greedy(10)) for p in prompts]
@@ -205,10 +204,10 @@ async def test_n_with_a_session_is_refused(served):
 
 @pytest.mark.parametrize("memd_args, how", [(("--swap-ratio", "0.9"), "swap_outs"),
                                              (("--disable-swap",), "drops")], ids=["swapped", "recomputed"])
-async def test_when_two_cannot_both_grow_the_newest_is_preempted_and_both_finish(memd_factory, checkpoint,
+async def test_when_two_cannot_both_grow_the_newest_is_preempted_and_both_finish(local_memd_factory, checkpoint,
                                                                                  judge, memd_args, how):
     # 12 pages of 4 tokens; two requests that each grow to 9 pages cannot run side by side.
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=12,
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=12,
                                                           memd_args=memd_args)
     try:
         older, newer = Request([3, 4, 5, 6], greedy(30)), Request([7, 8, 9, 10], greedy(30))
@@ -226,12 +225,12 @@ async def test_when_two_cannot_both_grow_the_newest_is_preempted_and_both_finish
         await client.close()
 
 
-async def test_requests_wait_for_pages_another_worker_holds(memd_factory, checkpoint):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, num_blocks=16)
+async def test_requests_wait_for_pages_another_worker_holds(local_memd_factory, checkpoint):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=16)
     try:
         with pytest.raises(GenerationError, match="does not fit the KV pool"):
             scheduler.submit(Request(list(range(3, 80)), greedy(2)))
-        hog = await MemdClient.attach(memd.address, model="tiny", block_size=BS)
+        hog = await memd.attach(model="tiny", block_size=BS)
         held, = await hog.step(Open([1] * 60))                   # 15 of the 16 pages
         await client.step()                                       # the scheduler learns how few are free
         request = Request([5, 6, 7, 8, 9], greedy(4))
@@ -339,9 +338,9 @@ async def test_a_turn_whose_table_memd_disagrees_with_fails_instead_of_answering
     assert stats.used_blocks == 0                            # failed, and freed
 
 
-async def test_the_kv_audit_fails_a_turn_whose_pages_someone_else_wrote(memd_factory, checkpoint, judge):
-    memd, client, scheduler, task = await start_scheduler(memd_factory, checkpoint, audit_kv=True)
-    intruder = await MemdClient.attach(memd.address, model="tiny", block_size=BS)     # maps the same pool
+async def test_the_kv_audit_fails_a_turn_whose_pages_someone_else_wrote(local_memd_factory, checkpoint, judge):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, audit_kv=True)
+    intruder = await memd.attach(model="tiny", block_size=BS)     # maps the same pool
     try:
         clean = Request(list(range(3, 20)), greedy(30))           # audited, untouched: answers as ever
         scheduler.submit(clean)

@@ -41,11 +41,13 @@ def installed(tmp_path: Path, edit: str = "") -> Path:
     return tmp_path
 
 
+@pytest.mark.processes
 def test_the_units_verify_without_a_single_warning(tmp_path):
     assert (Path(sys.executable).parent / "memd").exists(), "the package's scripts are not installed"
     assert verify(installed(tmp_path), "memd.service", "inferd@llama.service") == ""
 
 
+@pytest.mark.processes
 def test_a_typo_in_a_unit_is_caught(tmp_path):
     # The check above is only worth something if a warning-level mistake fails it.
     assert "Unknown key" in verify(installed(tmp_path, "ProtectSytem=strict"), "memd.service")
