@@ -3,15 +3,15 @@
 The pool is shared memory that other processes write: memd zeroes and
 copies pages, other workers write theirs. A bookkeeping bug anywhere (a page
 handed out twice, a late effect, a reclaimed worker's late pass) shows up as
-answers that are wrong for no visible reason. With the audit on, each slot a
+answers that are wrong for no visible reason. With the audit on, each position a
 sequence writes gets a fingerprint (an exact integer hash of its bytes in
-every layer), and before every pass the slots the pass will read are hashed
+every layer), and before every pass the positions the pass will read are hashed
 again: one that changed under a running sequence fails its turn with the
 sequence, position and page named, instead of answering from it. Slots a
 sequence found written (prefix hits, swap-ins, a resumed session) are taken
 as they are when it first runs here.
 
-It reads every context slot once more per pass: for tests and investigations,
+It reads every context position once more per pass: for tests and investigations,
 not for production serving.
 """
 
@@ -72,5 +72,5 @@ class KvAudit:
         self._prints[key] = torch.cat([known, self._hash(table, start, end)])
 
     def forget(self, key: int) -> None:
-        """The sequence's table changed hands or ended: its slots are no longer this worker's to vouch for."""
+        """The sequence's table changed hands or ended: its positions are no longer this worker's to vouch for."""
         self._prints.pop(key, None)

@@ -67,7 +67,7 @@ class Admit(PendingOp):
     def applied(self, scheduler: Scheduler, result: OpResult) -> None:
         request = self.request
         if scheduler.audit is not None:
-            scheduler.audit.forget(id(request))        # a new table: its slots are taken as found when it runs
+            scheduler.audit.forget(id(request))        # a new table: its positions are taken as found when it runs
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.seq_id = result.seq_id
@@ -163,7 +163,7 @@ class ForkChild(PendingOp):
     def applied(self, scheduler: Scheduler, result: OpResult) -> None:
         request = self.request
         if scheduler.audit is not None:
-            scheduler.audit.forget(id(request))        # a new table: its slots are taken as found when it runs
+            scheduler.audit.forget(id(request))        # a new table: its positions are taken as found when it runs
         request.status = RequestStatus.RUNNING
         request.seq_id, request.table = result.seq_id, list(result.block_ids)
         request.num_computed = request.num_known_to_memd = result.num_committed
@@ -216,7 +216,7 @@ class Preempt(PendingOp):
 
     def applied(self, scheduler: Scheduler, result: OpResult) -> None:
         if scheduler.audit is not None:
-            scheduler.audit.forget(id(self.request))   # a new table: its slots are taken as found when it runs
+            scheduler.audit.forget(id(self.request))   # a new table: its positions are taken as found when it runs
         self.request.table = []
         scheduler._requeue(self.request)
 

@@ -2,7 +2,7 @@
 
 Each pool page is one block of this model: [layers, K/V, block_size,
 kv_heads, head_dim]. A forward pass writes the new tokens' K/V straight into
-their slots, then attends over each sequence's context gathered through its
+their positions, then attends over each sequence's context gathered through its
 block table. Nothing is copied through memd; the pool is mapped here.
 
 One `forward` serves prefill, decode and any mix of the two: the batch is a
@@ -27,7 +27,7 @@ class Batch:
     token_ids: torch.Tensor      # [T] long: every sequence's new tokens, in sequence order
     positions: torch.Tensor      # [T] long: absolute position of each new token
     slot_blocks: torch.Tensor    # [T] long: pool block receiving each new token's K/V
-    slot_offsets: torch.Tensor   # [T] long: slot within that block
+    slot_offsets: torch.Tensor   # [T] long: position within that block
     query_lens: list[int]        # new tokens per sequence
     context_lens: list[int]      # tokens per sequence after this pass (cached + new)
     block_tables: torch.Tensor   # [B, max_blocks] long, padded with any valid block id
@@ -177,7 +177,7 @@ class PagedDecoder:
         return _Layout(mask[:, None], gather, valid, None)
 
     def _key_mask(self, batch: Batch) -> torch.Tensor:
-        """[B, max_ctx]: which padded key slots hold a sequence's context."""
+        """[B, max_ctx]: which padded key positions hold a sequence's context."""
         max_ctx = batch.block_tables.shape[1] * self.block_size
         clens = torch.tensor(batch.context_lens, device=self.device)
         return torch.arange(max_ctx, device=self.device)[None, :] < clens[:, None]

@@ -238,7 +238,7 @@ class Scheduler:
         self._ending, self._resets = [], []
         growing = 0                                         # running sequences first, then newcomers
         for request in self.running:
-            needed = len(request.tokens)                    # slots this pass writes up to
+            needed = len(request.tokens)                    # positions this pass writes up to
             if needed > len(request.table) * self.block_size:
                 extend = Extend(request.seq_id, append=request.tokens[request.num_known_to_memd:],
                                 commit_to=request.num_computed, reserve=self._reserve(request))
@@ -367,7 +367,7 @@ class Scheduler:
                     continue_session=request.session_id is not None, turn_id=request.turn_id)
 
     def _reserve(self, request: Request) -> int:
-        """Writable slots to ask for past the known tokens: the lookahead, capped by what may still come.
+        """Writable positions to ask for past the known tokens: the lookahead, capped by what may still come.
 
         A preempted request asks for one: it ran without lookahead before it gave way, and must not
         come back needing more than it had.

@@ -9,7 +9,7 @@ effects, which the caller performs before the worker hears back.
 Ownership: a RUNNING sequence belongs to one worker, which alone may change
 it. PARKED and DROPPED sequences belong to memd; any worker of the same model
 may resume or free them. Only full committed blocks are ever shared (prefix
-hits, forks), so every slot a RUNNING sequence may write is its own.
+hits, forks), so every position a RUNNING sequence may write is its own.
 
 Memory pressure (swap-outs, drops, idle TTL, forced evictions) happens
 outside Steps, in `memd.eviction`; a Step only swaps a sequence back in on

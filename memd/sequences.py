@@ -1,7 +1,9 @@
 """Sequences, their block tables and the content hashes of their full blocks.
 
-A block table is the seed's two-level index (§3.2): a dict from sequence id
-to a compact list of block ids, block i holding tokens [i*bs, (i+1)*bs).
+A block table is a two-level index: a dict from sequence id to a compact
+list of the block ids the sequence holds, block i holding tokens
+[i*bs, (i+1)*bs). Finding a token's page is one dict lookup and one list
+index (`locate`), and a table costs only the blocks in use.
 Token ids are the sequence's history; the first `num_committed` of them have
 their K/V written in the blocks. Tokens past that are known but not yet
 written (a sampled token, or the history of a dropped sequence) and are
@@ -11,6 +13,38 @@ Under memory pressure a PARKED sequence loses its pages in one of two ways:
 swapped out (its pages copied to slots of the host swap tier: a resume copies
 them back, nothing is recomputed) or dropped (only the token ids stay: a
 resume recomputes, helped by whatever prefix blocks are still cached).
+
+States, and what moves a sequence from one to another:
+
+          Open, or Fork (a child of a RUNNING sequence)
+            |
+            v
+   +---> RUNNING <------------------+----------------------------+
+   |        |                       |                            |
+   | Resume | Park (end of turn,    | Resume (its pages copied   | Resume (recompute;
+   |        | or preempt);          | back into fresh ones)      | still-cached prefix
+   |        | worker reclaimed [1]  |                            | blocks are shared)
+   |        v                       |                            |
+   +---- PARKED -----------------> SWAPPED -----------------> DROPPED
+            |     swap-out [2]                drop [3]           ^
+            |                                                    |
+            +------------------------ drop [3] ------------------+
+
+   Free, in any state (a RUNNING one only by its worker): the sequence is
+   gone. So is a DROPPED one without a session, after the idle TTL.
+   [1] Its lease expired, its stream broke, or it said goodbye: the
+       sequence is parked at its committed tokens (its whole blocks, when
+       the worker may still write) and marked interrupted; those it had
+       preempted keep their state and are marked too. A sequence without a
+       session is freed instead: only that worker knew its id. A restarted
+       memd parks what was RUNNING the same way (memd.recovery).
+   [2] memd.eviction, under pressure, for a preempting Park or for
+       `memctl evict`. The sequence is SWAPPED once the copy is done; a
+       Resume or Free before that cancels the swap-out.
+   [3] memd.eviction: an eviction that swap cannot take (swap off, or full
+       of hotter sequences), the idle TTL, `memctl evict --drop`, or room in
+       a full swap tier for a hotter swap-out. A restarted memd drops what it
+       cannot reopen.
 """
 
 from __future__ import annotations

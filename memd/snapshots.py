@@ -1,12 +1,12 @@
 """Snapshot files and what changed between two of them: the leak hunt in one command.
 
-The seed's leak story (§5.2, §5.3) was found by dumping every block's ref
-count and sequence, twice, and looking for blocks held by no sequence, and for
-a sequence (seq_7782) whose blocks stayed held and untouched while latency
-crept up. `memctl snapshot --format msgpack|json` writes one document;
-`memctl diff A B` reads two and reports exactly those: orphaned blocks,
-sequences that grew, sequences that hold pages but were not touched between
-the two snapshots, and what appeared and went.
+A page leak shows two ways: blocks held by no sequence, and a sequence whose
+blocks stay held and untouched while latency creeps up (a session whose
+/reset never freed it). Both are found by dumping every block's ref count
+and owner, twice, and comparing. `memctl snapshot --format msgpack|json`
+writes one document; `memctl diff A B` reads two and reports exactly those:
+orphaned blocks, sequences that grew, sequences that hold pages but were not
+touched between the two snapshots, and what appeared and went.
 """
 
 from __future__ import annotations

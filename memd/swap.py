@@ -1,16 +1,19 @@
 """The swap tier: host memory holding the pages of SWAPPED sequences.
 
 Allocated once at start-up (`--swap-ratio` x the pool), like the pool itself:
-a swap-out never allocates (seed §3.4). On the shm backend it is an anonymous
-mapping, populated and `mlock`ed so the kernel cannot page the swap tier out
-in turn (seed §5.3); on CUDA it is pinned host memory, copied by DMA on a
-stream of its own.
+a swap-out never allocates, so it meets no allocation stall or failure when
+memory is short. On the shm backend it is an anonymous mapping, populated and
+`mlock`ed so the kernel cannot page the swap tier out in turn when other
+processes need host memory; on CUDA it is pinned host memory, copied by DMA
+on a stream of its own.
 
 Copies come as (source, destination) index pairs; runs of consecutive pairs
 go as one copy, and a large copy is split over a few threads (memmove
 releases the GIL), as torch's own `copy_` does: one thread of memmove on
-scattered pages reaches only about 60% of the bandwidth. `SWAP_LATENCY_TEST=seconds` delays each copy (seed §5.2), so
-tests and benchmarks can see what slow swapping does to everyone else.
+scattered pages reaches only about 60% of the bandwidth.
+
+`SWAP_LATENCY_TEST=seconds` delays each copy, so tests and benchmarks can see
+what slow swapping does to everyone else (tail latency under a swap storm).
 """
 
 from __future__ import annotations

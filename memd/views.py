@@ -66,7 +66,11 @@ def render_stats(data: dict[str, Any]) -> str:
 
 
 def snapshot_csv(reply: pb.SnapshotReply) -> str:
-    """The seed's block table (§5.2): filter ref_count > 0 and seq_id = -1 for leaked blocks."""
+    """One row per block, `block_id,ref_count,last_access,seq_id` first (then state, heat, owner).
+
+    To find leaked pages, filter ref_count > 0 and seq_id = -1 (held by no
+    sequence), state other than `fenced`.
+    """
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=SNAPSHOT_COLUMNS, lineterminator="\n")
     writer.writeheader()

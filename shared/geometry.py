@@ -1,8 +1,14 @@
-"""Block geometry and the sizing formulas of seed §3.3.
+"""Block geometry and the sizing formulas.
 
 memd's pages are shape-agnostic bytes; a worker gives them meaning. The
 formulas below are the bridge: how many bytes one token's K/V takes for a
-model, how many of those fit a page, and how many pages fit a budget.
+model, how many of those fit a page, and how many pages fit a budget:
+
+    bytes_per_token = layers x 2 (K and V) x kv_heads x head_dim x dtype_bytes
+    block_bytes     = block_size x bytes_per_token
+    num_blocks      = pool_bytes // block_bytes
+
+Llama-2-7B in fp16 (32 layers, 32 KV heads, head_dim 128) takes 512 KiB per token.
 """
 
 from __future__ import annotations

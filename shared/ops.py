@@ -15,7 +15,7 @@ class Open:
     """A new RUNNING sequence for `token_ids`; cached full blocks are shared, not recomputed."""
 
     token_ids: list[int]
-    reserve: int = 0                 # writable slots wanted past the tokens
+    reserve: int = 0                 # writable positions wanted past the tokens
     session_id: str | None = None
     continue_session: bool = False   # resume the session's sequence if it has one; token_ids join its history
     turn_id: str | None = None       # names the turn: sent again, it replaces the session's last turn of that name

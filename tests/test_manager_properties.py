@@ -41,7 +41,7 @@ def new_manager() -> KvManager:
     return KvManager(GEOMETRY, hash_key=b"k" * 32, swap_slots=SWAP_SLOTS, watermark_blocks=4)
 
 
-def settle(manager: KvManager, outcome: StepOutcome, jobs: list[SwapOut]) -> None:
+def after_step(manager: KvManager, outcome: StepOutcome, jobs: list[SwapOut]) -> None:
     """What memd's service does after a Step: effects done, slots back, preempted sequences evicted."""
     manager.release_slots(outcome.read_slots)
     for eviction in outcome.evictions:
@@ -186,7 +186,7 @@ class KvManagerMachine(RuleBasedStateMachine):
             hit = outcome.results[takes[0]]
             assert hit.num_cached >= BLOCK_SIZE, f"{ops[takes[0]]} missed a cached first block"
         self.check_effects(before, ops, outcome.effects)
-        settle(manager, outcome, self.jobs)
+        after_step(manager, outcome, self.jobs)
 
     def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[PageEffect]) -> None:
         """A page is zeroed only if written before, and a written page is never handed out as it is."""

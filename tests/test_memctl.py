@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from shared.client import MemdClient
 from shared.ops import Extend, Open, Park
 
@@ -132,6 +134,7 @@ async def test_check_passes_on_a_healthy_memd(memd):
     assert rc == 0 and out.strip() == "check: ok"
 
 
+@pytest.mark.processes
 async def test_memctl_without_memd_says_so_in_one_line(tmp_path):
     address = f"unix:{tmp_path}/nobody.sock"
     for command in (["check"], ["stats", "--json"], ["snapshot"]):
@@ -173,8 +176,8 @@ async def test_workers_and_sequences_list_what_memd_holds(memd):
 
 
 async def test_diff_of_two_snapshots_finds_the_sequence_that_holds_pages_untouched(memd, tmp_path):
-    # The seed's seq_7782 (§5.3): a session whose "/reset" never freed it holds its pages,
-    # untouched, while everything else moves on. Two snapshots and a diff name it.
+    # A leak: a session whose "/reset" never freed it holds its pages, untouched,
+    # while everything else moves on. Two snapshots and a diff name it.
     forgotten = await park_a_session(memd, "forgotten", tokens=64)
     before, after = tmp_path / "before.msgpack", tmp_path / "after.json"
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
@@ -225,6 +228,7 @@ async def test_top_once_shows_pool_workers_heat_and_rpc_rates(memd):
     assert "coldest parked" in out and "cold" in out
 
 
+@pytest.mark.processes
 def test_completion_scripts_know_the_commands():
     import subprocess
     out = subprocess.run([sys.executable, "-m", "memd.memctl", "completion", "bash"], cwd=ROOT, capture_output=True,

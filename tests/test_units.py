@@ -34,9 +34,9 @@ def test_sizes_format_for_humans():
     assert format_size(512) == "512 B" and format_size(64 << 20) == "64.0 MiB"
 
 
-def test_seed_formulas_for_a_7b_model():
-    # Llama-2-7B (seed §2.1, §3.3): 32 layers x 2 x 32 kv heads x 128 x 2 bytes = 512 KiB per token.
-    # (The seed's 0.5 MB for a 32-token block is one layer's share: 32 x 128 x 32 x 2 x 2.)
+def test_sizing_formulas_for_a_7b_model():
+    # Llama-2-7B: 32 layers x 2 x 32 kv heads x 128 x 2 bytes = 512 KiB per token.
+    # A page holds every layer: 0.5 MiB (32 x 128 x 32 x 2 x 2) is one layer's share of a 32-token block.
     shape = ModelShape(num_layers=32, num_kv_heads=32, head_dim=128, dtype="float16")
     assert shape.bytes_per_token == 524_288
     geometry = plan_pool(20 << 30, shape=shape, block_size=32)
