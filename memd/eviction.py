@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from memd.errors import InvalidArgument, NotFound
@@ -34,13 +35,26 @@ if TYPE_CHECKING:
 MODES = ("swap", "drop")
 
 
+class EvictionReason(StrEnum):
+    """Why memd took a sequence's pages (a worker's own preemption has none)."""
+
+    PRESSURE = "pressure"      # a Step, a waiting worker or the free-block watermark needed the pages
+    IDLE = "idle"              # untouched for the idle TTL
+    FORCED = "forced"          # an operator's memctl evict
+
+    @property
+    def counter(self) -> str:
+        """Its key in memd's counters (Stats, metrics): evictions_<reason>."""
+        return f"evictions_{self.value}"
+
+
 @dataclass(frozen=True, slots=True)
 class Eviction:
     """A sequence a Step parked to be evicted before the worker hears back (a preemption, a revocation)."""
 
     seq: Sequence
     mode: str                   # "swap" or "drop"
-    reason: str | None          # "forced" for an operator's, None for a worker's own preemption
+    reason: EvictionReason | None     # FORCED for an operator's, None for a worker's own preemption
 
 
 @dataclass(slots=True)
@@ -113,7 +127,7 @@ class Evictor:
 
     # ---- evicting ------------------------------------------------------
 
-    def evict(self, seq: Sequence, mode: str, reason: str | None) -> Evicted:
+    def evict(self, seq: Sequence, mode: str, reason: EvictionReason | None) -> Evicted:
         """Swap a PARKED sequence out (or drop it when swap cannot take it)."""
         if self.m.seqs.get(seq.seq_id) is not seq or seq.state is not SeqState.PARKED:
             return Evicted()                  # freed or resumed since it was chosen (or already being swapped)
@@ -127,7 +141,7 @@ class Evictor:
             return done
         return self.drop(seq, reason)
 
-    def begin_swap_out(self, seq: Sequence, reason: str | None, done: Evicted) -> SwapOut | None:
+    def begin_swap_out(self, seq: Sequence, reason: EvictionReason | None, done: Evicted) -> SwapOut | None:
         """Reserve swap slots for `seq`, dropping colder swapped sequences for room; None if none can be had."""
         m, swap, need = self.m, self.m.swap, len(seq.block_ids)
         if swap is None or need > swap.num_slots:
@@ -164,7 +178,7 @@ class Evictor:
         m.counters["swap_outs"] += 1
         m.counters["swap_out_blocks"] += len(job.slots)
         if job.reason:
-            m.counters[f"evictions_{job.reason}"] += 1
+            m.counters[job.reason.counter] += 1
         return True
 
     def abort_swap_out(self, job: SwapOut) -> None:
@@ -175,7 +189,7 @@ class Evictor:
             del m.swap_jobs[job.seq.seq_id]
         m.swap.give(job.slots)
 
-    def drop(self, seq: Sequence, reason: str | None) -> Evicted:
+    def drop(self, seq: Sequence, reason: EvictionReason | None) -> Evicted:
         """Release a PARKED or SWAPPED sequence's pages and slots; its token ids stay for a recompute."""
         m = self.m
         freed = m.release(seq)
@@ -183,11 +197,12 @@ class Evictor:
         seq.state = SeqState.DROPPED
         m.counters["drops"] += 1
         if reason:
-            m.counters[f"evictions_{reason}"] += 1
+            m.counters[reason.counter] += 1
         return Evicted(dropped=[seq.seq_id], blocks_freed=freed)
 
-    def make_room(self, blocks: int, *, reason: str, mode: str = "swap", exclude: frozenset[int] = frozenset(),
-                  count_in_flight: bool = True, plan: list[tuple[Sequence, int, bool]] | None = None) -> Evicted:
+    def make_room(self, blocks: int, *, reason: EvictionReason, mode: str = "swap",
+                  exclude: frozenset[int] = frozenset(), count_in_flight: bool = True,
+                  plan: list[tuple[Sequence, int, bool]] | None = None) -> Evicted:
         """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free.
 
         `plan`: one the caller already made (`plan`, with the same `exclude`), not made again.
@@ -212,7 +227,7 @@ class Evictor:
                 if now - seq.last_access < self.idle_ttl_s:
                     continue
                 if seq.state in (SeqState.PARKED, SeqState.SWAPPED):
-                    done.add(self.drop(seq, "idle"))
+                    done.add(self.drop(seq, EvictionReason.IDLE))
                 elif seq.state is SeqState.DROPPED and seq.session_id is None:
                     m.forget(seq)                 # nothing names it but a seq id nobody used for a TTL
                     m.counters["forgotten"] += 1
@@ -221,10 +236,10 @@ class Evictor:
             if seq is None or seq.state is not SeqState.RUNNING:
                 del m.revoked[seq_id]
             if seq is not None and m.evictable(seq):
-                done.add(self.evict(seq, mode, "forced"))     # its worker died before giving it up
+                done.add(self.evict(seq, mode, EvictionReason.FORCED))     # its worker died before giving it up
         short = self.watermark_blocks - m.pool.num_free
         if short > 0:
-            done.add(self.make_room(short, reason="pressure"))
+            done.add(self.make_room(short, reason=EvictionReason.PRESSURE))
         return done
 
     def force(self, *, seq_id: int | None = None, session_id: str | None = None, idle_s: float | None = None,
@@ -236,7 +251,7 @@ class Evictor:
         if blocks is not None:
             if blocks <= 0:
                 raise InvalidArgument("evict --blocks needs a positive number")
-            return self.make_room(blocks, reason="forced", mode=mode, count_in_flight=False)
+            return self.make_room(blocks, reason=EvictionReason.FORCED, mode=mode, count_in_flight=False)
         if worker_id is not None:
             if worker_id not in m.workers:
                 raise NotFound(f"no worker {worker_id}")
@@ -259,7 +274,7 @@ class Evictor:
             self.m.revoked[seq.seq_id] = mode
             return Evicted(revoked=[(seq.seq_id, seq.owner)])
         if mode == "drop" and seq.state in (SeqState.PARKED, SeqState.SWAPPED):
-            return self.drop(seq, "forced")
+            return self.drop(seq, EvictionReason.FORCED)
         if self.m.evictable(seq):
-            return self.evict(seq, mode, "forced")
+            return self.evict(seq, mode, EvictionReason.FORCED)
         return Evicted()          # already swapped (or being swapped), or dropped

@@ -35,11 +35,12 @@ from memd.errors import (
     PermissionDenied,
     PoolExhausted,
 )
-from memd.eviction import Eviction, Evictor
+from memd.eviction import Eviction, EvictionReason, Evictor
 from memd.invariants import violations
-from memd.page_effects import Copy, PageEffect, SwapIn, Zero
+from memd.page_effects import Copy, SwapIn, Zero
 from memd.pool import BlockPool, SwapSlots, UndoLog
 from memd.sequences import PrefixHasher, SeqState, Sequence, SwapOut, blocks_for
+from memd.step_outcome import StepOutcome, SwappedInBlock
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
@@ -56,36 +57,6 @@ class Worker:
     last_seen: float
     lease: bytes = b""            # the secret its Steps and Session stream must present
     streaming: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SwappedInBlock:
-    """A full block copied back from swap: it may serve prefix hits once the copy has landed, not before."""
-
-    seq: Sequence
-    index: int
-    block: int
-
-
-@dataclass(slots=True)
-class StepOutcome:
-    """What a committed Step leaves to do, in this order (memd.step_runner does it before the reply):
-
-    1. `effects` on the pages; 2. `KvManager.effects_landed` (swapped-in blocks
-    join the prefix cache, `filling` sequences are whole again); 3.
-    `KvManager.release_slots(read_slots)`; 4. the journal records the change
-    (memd.journal); 5. `evictions` of what the Step parked to be evicted.
-    """
-
-    results: list[OpResult] = field(default_factory=list)
-    effects: list[PageEffect] = field(default_factory=list)
-    # Swap slots the effects read (swap-ins) or that a freed sequence held: free once the effects are done.
-    read_slots: list[int] = field(default_factory=list)
-    # Parked by this Step and to be evicted before the reply (a preemption, an operator's revocation).
-    evictions: list[Eviction] = field(default_factory=list)
-    swapped_in: list[SwappedInBlock] = field(default_factory=list)
-    # Sequences whose pages the effects fill (swap-ins, a fork's copy).
-    filling: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -364,9 +335,9 @@ class KvManager:
         seq.preempted_by = txn.worker.worker_id if op.preempt else None
         if op.preempt:
             txn.counters["preemptions"] += 1
-            txn.outcome.evictions.append(Eviction(seq, mode or "swap", "forced" if mode else None))
+            txn.outcome.evictions.append(Eviction(seq, mode or "swap", EvictionReason.FORCED if mode else None))
         elif mode is not None:
-            txn.outcome.evictions.append(Eviction(seq, mode, "forced"))
+            txn.outcome.evictions.append(Eviction(seq, mode, EvictionReason.FORCED))
         return _result(seq, len(seq.block_ids))
 
     def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = (), turn_id: str = "") -> OpResult:

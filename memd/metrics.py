@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from memd.eviction import EvictionReason
 from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ COUNTERS = (
     ("forks", "forks", "sequences forked"),
     ("reclaims", "reclaims", "workers whose lease ended and whose sequences memd took back"),
 )
-EVICTION_REASONS = ("idle", "pressure", "forced")
 
 
 class MemdMetrics(Collector):
@@ -96,8 +96,8 @@ class MemdMetrics(Collector):
         for suffix, key, text in COUNTERS:
             yield CounterMetricFamily(f"kvpool_memd_{suffix}", text, value=counters.get(key, 0))
         evictions = CounterMetricFamily("kvpool_memd_evictions", "sequences evicted, by reason", labels=["reason"])
-        for reason in EVICTION_REASONS:
-            evictions.add_metric([reason], counters.get(f"evictions_{reason}", 0))
+        for reason in EvictionReason:
+            evictions.add_metric([reason.value], counters.get(reason.counter, 0))
         yield evictions
         rpcs = CounterMetricFamily("kvpool_memd_rpcs", "gRPC calls received, by method", labels=["method"])
         for method, count in sorted(r["rpcs"].items()):

@@ -103,11 +103,6 @@ class FreeQueue:
         self._member[block] = 1
         self._len += 1
 
-    def pop_front(self) -> int:
-        block = self._next[self._end]
-        self.remove(block)
-        return block
-
     def first(self) -> int:
         return self._next[self._end]
 

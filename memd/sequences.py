@@ -54,8 +54,12 @@ import math
 from array import array
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from memd.errors import PositionError
+
+if TYPE_CHECKING:
+    from memd.eviction import EvictionReason
 
 
 class SeqState(StrEnum):
@@ -108,7 +112,7 @@ class SwapOut:
     seq: Sequence
     blocks: list[int]
     slots: list[int]
-    reason: str | None                 # eviction reason, None for a worker's preemption
+    reason: EvictionReason | None      # None for a worker's own preemption
     blocks_freed: int = 0              # set when the copy is done and the pages are released
 
 

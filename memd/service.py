@@ -21,9 +21,10 @@ from memd.errors import InvalidArgument, KvError, OpError
 from memd.fdpass import FdServer
 from memd.fences import FenceWatch
 from memd.leases import Leases, Notice, revocation
-from memd.manager import KvManager, StepOutcome
+from memd.manager import KvManager
 from memd.memory import PoolMemory
 from memd.sequences import SeqState
+from memd.step_outcome import StepOutcome
 from memd.step_runner import StepRunner
 from shared.logs import enabled
 from shared.ops import Op

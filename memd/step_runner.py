@@ -1,19 +1,14 @@
 """Runs a worker's Step to the end: room made, state committed, journaled, pages filled, evictions done.
 
 No gRPC here (memd.service decodes and encodes around it), so the whole of
-a Step can run in-process too. In order:
-
-1. `KvManager.step` applies the ops all or nothing. When the pool is short,
-   cold PARKED sequences are evicted (or swap-outs already in flight awaited)
-   and the Step runs again, a few rounds at most; only when nothing parked can
-   make room is it refused (PoolExhausted: the worker preempts its own).
-2. The journal records the change, before any page is handed to the worker.
-3. The page effects run (memd.page_copier); then the manager learns they
-   landed and the swap slots they read go free; the journal records that.
-4. Sequences the Step parked to be evicted (preemptions, revocations) are
-   swapped out or dropped before the reply, and their results say so.
-5. Pages the worker waits for (`wanted_blocks`) and the free-block watermark
-   start evictions that run on after the reply.
+a Step can run in-process too. `KvManager.step` applies the ops all or
+nothing. When the pool is short, cold PARKED sequences are evicted (or
+swap-outs already in flight awaited) and the Step runs again, a few rounds at
+most; only when nothing parked can make room is it refused (PoolExhausted:
+the worker preempts its own). A committed Step is journaled before any page
+is handed out, then its outcome is carried out in the order
+memd.step_outcome describes. Pages a worker waits for (`wanted_blocks`) and
+the free-block watermark start evictions that run on after the reply.
 
 The eviction policy's periodic sweep (`police`) lives here too: it starts
 the same swap-out tasks.
@@ -29,11 +24,12 @@ from collections.abc import Callable
 import structlog
 
 from memd.errors import KvError, OpError, PoolExhausted
-from memd.eviction import Evicted
+from memd.eviction import Evicted, EvictionReason
 from memd.journal import WriteAheadLog
-from memd.manager import KvManager, StepOutcome
+from memd.manager import KvManager
 from memd.page_copier import PageCopier
 from memd.sequences import SeqState, SwapOut
+from memd.step_outcome import StepOutcome
 from shared.ops import Op
 
 log = structlog.get_logger("memd")
@@ -66,7 +62,7 @@ class StepRunner:
         self.on_change()
         wanted = min(wanted_blocks, m.pool.num_blocks) - m.pool.num_free
         if wanted > 0:
-            self.start(m.evictions.make_room(wanted, reason="pressure"))
+            self.start(m.evictions.make_room(wanted, reason=EvictionReason.PRESSURE))
         if m.pool.num_free < m.evictions.watermark_blocks:
             self._pressure.set()
         return outcome
@@ -82,7 +78,7 @@ class StepRunner:
                 plan = evictions.plan(time.monotonic(), self._named(ops))
                 if evictions.reclaimable(plan=plan) < short:
                     raise          # evicting would lose cached KV and still not make room
-                evicted = evictions.make_room(short, reason="pressure", plan=plan)
+                evicted = evictions.make_room(short, reason=EvictionReason.PRESSURE, plan=plan)
                 self.start(evicted)
                 self.manager.counters["steps_waited_for_room"] += 1
                 if self._swap_tasks:

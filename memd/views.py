@@ -13,6 +13,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from memd.eviction import EvictionReason
 from memd.sequences import SeqState
 from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS
 from shared.rpc import memd_pb2 as pb
@@ -20,7 +21,6 @@ from shared.sizes import format_size
 
 SNAPSHOT_COLUMNS = ["block_id", "ref_count", "last_access", "seq_id", "state", "heat", "owner"]
 STATE_ORDER = [state.value for state in SeqState]
-EVICTION_REASONS = ("idle", "pressure", "forced")
 PRESSURE_COUNTERS = ("swap_outs", "swap_ins", "drops", "preemptions")
 
 
@@ -35,7 +35,7 @@ def stats_dict(reply: pb.StatsReply) -> dict[str, Any]:
     counters = {k: int(v) for k, v in sorted(data["counters"].items())}
     for key in PRESSURE_COUNTERS:
         counters.setdefault(key, 0)
-    counters["evictions"] = {reason: counters.pop(f"evictions_{reason}", 0) for reason in EVICTION_REASONS}
+    counters["evictions"] = {reason.value: counters.pop(reason.counter, 0) for reason in EvictionReason}
     data["counters"] = counters
     return data
 

@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from memd.errors import KvError, NotFound, OpError
-from memd.eviction import Evicted
-from memd.manager import KvManager, StepOutcome
+from memd.eviction import Evicted, EvictionReason
+from memd.manager import KvManager
 from memd.page_effects import Copy, PageEffect, SwapIn, Zero
 from memd.sequences import SeqState, SwapOut
+from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, Park, Resume
 
@@ -331,7 +332,7 @@ class KvManagerMachine(RuleBasedStateMachine):
             self.jobs += self.manager.evictions.sweep(0.0).jobs
         else:
             self.jobs += self.manager.evictions.make_room(data.draw(st.integers(1, NUM_BLOCKS)),
-                                                          reason="pressure").jobs
+                                                          reason=EvictionReason.PRESSURE).jobs
 
     @rule(slot=st.integers(0, len(MODELS) - 1), fence=st.booleans())
     def reclaim_and_reattach(self, slot: int, fence: bool) -> None:
@@ -558,7 +559,7 @@ def test_forks_parked_on_shared_blocks_are_reclaimable_together():
     child = manager.step(worker, [Fork(parent)]).results[0].seq_id
     manager.step(worker, [Park(parent), Park(child)])
     assert manager.evictions.reclaimable() == 4                                 # shared, but only by the two
-    done = manager.evictions.make_room(NUM_BLOCKS, reason="pressure", mode="drop")
+    done = manager.evictions.make_room(NUM_BLOCKS, reason=EvictionReason.PRESSURE, mode="drop")
     assert sorted(done.dropped) == sorted([parent, child]) and done.blocks_freed == 4
     assert manager.pool.num_free == NUM_BLOCKS and manager.violations() == []
     free_everything(manager)

@@ -42,9 +42,16 @@ def test_an_empty_queue_iterates_nothing():
     assert len(queue) == 0
 
 
-def test_pop_front_takes_blocks_in_queue_order():
+def pop_front(queue: FreeQueue) -> int:
+    """What allocation does: take the first block."""
+    block = queue.first()
+    queue.remove(block)
+    return block
+
+
+def test_taking_the_first_block_takes_blocks_in_queue_order():
     queue = FreeQueue(4)
-    assert [queue.pop_front() for _ in range(4)] == [0, 1, 2, 3]
+    assert [pop_front(queue) for _ in range(4)] == [0, 1, 2, 3]
     assert list(queue) == []
     assert len(queue) == 0
     assert not any(block in queue for block in range(4))
@@ -53,14 +60,14 @@ def test_pop_front_takes_blocks_in_queue_order():
 def test_push_front_and_push_back_place_blocks_at_either_end():
     queue = FreeQueue(4)
     for _ in range(4):
-        queue.pop_front()
+        pop_front(queue)
     queue.push_back(2)
     queue.push_front(0)
     queue.push_back(3)
     queue.push_front(1)
     assert list(queue) == [1, 0, 2, 3]
     assert len(queue) == 4
-    assert queue.pop_front() == 1
+    assert pop_front(queue) == 1
 
 
 def test_remove_from_the_middle_keeps_the_others_in_order():
@@ -116,7 +123,7 @@ def test_queue_behaves_like_a_list(ops):
             queue.remove(block)
             model.remove(block)
         elif name == "pop_front" and model:
-            assert queue.pop_front() == model.pop(0)
+            assert pop_front(queue) == model.pop(0)
         assert list(queue) == model
         assert len(queue) == len(model)
         assert [b for b in range(NUM_BLOCKS) if b in queue] == sorted(model)

@@ -1,0 +1,49 @@
+"""What a committed Step leaves to do, and the order in which memd does it.
+
+`KvManager.step` changes only bookkeeping and returns a `StepOutcome`;
+`memd.step_runner` consumes it before the worker hears back, in this order:
+
+1. the page `effects` (memd.page_copier), so no page is read before it is zeroed or filled;
+2. `KvManager.effects_landed`: swapped-in full blocks join the prefix cache,
+   sequences `filling` are whole again;
+3. `KvManager.release_slots(read_slots)`: the swap slots the effects read go free;
+4. the journal records all of it (memd.journal);
+5. the `evictions` the Step asked for (a preempting Park, a revoked sequence
+   parked): swapped out or dropped, and the results say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from memd.page_effects import PageEffect
+from memd.sequences import Sequence
+from shared.ops import OpResult
+
+if TYPE_CHECKING:
+    from memd.eviction import Eviction
+
+
+@dataclass(frozen=True, slots=True)
+class SwappedInBlock:
+    """A full block copied back from swap: it may serve prefix hits once the copy has landed, not before."""
+
+    seq: Sequence
+    index: int
+    block: int
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """A committed Step's results and what they leave to do (the module says in which order)."""
+
+    results: list[OpResult] = field(default_factory=list)
+    effects: list[PageEffect] = field(default_factory=list)
+    # Swap slots the effects read (swap-ins) or that a freed sequence held: free once the effects are done.
+    read_slots: list[int] = field(default_factory=list)
+    # Parked by this Step and to be evicted before the reply (a preemption, an operator's revocation).
+    evictions: list[Eviction] = field(default_factory=list)
+    swapped_in: list[SwappedInBlock] = field(default_factory=list)
+    # Sequences whose pages the effects fill (swap-ins, a fork's copy).
+    filling: set[int] = field(default_factory=set)
