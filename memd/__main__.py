@@ -15,6 +15,7 @@ import signal
 import socket
 import stat
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -189,12 +190,30 @@ def pool_status(manager: KvManager) -> str:
             f"{len(manager.workers)} worker(s); sequences: {states or 'none'}")
 
 
+@dataclass(frozen=True, slots=True)
+class Startup:
+    """What start-up settled before allocating anything: flags, pool plan, address, tokens."""
+
+    args: argparse.Namespace
+    geometry: PoolGeometry
+    policy: Policy
+    device: str                     # "cpu" or "cuda[:N]", resolved
+    layout: Layout
+    target: str                     # the address to listen on
+    sock_path: Path | None          # its Unix socket, if it is one
+    credentials: Credentials
+
+
 async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     target = addr.resolve(args.listen)
     sock_path = prepare_socket(target)
     credentials = credentials_for(args, sock_path)
+    policy = Policy.from_args(args)
+    device = resolve_device(args.device)
+    layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes,
+                    policy.swap_slots(geometry))
     try:
-        await run_pool(args, geometry, target, sock_path, credentials)
+        await run_pool(Startup(args, geometry, policy, device, layout, target, sock_path, credentials))
     finally:                          # token files we wrote go with us, also when start-up fails
         for path, token, kept in ((credentials.worker_file, credentials.worker, args.token_file),
                                   (credentials.admin_file, credentials.admin, args.admin_token_file)):
@@ -251,30 +270,25 @@ def check_room(state: StateDir, needed: int) -> None:
                            "at /dev/shm, or use --state-dir none")
 
 
-async def run_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
-                   credentials: Credentials) -> None:
-    device = resolve_device(args.device)
-    swap_slots = Policy.from_args(args).swap_slots(geometry)
-    layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes, swap_slots)
-    state, found = open_state(args, sock_path, layout)
+async def run_pool(startup: Startup) -> None:
+    state, found = open_state(startup.args, startup.sock_path, startup.layout)
     try:
-        await serve_pool(args, geometry, target, sock_path, credentials, device, layout, state, found)
+        await serve_pool(startup, state, found)
     except BaseException:
         if state is not None and found is None and not state.served:
             state.forget()          # what a start that never served made: it holds memory and nothing else
         raise
 
 
-async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: str, sock_path: Path | None,
-                     credentials: Credentials, device: str, layout: Layout, state: StateDir | None,
-                     found: Recovered | None) -> None:
+async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered | None) -> None:
     """Allocate, recover, listen, say READY=1, serve until SIGTERM; everything opened is closed in reverse."""
-    policy = Policy.from_args(args)
+    args, geometry, policy, device, layout = startup.args, startup.geometry, startup.policy, startup.device, \
+        startup.layout
     async with contextlib.AsyncExitStack() as stack:
         memory, swap = allocate_memory(device, geometry, layout, state, stack)
         manager = new_manager(geometry, policy)
         wal = open_journal(args, state, layout, manager, memory, swap, found, stack)
-        fd_server = await start_fd_server(memory, sock_path, stack)
+        fd_server = await start_fd_server(memory, startup.sock_path, stack)
         parts = wire(manager, policy, memory, swap, wal, fd_server)
         stack.push_async_callback(parts.runner.close)       # queued copies land before the pool goes
         stack.callback(parts.fences.close)
@@ -282,7 +296,8 @@ async def serve_pool(args: argparse.Namespace, geometry: PoolGeometry, target: s
             metrics = MemdMetrics(parts.service, asyncio.get_running_loop())
             metrics.serve(args.metrics_port, args.metrics_host)
             parts.service.step_seconds = metrics.step_seconds
-        target, health_servicer = await start_server(parts.service, credentials, target, sock_path, stack)
+        target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
+                                                     startup.sock_path, stack)
         parts.fences.watch()                            # pages the workers of the memd before may still write
         tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
                  asyncio.create_task(parts.runner.police(), name="eviction-policy")]

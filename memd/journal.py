@@ -169,7 +169,7 @@ class WriteAheadLog:
                 if self._tokens_written.pop(seq_id, None) is not None:
                     parts.append(_pack(["D", seq_id]))
             else:
-                parts.append(self._seq_record(seq, manager, retokened=seq_id in changes.retokened))
+                parts.append(self._seq_record(seq, manager, tokens_cut=seq_id in changes.tokens_cut))
         if not parts:
             return
         data = b"".join(parts)
@@ -198,9 +198,9 @@ class WriteAheadLog:
         log.error("cannot write the journal: memd goes on, but its sessions will not survive it",
                   journal=str(self.state.journal), error=exc.strerror or str(exc))
 
-    def _seq_record(self, seq: Sequence, manager: KvManager, *, retokened: bool = False) -> bytes:
+    def _seq_record(self, seq: Sequence, manager: KvManager, *, tokens_cut: bool = False) -> bytes:
         start = self._tokens_written.get(seq.seq_id, 0)
-        if start > len(seq.token_ids) or retokened:
+        if start > len(seq.token_ids) or tokens_cut:
             start = 0                        # cut back (a retried turn): rewrite them all
         self._tokens_written[seq.seq_id] = len(seq.token_ids)
         return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,

@@ -76,11 +76,23 @@ class Changes:
     """What changed since the journal last took the changes (`KvManager.take_changes`)."""
 
     seq_ids: set[int]           # sequences changed or gone
-    retokened: set[int]         # of those, sequences whose token ids were cut back (a retried turn)
+    tokens_cut: set[int]         # of those, sequences whose token ids were cut back (a retried turn)
     fence_pids: set[int]        # processes whose fenced pages changed
 
 
 class KvManager:
+    """Workers, sequences and pages; changed by Steps (`step`) and by the few calls outside them below.
+
+    Others read `seqs`, `sessions`, `workers`, `fences`, `pool` and `swap`
+    and change them only through methods, with one exception: memd.eviction,
+    the policy acting for the manager, moves PARKED and SWAPPED sequences
+    through `release`, `forget` and the swap-out table (`swap_jobs`), and says
+    so with `mark_changed`. The step runner adds to `counters` and takes a
+    revocation out of `revoked` once it evicted the sequence; the lease
+    stream marks its Worker streaming and seen. What changed is kept
+    privately for the journal, which alone takes it (`take_changes`).
+    """
+
     def __init__(self, geometry: PoolGeometry, *, hash_key: bytes | None = None,
                  heat_decay: float = 0.9, heat_interval_s: float = 10.0, swap_slots: int = 0,
                  idle_ttl_s: float = 0.0, watermark_blocks: int = 0) -> None:
@@ -103,7 +115,7 @@ class KvManager:
         # For the journal (memd.journal), which alone takes them (`take_changes`): sequences changed
         # since, those of them whose token ids were cut back, and pids whose fence changed.
         self._changed: set[int] = set()
-        self._retokened: set[int] = set()
+        self._tokens_cut: set[int] = set()
         self._fences_changed: set[int] = set()
         # Pages a worker that may still be running could write late (its turns' unwritten tails), kept
         # from reuse by the pid of that worker until it exits or attaches again (memd.fences watches).
@@ -245,8 +257,8 @@ class KvManager:
 
     def take_changes(self) -> Changes:
         """What changed since the last call, for the journal: the one consumer, which must write all of it."""
-        changes = Changes(self._changed, self._retokened, self._fences_changed)
-        self._changed, self._retokened, self._fences_changed = set(), set(), set()
+        changes = Changes(self._changed, self._tokens_cut, self._fences_changed)
+        self._changed, self._tokens_cut, self._fences_changed = set(), set(), set()
         return changes
 
     def adopt(self, seqs: list[Sequence], next_seq: int, fences: dict[int, list[int]] | None = None) -> None:
@@ -393,7 +405,7 @@ class KvManager:
         cut = seq.turn_start + same
         txn.undo.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
         del seq.token_ids[cut:]
-        self._retokened.add(seq.seq_id)
+        self._tokens_cut.add(seq.seq_id)
         # The last token of the history is left to compute: its logits are the first the worker samples from.
         limit = cut if same < len(prompt) else cut - 1
         if limit % seq.block_size and limit // seq.block_size < seq.num_full_blocks:

@@ -46,7 +46,7 @@ class PageCopier:
         self._busy.update(pages)
         job = asyncio.get_running_loop().run_in_executor(self._effects, run_effects, self.memory, self.swap,
                                                          effects)
-        job.add_done_callback(lambda _job: self._settle(pages))
+        job.add_done_callback(lambda _job: self._unbusy(pages))
         await asyncio.shield(job)
 
     async def queued_effects_done(self) -> None:
@@ -60,7 +60,7 @@ class PageCopier:
             await self.queued_effects_done()     # a swap-in or a fork's copy: copy what the pages will hold
         await asyncio.get_running_loop().run_in_executor(self._swap_outs, self.swap.copy_out, pairs)
 
-    def _settle(self, pages: list[int]) -> None:
+    def _unbusy(self, pages: list[int]) -> None:
         busy = self._busy
         busy.subtract(pages)
         for page in pages:
