@@ -38,8 +38,8 @@ MODES = ("swap", "drop")
 class EvictionReason(StrEnum):
     """Why memd took a sequence's pages (a worker's own preemption has none)."""
 
-    PRESSURE = "pressure"      # a Step, a waiting worker or the free-block watermark needed the pages
     IDLE = "idle"              # untouched for the idle TTL
+    PRESSURE = "pressure"      # a Step, a waiting worker or the free-block watermark needed the pages
     FORCED = "forced"          # an operator's memctl evict
 
     @property
