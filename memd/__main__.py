@@ -208,11 +208,11 @@ async def serve(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     target = addr.resolve(args.listen)
     sock_path = prepare_socket(target)
     credentials = credentials_for(args, sock_path)
-    policy = Policy.from_args(args)
-    device = resolve_device(args.device)
-    layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes,
-                    policy.swap_slots(geometry))
     try:
+        policy = Policy.from_args(args)
+        device = resolve_device(args.device)
+        layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes,
+                        policy.swap_slots(geometry))
         await run_pool(Startup(args, geometry, policy, device, layout, target, sock_path, credentials))
     finally:                          # token files we wrote go with us, also when start-up fails
         for path, token, kept in ((credentials.worker_file, credentials.worker, args.token_file),

@@ -142,6 +142,7 @@ class MemdService(pb_grpc.MemdServicer):
                 try:
                     ops.append(op_from_proto(op))
                 except WireError as exc:
+                    self.runner.refused()
                     raise OpError(index, "decode", InvalidArgument(str(exc))) from None
             outcome = await self.runner.run(request.worker_id, ops, request.lease, request.wanted_blocks)
         except KvError as err:

@@ -53,8 +53,7 @@ class StepRunner:
         try:
             outcome = await self._run_making_room(worker_id, ops, lease)
         except KvError:
-            m.counters["steps_refused"] += 1
-            self.persist()          # evictions made on the way stand
+            self.refused()
             raise
         self.persist()              # write-ahead: journaled before the worker may write a page it was given
         # The Step is committed: what follows must finish even if the caller is cancelled.
@@ -66,6 +65,11 @@ class StepRunner:
         if m.pool.num_free < m.evictions.watermark_blocks:
             self._pressure.set()
         return outcome
+
+    def refused(self) -> None:
+        """A Step was refused (here, or by the servicer that could not decode it): counted; evictions made stand."""
+        self.manager.counters["steps_refused"] += 1
+        self.persist()
 
     async def _run_making_room(self, worker_id: int, ops: list[Op], lease: bytes | None) -> StepOutcome:
         for _ in range(PRESSURE_ROUNDS):
@@ -182,6 +186,8 @@ class StepRunner:
         """
         if self.wal is not None:
             self.wal.flush(self.manager)
+        else:
+            self.manager.take_changes()      # no journal: nobody else would ever take them
 
     async def close(self) -> None:
         """Wait for swap copies and queued page effects: the pool must outlive them."""

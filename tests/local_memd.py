@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import structlog
 import torch
 
 from memd.__main__ import build_parser, plan
@@ -31,6 +32,8 @@ from shared.geometry import PoolGeometry
 from shared.ops import Op, OpResult
 from shared.poolmap import MappedPool
 from shared.rpc import memd_pb2 as pb
+
+log = structlog.get_logger("tests.local_memd")
 
 
 class LocalMemd:
@@ -100,11 +103,14 @@ class LocalClient:
         self.lease_lost.set()
 
     def _notice(self, notice: Notice) -> None:
-        if notice.event == "revoked":
-            self.on_revoke(notice.seq_id, notice.reason)
-        elif notice.event in ("drain", "undrain"):
-            self.draining = notice.event == "drain"
-            self.on_drain(self.draining)
+        try:                                      # as MemdClient: the lease outlives a bad callback
+            if notice.event == "revoked":
+                self.on_revoke(notice.seq_id, notice.reason)
+            elif notice.event in ("drain", "undrain"):
+                self.draining = notice.event == "drain"
+                self.on_drain(self.draining)
+        except Exception:
+            log.exception("a lease callback failed", notice=notice.event)
 
     async def step(self, *ops: Op, wanted_blocks: int = 0) -> list[OpResult]:
         pool = self.memd.manager.pool
@@ -114,6 +120,9 @@ class LocalClient:
             self.free_blocks = pool.num_free
             index = err.index if isinstance(err, OpError) else None
             raise MemdError(getattr(grpc.StatusCode, err.code), str(err), index, pool.num_free) from None
+        except Exception as exc:                  # a bug in memd: gRPC would answer UNKNOWN, with no op index
+            log.exception("memd failed a Step")
+            raise MemdError(grpc.StatusCode.UNKNOWN, f"Unexpected {exc!r}") from None
         self.free_blocks = pool.num_free
         return outcome.results
 

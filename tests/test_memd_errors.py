@@ -114,6 +114,7 @@ async def test_a_step_with_a_wrong_lease_secret_is_refused(memd, scene):
 async def test_an_empty_operation_is_invalid(memd, scene):
     before = await fingerprint(memd)
     async with memd.admin() as admin:
+        refused = (await admin.stats()).counters["steps_refused"]
         stub = pb_grpc.MemdStub(admin._channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Step(pb.StepRequest(worker_id=scene["b"].worker_id, lease=scene["b"]._lease, ops=[pb.Op()]),
@@ -121,6 +122,8 @@ async def test_an_empty_operation_is_invalid(memd, scene):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "empty operation" in err.value.details()
     assert await fingerprint(memd) == before
+    async with memd.admin() as admin:
+        assert (await admin.stats()).counters["steps_refused"] == refused + 1     # counted like any refusal
 
 
 async def test_attach_refuses_a_block_that_does_not_fit_a_page(memd):
