@@ -315,9 +315,12 @@ class KvManager:
     def _open(self, txn: _Txn, op: Open) -> OpResult:
         worker = txn.worker
         _check_name("turn id", op.turn_id or "")
+        if op.whole_history and not (op.continue_session and op.session_id and op.token_ids):
+            raise InvalidArgument("whole_history names a session's whole conversation: give session_id, "
+                                  "continue_session and its token ids")
         if op.continue_session and op.session_id in self.sessions:
             return self._resume(txn, Resume(session_id=op.session_id, reserve=op.reserve), op.token_ids,
-                                op.turn_id or "")
+                                op.turn_id or "", whole_history=op.whole_history)
         self._check_session_free(op.session_id)
         self._check_fits(len(op.token_ids) + op.reserve, worker.block_size)
         seq = Sequence(self._next_seq, worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
@@ -352,7 +355,8 @@ class KvManager:
             txn.outcome.evictions.append(Eviction(seq, mode, EvictionReason.FORCED))
         return _result(seq, len(seq.block_ids))
 
-    def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = (), turn_id: str = "") -> OpResult:
+    def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = (), turn_id: str = "", *,
+                whole_history: bool = False) -> OpResult:
         worker = txn.worker
         seq = self.find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING:
@@ -363,10 +367,13 @@ class KvManager:
             raise FailedPrecondition(
                 f"sequence {seq.seq_id} holds KV of model {seq.model!r} (block size {seq.block_size}); "
                 f"this worker serves {worker.model!r} (block size {worker.block_size})")
-        self._check_fits(len(seq.token_ids) + len(append) + op.reserve, seq.block_size)
+        self._check_fits((0 if whole_history else len(seq.token_ids)) + len(append) + op.reserve, seq.block_size)
         self._save(txn, seq)
         self._cancel_swap_out(txn, seq)
-        if seq.preempted_by is None and append:        # a new turn, not a preempted request coming back
+        if whole_history:
+            append = self._replace_history(txn, seq, list(append))
+            seq.turn_id = turn_id
+        elif seq.preempted_by is None and append:        # a new turn, not a preempted request coming back
             # The same turn again: its worker died mid-turn, or after the turn ended but before the client
             # heard the answer (then only the client can tell a retry from a new message: by its turn id).
             if seq.interrupted or (turn_id and turn_id == seq.turn_id):
@@ -398,16 +405,35 @@ class KvManager:
         it (tokens sampled, a different prompt) goes, so the answer is what an
         uninterrupted turn gives. Returns the part of `prompt` still to append.
         """
-        done = seq.token_ids[seq.turn_start:]
-        same = 0
-        while same < min(len(done), len(prompt)) and done[same] == prompt[same]:
-            same += 1
-        cut = seq.turn_start + same
+        same = _common_prefix(seq.token_ids[seq.turn_start:], prompt)
+        self._rewind(txn, seq, seq.turn_start + same, more_follow=same < len(prompt))
+        txn.counters["turns_retried"] += 1
+        return prompt[same:]
+
+    def _replace_history(self, txn: _Txn, seq: Sequence, history: list[int]) -> list[int]:
+        """The whole conversation, resent by a stateless client: keep what it shares with the session's history.
+
+        Only that common prefix keeps its K/V; a conversation edited earlier on
+        (a changed message) never reads K/V of the old one. Returns the part of
+        `history` still to append; that part is the new turn.
+        """
+        same = _common_prefix(seq.token_ids, history)
+        if same < len(seq.token_ids) or same == len(history):
+            self._rewind(txn, seq, same, more_follow=same < len(history))
+        seq.turn_start, seq.interrupted = same, False
+        txn.counters["history_tokens_kept"] += same
+        return history[same:]
+
+    def _rewind(self, txn: _Txn, seq: Sequence, cut: int, *, more_follow: bool) -> None:
+        """Cut the history to its first `cut` tokens, and the committed K/V past what stays valid.
+
+        Unless `more_follow` (tokens are appended after the cut), the last token
+        kept is left to compute: its logits are the first the worker samples from.
+        """
         txn.undo.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
         del seq.token_ids[cut:]
         self._tokens_cut.add(seq.seq_id)
-        # The last token of the history is left to compute: its logits are the first the worker samples from.
-        limit = cut if same < len(prompt) else cut - 1
+        limit = cut if more_follow else max(cut - 1, 0)
         if limit % seq.block_size and limit // seq.block_size < seq.num_full_blocks:
             # That block was full: maybe shared, and in the prefix cache. It is never written again:
             # keep only whole blocks and recompute the few tokens past them.
@@ -422,8 +448,6 @@ class KvManager:
                 self.release_blocks(seq.block_ids[keep:])
                 del seq.block_ids[keep:]
             del seq.hashes[seq.num_full_blocks:]
-        txn.counters["turns_retried"] += 1
-        return prompt[same:]
 
     def _free(self, txn: _Txn, op: Free) -> OpResult:
         seq = self.find(op.seq_id, op.session_id)
@@ -705,6 +729,13 @@ def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int,
     del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
     del seq.hashes[num_hashes:]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    same, end = 0, min(len(a), len(b))
+    while same < end and a[same] == b[same]:
+        same += 1
+    return same
 
 
 def _check_name(what: str, value: str) -> None:

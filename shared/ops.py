@@ -19,6 +19,9 @@ class Open:
     session_id: str | None = None
     continue_session: bool = False   # resume the session's sequence if it has one; token_ids join its history
     turn_id: str | None = None       # names the turn: sent again, it replaces the session's last turn of that name
+    # With continue_session: token_ids are the whole conversation (a stateless client resends it every turn);
+    # memd keeps the longest prefix the session's history shares with it, with its K/V, and replaces the rest.
+    whole_history: bool = False
 
 
 @dataclass(slots=True, frozen=True)

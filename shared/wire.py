@@ -56,7 +56,7 @@ def op_to_proto(op: ops.Op) -> pb.Op:
         case ops.Open():
             return pb.Op(open=pb.OpenOp(session_id=op.session_id or "", token_ids=op.token_ids,
                                         reserve=op.reserve, continue_session=op.continue_session,
-                                        turn_id=op.turn_id or ""))
+                                        turn_id=op.turn_id or "", whole_history=op.whole_history))
         case ops.Extend():
             return pb.Op(extend=pb.ExtendOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
                                             reserve=op.reserve))
@@ -80,7 +80,8 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
     kind = msg.WhichOneof("kind")
     if kind == "open":
         m = msg.open
-        return ops.Open(list(m.token_ids), m.reserve, m.session_id or None, m.continue_session, m.turn_id or None)
+        return ops.Open(list(m.token_ids), m.reserve, m.session_id or None, m.continue_session, m.turn_id or None,
+                        m.whole_history)
     if kind == "extend":
         m = msg.extend
         return ops.Extend(m.seq_id, list(m.append), m.commit_to, m.reserve)

@@ -16,7 +16,7 @@ from memd.page_effects import Copy, PageEffect, SwapIn, Zero
 from memd.sequences import SeqState, SwapOut
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
-from shared.ops import Extend, Fork, Free, Op, Open, Park, Resume
+from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -136,7 +136,10 @@ class KvManagerMachine(RuleBasedStateMachine):
         ))
 
     def draw_op(self, data: st.DataObject, worker: int, extra: int) -> Op:
-        kind = data.draw(st.sampled_from(("open", "extend", "park", "resume", "free", "fork")))
+        kind = data.draw(st.sampled_from(("open", "extend", "park", "resume", "free", "fork", "conversation")))
+        if kind == "conversation":            # a stateless client resending a conversation, edited or grown
+            return Open(self.conversation(data), data.draw(reserves), data.draw(sessions), data.draw(st.booleans()),
+                        whole_history=True)
         if kind == "open":     # a session's next turn (or the retry of one that failed) half of the time
             return Open(data.draw(tokens), data.draw(reserves), data.draw(sessions), data.draw(st.booleans()),
                         data.draw(st.sampled_from((None, "t1", "t2"))))     # a turn id: its retry replaces it
@@ -155,7 +158,34 @@ class KvManagerMachine(RuleBasedStateMachine):
             return Park(seq_id, append, self.commit_to(data, seq_id, append), data.draw(st.booleans()))
         return Extend(seq_id, append, self.commit_to(data, seq_id, append), data.draw(reserves))
 
-    def run_step(self, slot: int, ops: list[Op]) -> None:
+    def conversation(self, data: st.DataObject, session: str | None = None) -> list[int]:
+        """A session's history cut anywhere, then something else: a new message, an edit, or nothing."""
+        seq_id = self.manager.sessions.get(session or data.draw(st.sampled_from(SESSIONS)))
+        history = self.manager.seqs[seq_id].token_ids if seq_id is not None else []
+        keep = data.draw(st.integers(0, len(history)))
+        return [*history[:keep], *data.draw(appended)] or [1]
+
+    @rule(slot=st.integers(0, len(MODELS) - 1), data=st.data(), session=st.sampled_from(SESSIONS),
+          reserve=reserves)
+    def resend_a_conversation(self, slot: int, data: st.DataObject, session: str, reserve: int) -> None:
+        """Only the part the session's history shares with the conversation keeps its K/V."""
+        seq_id = self.manager.sessions.get(session)
+        before = list(self.manager.seqs[seq_id].token_ids) if seq_id is not None else None
+        conversation = self.conversation(data, session)
+        op = Open(conversation, reserve, session, continue_session=True, whole_history=True)
+        if not self.run_step(slot, [op]):
+            return                                              # refused: run_step checked it changed nothing
+        result = self.manager.seqs[self.manager.sessions[session]]
+        assert result.token_ids == conversation
+        assert result.num_committed < len(conversation)     # the last token is computed: its logits are needed
+        if before is not None:
+            same = next((i for i, (a, b) in enumerate(zip(before, conversation, strict=False)) if a != b),
+                        min(len(before), len(conversation)))
+            assert result.num_committed <= same, "K/V kept past where the conversation changed"
+            event("conversation resent: kept K/V" if result.num_committed else "conversation resent: none kept")
+
+    def run_step(self, slot: int, ops: list[Op]) -> bool:
+        """Whether the Step was applied."""
         manager, worker = self.manager, self.slots[slot]
         before = dump(manager)
         # Releases never evict a cached block, takes may: predict hits only up to the first take.
@@ -174,7 +204,7 @@ class KvManagerMachine(RuleBasedStateMachine):
             after = dump(manager)
             assert after == before, f"rejected step {ops} left a trace ({exc}): " + str(
                 {k: (before[k], after[k]) for k in before if before[k] != after[k]})
-            return
+            return False
         event(f"step of {len(ops)} op(s) applied")
         assert len(outcome.results) == len(ops)
         for i, (op, result) in enumerate(zip(ops, outcome.results, strict=True)):
@@ -188,6 +218,7 @@ class KvManagerMachine(RuleBasedStateMachine):
             assert hit.num_cached >= BLOCK_SIZE, f"{ops[takes[0]]} missed a cached first block"
         self.check_effects(before, ops, outcome.effects)
         after_step(manager, outcome, self.jobs)
+        return True
 
     def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[PageEffect]) -> None:
         """A page is zeroed only if written before, and a written page is never handed out as it is."""
@@ -639,3 +670,38 @@ def test_a_different_prompt_replaces_the_failed_turn_from_where_they_part():
     # Token 5 sat in a full block, which is never written again: only whole blocks are kept.
     assert retried.num_committed == 4 and len(m.seqs[seq_id].block_ids) == 2
     assert m.violations() == []
+
+
+def test_a_resent_conversation_keeps_the_kv_of_what_it_shares_and_nothing_past_an_edit():
+    m = new_manager()
+    worker = attach(m, "m")
+    chat = open_and_commit(m, worker, [1, 2, 3, 4, 5], session_id="chat")
+    m.step(worker, [Park(chat, append=[42, 43], commit_to=6)])        # the answer's last token never computed
+
+    def resend(conversation: list[int]) -> OpResult:
+        result, = m.step(worker, [Open(conversation, reserve=1, session_id="chat", continue_session=True,
+                                       whole_history=True)]).results
+        m.step(worker, [Park(chat, commit_to=result.num_committed)])
+        return result
+
+    grown = resend([1, 2, 3, 4, 5, 42, 43, 7, 8])                      # the next turn: the whole of it again
+    assert grown.seq_id == chat and grown.token_ids == [1, 2, 3, 4, 5, 42, 43, 7, 8]
+    assert grown.num_cached == grown.num_committed == 6                # the partial block's K/V too
+    same = resend([1, 2, 3, 4, 5, 42, 43, 7, 8])                       # sent again as it is (a regenerate)
+    assert same.num_committed == 6                                     # the last token's logits are recomputed
+    edited = resend([1, 2, 3, 9, 9])                                   # an earlier message changed
+    assert edited.token_ids == [1, 2, 3, 9, 9]
+    assert edited.num_committed == 0          # token 3 sat in a full block, never written again: recomputed
+    assert m.seqs[chat].turn_start == 3 and m.violations() == []
+
+
+def test_whole_history_needs_a_session_and_changes_nothing_when_refused():
+    m = new_manager()
+    worker = attach(m, "m")
+    before = dump(m)
+    for op in (Open([1, 2, 3], whole_history=True), Open([1, 2, 3], session_id="s", whole_history=True),
+               Open([], session_id="s", continue_session=True, whole_history=True)):
+        with pytest.raises(OpError) as err:
+            m.step(worker, [op])
+        assert err.value.code == "INVALID_ARGUMENT" and "whole_history" in str(err.value)
+        assert dump(m) == before

@@ -101,18 +101,20 @@ class Op(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., park: _Optional[_Union[ParkOp, _Mapping]] = ..., resume: _Optional[_Union[ResumeOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ...) -> None: ...
 
 class OpenOp(_message.Message):
-    __slots__ = ("session_id", "token_ids", "reserve", "continue_session", "turn_id")
+    __slots__ = ("session_id", "token_ids", "reserve", "continue_session", "turn_id", "whole_history")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_SESSION_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reserve: int
     continue_session: bool
     turn_id: str
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve: _Optional[int] = ..., continue_session: _Optional[bool] = ..., turn_id: _Optional[str] = ...) -> None: ...
+    whole_history: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve: _Optional[int] = ..., continue_session: _Optional[bool] = ..., turn_id: _Optional[str] = ..., whole_history: _Optional[bool] = ...) -> None: ...
 
 class ExtendOp(_message.Message):
     __slots__ = ("seq_id", "append", "commit_to", "reserve")
