@@ -4,7 +4,7 @@
     inferctl [--address ADDR] reset SESSION
     inferctl [--address ADDR] chat [--session S]
 
-Exit codes: 0 done; 1 refused (bad input, unknown session); 2 inferd unreachable.
+Exit codes: 0 done; 1 refused (bad input, unknown session); 2 inferd unreachable or a wrong command line.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import struct
 import sys
 import uuid
 from typing import Any, TextIO
@@ -23,32 +24,122 @@ from shared import address as addr
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
 
+UINT32_MAX = 2**32 - 1       # max_tokens and top_k are uint32: protobuf raises ValueError past it
+MAX_SEED = 2**63 - 1         # inferd's torch generators take a signed 64-bit seed (inferd.sampling.MAX_SEED)
+MAX_TEMPERATURE = 100.0      # SamplingParams.check refuses more
+MAX_TIMEOUT_S = 365 * 86400.0
+
+
+class BadInput(argparse.ArgumentTypeError):
+    """Input inferctl cannot send. Raised by an argparse type, argparse reports it against the flag (exit 2);
+    found later (a chat message on stdin), main reports it in one line (exit 1)."""
+
+
+def _utf8(value: str) -> str:
+    """`value` if protobuf can send it: a command line or stdin that is not UTF-8 decodes to lone surrogates,
+    on which building the request raises UnicodeEncodeError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadInput(f"not valid UTF-8 (at character {err.start}): {value!r}") from None
+    return value
+
+
+def utf8_text(value: str) -> str:
+    """A prompt or session id: any UTF-8 text (see _utf8)."""
+    return _utf8(value)
+
+
+def stop_string(value: str) -> str:
+    """Non-empty UTF-8: inferd refuses an empty stop string (it would match before the first token)."""
+    if not value:
+        raise BadInput("a stop string must not be empty")
+    return _utf8(value)
+
+
+def address(value: str) -> str:
+    """UTF-8 (gRPC encodes the target) without NUL (gRPC's C core would silently cut the target there)."""
+    if "\0" in value:
+        raise BadInput(f"contains a NUL character: {value!r}")
+    return _utf8(value)
+
+
+def max_tokens(value: str) -> int:
+    """In [1, 2**32-1]: 0 on the wire means inferd's default (64), and the field is a uint32."""
+    n = int(value)
+    if not 1 <= n <= UINT32_MAX:
+        raise BadInput(f"must be an integer in [1, {UINT32_MAX}]: {value}")
+    return n
+
+
+def top_k(value: str) -> int:
+    """In [0, 2**32-1] (0: no limit): the field is a uint32."""
+    n = int(value)
+    if not 0 <= n <= UINT32_MAX:
+        raise BadInput(f"must be an integer in [0, {UINT32_MAX}] (0: no limit): {value}")
+    return n
+
+
+def seed(value: str) -> int:
+    """In [0, 2**63-1]: the field is a uint64, and inferd's generators take a signed 64-bit seed."""
+    n = int(value)
+    if not 0 <= n <= MAX_SEED:
+        raise BadInput(f"must be an integer in [0, {MAX_SEED}]: {value}")
+    return n
+
+
+def temperature(value: str) -> float:
+    """In [0, 100] (0: greedy), as inferd's SamplingParams.check allows; NaN and inf fail the comparison."""
+    t = float(value)
+    if not 0.0 <= t <= MAX_TEMPERATURE:
+        raise BadInput(f"must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy): {value}")
+    return t
+
+
+def top_p(value: str) -> float:
+    """In (0, 1], and not so small that the wire's float32 rounds it to 0, which inferd reads as 1.0."""
+    p = float(value)
+    if not 0.0 < p <= 1.0 or struct.unpack("f", struct.pack("f", p))[0] == 0.0:
+        raise BadInput(f"must be a number in (0, 1]: {value}")
+    return p
+
+
+def timeout(value: str) -> float:
+    """Positive seconds, at most a year: gRPC turns a NaN, or a deadline past int64 nanoseconds (about 7e9 s
+    from now), into one already expired, and a zero or negative one fails every call."""
+    s = float(value)
+    if not 0.0 < s <= MAX_TIMEOUT_S:
+        raise BadInput(f"must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] (a year): {value}")
+    return s
+
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inferctl", description="Generate text with a running inferd.")
-    p.add_argument("--address", help="inferd address (default: $INFERD_ADDRESS, else the per-user socket)")
+    p.add_argument("--address", type=address,
+                   help="inferd address (default: $INFERD_ADDRESS, else the per-user socket)")
     sub = p.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="one completion, streamed")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", type=utf8_text)
     _sampling_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage")
     reset = sub.add_parser("reset", help="forget a session's KV")
-    reset.add_argument("session")
+    reset.add_argument("session", type=utf8_text)
     chat = sub.add_parser("chat", help="an interactive multi-turn session (one line per message)")
     _sampling_flags(chat)
     return p
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--session", help="session id (chat: default a new one)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--session", type=utf8_text, help="session id (chat: default a new one)")
+    p.add_argument("--max-tokens", type=max_tokens, default=64, help="at least 1 (default: 64)")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="in [0, 100]; 0: greedy (default)")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1] (default: 1)")
+    p.add_argument("--top-k", type=top_k, default=0, help="0: no limit (default)")
+    p.add_argument("--seed", type=seed, help=f"in [0, {MAX_SEED}]")
+    p.add_argument("--stop", type=stop_string, action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens")
-    p.add_argument("--timeout", type=float, help="deadline in seconds")
+    p.add_argument("--timeout", type=timeout, help="deadline in seconds")
 
 
 def request_of(args: argparse.Namespace, prompt: str, session: str | None) -> pb.GenerateRequest:
@@ -75,8 +166,8 @@ async def generate(stub: pb_grpc.InferdStub, msg: pb.GenerateRequest, out: TextI
     return {"text": "".join(text), "token_ids": token_ids, "finish_reason": last.finish_reason, "usage": usage}
 
 
-async def run(args: argparse.Namespace) -> int:
-    async with grpc.aio.insecure_channel(addr.resolve(args.address, "inferd")) as channel:
+async def run(args: argparse.Namespace, target: str) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.InferdStub(channel)
         if args.command == "generate":
             result = await generate(stub, request_of(args, args.prompt, args.session), None if args.json else
@@ -88,10 +179,14 @@ async def run(args: argparse.Namespace) -> int:
         else:
             session = args.session or f"chat-{uuid.uuid4().hex[:8]}"
             print(f"session {session}; one message per line, end with Ctrl-D", file=sys.stderr)
-            for line in sys.stdin:
+            for line in _lines(sys.stdin):
                 if not line.strip():
                     continue
-                result = await generate(stub, request_of(args, line.rstrip("\n"), session), sys.stdout,
+                try:
+                    message = _utf8(line.rstrip("\n"))
+                except BadInput as err:
+                    raise BadInput(f"a message on standard input is {err}") from None
+                result = await generate(stub, request_of(args, message, session), sys.stdout,
                                         args.timeout)
                 u = result["usage"]
                 print(f"\n  [{u['completion_tokens']} tokens, {u['cached_tokens']} of {u['prompt_tokens']} prompt "
@@ -99,14 +194,30 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lines(stdin: TextIO) -> TextIO:
+    """stdin's lines, undecodable bytes kept as surrogates (that _utf8 then refuses in one line) rather than a
+    UnicodeDecodeError from inside the loop."""
+    reconfigure = getattr(stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
+    return stdin
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        return asyncio.run(run(args))
+        target = address(addr.resolve(args.address, "inferd"))
+    except BadInput as err:    # only $INFERD_ADDRESS gets here: --address was checked by its type
+        parser.error(f"${addr.ENV['inferd']}: {err}")
+    try:
+        return asyncio.run(run(args, target))
+    except BadInput as err:
+        print(f"inferctl: {err}", file=sys.stderr)
+        return 1
     except grpc.aio.AioRpcError as err:
         if err.code() == grpc.StatusCode.UNAVAILABLE:
-            print(f"inferctl: inferd is not reachable at {addr.resolve(args.address, 'inferd')}: {err.details()}",
-                  file=sys.stderr)
+            print(f"inferctl: inferd is not reachable at {target}: {err.details()}", file=sys.stderr)
             return 2
         print(f"inferctl: {err.code().name.lower().replace('_', ' ')}: {err.details()}", file=sys.stderr)
         return 1
