@@ -19,6 +19,7 @@ import structlog
 import uvloop
 
 from inferd.checkpoint import CheckpointError
+from inferd.http_server import HttpFrontDoor, HttpStartError
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
 from shared.config import Layers, add_config_flags
@@ -47,6 +48,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                        help="before every pass, check that no one else wrote the K/V a running sequence reads "
                             "(a turn that finds it changed fails, naming the page); slower: for tests and "
                             "investigations")
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                            "/v1/models, /health, /metrics, /tokenize, /detokenize) here (default: off)")
+    serve.add_argument("--api-key", help="the key HTTP clients must send (Authorization: Bearer KEY); "
+                                         "$INFERD_API_KEY works too (default: none)")
+    serve.add_argument("--served-model-name", help="the model name HTTP clients use (default: the --model "
+                                                   "directory's name)")
+    serve.add_argument("--chat-template", type=Path, metavar="FILE",
+                       help="a Jinja chat template instead of the checkpoint's (default: tokenizer_config.json's "
+                            "chat_template, or chat_template.jinja)")
     serve.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
@@ -87,9 +98,11 @@ async def serve(args: argparse.Namespace) -> None:
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
     metrics = None
-    if args.metrics_port:
+    if args.metrics_port or args.http:
         metrics = InferdMetrics(link, asyncio.get_running_loop())
+    if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
+    http = HttpFrontDoor.listen(args, link, metrics) if args.http else None
     server = grpc.aio.server(interceptors=[RequestDecoder()])
     pb_grpc.add_InferdServicer_to_server(InferdService(link, metrics), server)
     health_servicer = health.aio.HealthServicer()
@@ -109,13 +122,16 @@ async def serve(args: argparse.Namespace) -> None:
     linking = asyncio.create_task(link.run(), name="memd-link")
     await link.attached.wait()
     await server.start()
+    if http is not None:
+        http.start()
     if sock_path is not None:
         os.chmod(sock_path, 0o660)               # clients in the service group may connect
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("inferd ready", listen=target, model=link.namespace, arch=link.config.arch, pid=os.getpid())
+    log.info("inferd ready", listen=target, model=link.namespace, arch=link.config.arch, pid=os.getpid(),
+             http=http.address if http is not None else "off")
     notify("READY=1", f"STATUS=serving {link.namespace} on {target}")
     interval = watchdog_interval()
     watchdog = asyncio.create_task(keep_watchdog(interval)) if interval is not None else None
@@ -125,6 +141,8 @@ async def serve(args: argparse.Namespace) -> None:
         watchdog.cancel()
     link.on_serving = None
     await health_servicer.enter_graceful_shutdown()
+    if http is not None:
+        await http.stop()
     await server.stop(grace=5.0)
     linking.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -152,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     try:
         uvloop.run(serve(args))
-    except (CheckpointError, MetricsPortError) as exc:
+    except (CheckpointError, MetricsPortError, HttpStartError) as exc:
         print(f"inferd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

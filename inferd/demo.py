@@ -1,51 +1,72 @@
-"""kvpool end to end on the CPU: memd, one inferd, a three-turn chat.
+"""kvpool end to end on the CPU: memd, one inferd, a three-turn chat over the OpenAI API.
 
     python -m inferd.demo
 
-Writes a tiny random Llama checkpoint, starts memd (its pool sized from the
-checkpoint) and an inferd serving it, then chats: turn 1 sends a long system
-prompt, turns 2 and 3 only a short message each. Every turn after the first
-reuses the KV of the whole conversation from memd, so only the new tokens
-are computed: compare the cached tokens and the time to first token. The
-weights are random, so the replies are word salad; the mechanics are real.
+Writes a tiny random Llama checkpoint (with a chat template), starts memd
+(its pool sized from the checkpoint) and an inferd serving it over gRPC and
+the OpenAI-compatible HTTP API, then chats with the official `openai` client:
+turn 1 sends a long system prompt, and every turn resends the whole
+conversation, as OpenAI clients do. kvpool reuses the KV of everything said
+before from memd (the `X-Session-Id` header keeps the conversation's sequence
+parked between turns), so only the new tokens are computed: compare the cached
+tokens and the time to first token. The weights are random, so the replies
+are word salad; the mechanics are real.
 """
 
 from __future__ import annotations
 
-import asyncio
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-import grpc
+import openai
 
-from inferd.inferctl import generate
 from inferd.tiny import CORPUS, make_tiny_model
 from shared.launch import LaunchError, spawn_ready
-from shared.rpc import inferd_pb2 as pb
-from shared.rpc import inferd_pb2_grpc as pb_grpc
 
+SYSTEM = "You are a helpful assistant for a serving team.\n" + CORPUS * 2
 TURNS = [
-    "You are a helpful assistant for a serving team.\n" + CORPUS * 2 + "\nWhat does the memory manager do?",
+    "What does the memory manager do?",
     "And what happens when a worker crashes?",
     "Thank you! One more question: what is time to first token?",
 ]
 
 
-async def chat(address: str) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.InferdStub(channel)
-        for number, message in enumerate(TURNS, 1):
-            shown = message if len(message) < 70 else message[:40] + " ... " + message[-25:]
-            print(f"\nturn {number} > {shown!r}")
-            print("  reply: ", end="", flush=True)
-            result = await generate(stub, pb.GenerateRequest(prompt=message, session_id="demo-chat", max_tokens=24,
-                                                             ignore_eos=True), sys.stdout, timeout=120)
-            u = result["usage"]
-            print(f"\n  prompt {u['prompt_tokens']} tokens, of which {u['cached_tokens']} reused from memd "
-                  f"({u['prompt_tokens'] - u['cached_tokens']} computed); first token after {u['ttft_ms']:.1f} ms, "
-                  f"then {u['tpot_ms']:.1f} ms per token")
+def chat(base_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    messages = [{"role": "system", "content": SYSTEM}]
+    for number, message in enumerate(TURNS, 1):
+        print(f"\nturn {number} > {message!r}")
+        print("  reply: ", end="", flush=True)
+        messages.append({"role": "user", "content": message})
+        started, first, reply, usage = time.monotonic(), 0.0, "", None
+        stream = client.chat.completions.create(
+            model="tiny-llama", messages=messages, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers={"X-Session-Id": "demo-chat"})
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first or time.monotonic() - started
+                    reply += choice.delta.content
+                    print(choice.delta.content, end="", flush=True)
+        messages.append({"role": "assistant", "content": reply})
+        if usage is None:
+            raise openai.APIError("the stream ended without usage", None, body=None)
+        cached = usage.prompt_tokens_details.cached_tokens
+        print(f"\n  prompt {usage.prompt_tokens} tokens (the whole conversation), of which {cached} reused from "
+              f"memd ({usage.prompt_tokens - cached} computed); first token after {first * 1000:.1f} ms")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def main() -> int:
@@ -62,16 +83,17 @@ def main() -> int:
                                             "--pool-bytes", "64MiB", "--listen", memd_addr, "--log-format", "json"],
                                            work, stderr=memd_log.fileno()))
                 print(f"memd ready on {memd_addr}")
+                http = f"127.0.0.1:{free_port()}"
                 daemons.append(spawn_ready(["inferd", "serve", "--model", str(model), "--memd", memd_addr,
-                                            "--listen", inferd_addr, "--log-format", "json"],
+                                            "--listen", inferd_addr, "--http", http, "--log-format", "json"],
                                            work, stderr=inferd_log.fileno()))
-                print(f"inferd ready on {inferd_addr}")
-                asyncio.run(chat(inferd_addr))
+                print(f"inferd ready on {inferd_addr} (gRPC) and http://{http}/v1 (OpenAI API)")
+                chat(f"http://{http}")
                 for command in (["stats"], ["check"]):
                     print(f"\n$ memctl {' '.join(command)}", flush=True)
                     subprocess.run([sys.executable, "-m", "memd.memctl", "--address", memd_addr, *command],
                                    check=True)
-        except (LaunchError, grpc.aio.AioRpcError, subprocess.CalledProcessError) as exc:
+        except (LaunchError, OSError, subprocess.CalledProcessError, openai.OpenAIError) as exc:
             print(f"demo failed: {exc}", file=sys.stderr)
             for name in ("memd.log", "inferd.log"):
                 print(f"--- {name}\n" + "".join((work / name).read_text().splitlines(True)[-10:]), file=sys.stderr)

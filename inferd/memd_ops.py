@@ -77,12 +77,24 @@ class Admit(PendingOp):
             request.num_computed = result.num_committed          # the rest is recomputed
             request.num_known_to_memd = len(request.tokens)
             return
+        # A session's history (memd's tokens then this turn's, or with whole_history the conversation as sent,
+        # memd having kept only the prefix its history shared with it): usage counts all of it as prompt, and
+        # what memd had committed as cached; computing resumes from there.
         request.tokens = list(result.token_ids) if result.token_ids else list(request.prompt_ids)
         request.num_computed = request.num_cached = result.num_committed
         request.num_known_to_memd = len(request.tokens)
         request.num_prompt = len(request.tokens)
         limit = scheduler.model.config.max_position
-        if len(request.tokens) >= limit:               # a session's history can outgrow the model
+        if request.whole_history and request.tokens != request.prompt_ids:
+            # A memd without whole_history takes the conversation as a new turn, appended to the old one:
+            # answering from that would answer a conversation the client never sent. Free it, and fail.
+            log.error("memd's history is not the conversation sent", request=request.request_id,
+                      session=request.session_id, sent=len(request.prompt_ids), memd=len(request.tokens))
+            scheduler._end(request, error=GenerationError(
+                "FAILED_PRECONDITION", f"session {request.session_id!r}: memd kept a history of "
+                f"{len(request.tokens)} tokens for a conversation of {len(request.prompt_ids)}; "
+                "does this memd take whole_history?"))
+        elif len(request.tokens) >= limit:               # a session's history can outgrow the model
             scheduler._end(request, keep=True, error=GenerationError(
                 "INVALID_ARGUMENT", f"session {request.session_id!r} holds {len(request.tokens)} tokens with "
                 f"this message; the model has {limit} positions: reset the session"))

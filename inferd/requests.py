@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inferd.sampling import SamplingParams
+from inferd.sampling import SamplingParams, TokenLogprob
+
+__all__ = ["Event", "GenerationError", "Request", "RequestStatus", "TokenLogprob"]
 
 
 class GenerationError(Exception):
@@ -29,6 +31,8 @@ class Event:
     usage: dict[str, float] | None = None
     error: GenerationError | None = None
     index: int = 0                         # which of the request's n completions
+    # SamplingParams.logprobs set: one per token of `token_ids` (None on an event that carries no token).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +49,9 @@ class Request:
     params: SamplingParams
     session_id: str | None = None
     turn_id: str | None = None                         # the client's name for this turn (retries reuse it)
+    # With session_id: prompt_ids are the whole conversation (a stateless client resends it each turn), not
+    # the new turn's tokens; memd keeps what the session's history shares with it.
+    whole_history: bool = False
     arrived: float = field(default_factory=time.monotonic)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     status: RequestStatus = RequestStatus.WAITING
@@ -55,6 +62,8 @@ class Request:
     num_known_to_memd: int = 0                         # history length memd knows
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
+    stops_from: int = 0                                # min_tokens: no stop string may end at or before this
+                                                       # character of the text (that of the held tokens)
     num_prompt: int = 0
     num_cached: int = 0
     first_token_at: float = 0.0

@@ -41,12 +41,12 @@ import torch
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import Admit, CommitForFork, End, ForkChild, Grow, PendingOp, Preempt, ResetSession, StepAttempt
 from inferd.model import PagedDecoder, build_batch
-from inferd.requests import Event, GenerationError, Request, RequestStatus
-from inferd.sampling import sample
+from inferd.requests import Event, GenerationError, Request, RequestStatus, TokenLogprob
+from inferd.sampling import SamplingParams, hold_eos, sample, token_logprobs
 from shared.client import MemdClient, MemdError
 from shared.ops import Extend, Fork, Free, Open, Park, Resume
 
-__all__ = ["DRAINING", "Event", "GenerationError", "Request", "RequestStatus", "Scheduler"]
+__all__ = ["DRAINING", "Event", "GenerationError", "Request", "RequestStatus", "Scheduler", "TokenLogprob"]
 
 log = structlog.get_logger("inferd.scheduler")
 
@@ -106,6 +106,9 @@ class Scheduler:
         if request.params.n > 1 and request.session_id:
             raise GenerationError("INVALID_ARGUMENT", "n > 1 cannot continue a session: which completion "
                                   "would be its history?")
+        if request.whole_history and not request.session_id:
+            raise GenerationError("INVALID_ARGUMENT", "whole_history names a session's whole conversation: "
+                                  "give its session_id")
         if request.params.seed is not None:
             request.generator = torch.Generator().manual_seed(request.params.seed)
         self.waiting.append(request)
@@ -364,7 +367,8 @@ class Scheduler:
         if preempted:                                       # memd forgot it: start over from the history
             return Open(request.tokens, reserve=reserve)
         return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
-                    continue_session=request.session_id is not None, turn_id=request.turn_id)
+                    continue_session=request.session_id is not None, turn_id=request.turn_id,
+                    whole_history=request.whole_history)
 
     def _reserve(self, request: Request) -> int:
         """Writable positions to ask for past the known tokens: the lookahead, capped by what may still come.
@@ -451,16 +455,32 @@ class Scheduler:
                 finishing.append((row, request))
         if not finishing:
             return
-        tokens = sample(logits[[row for row, _ in finishing]], [r.params for _, r in finishing],
-                        [r.generator for _, r in finishing])
+        requests = [r for _, r in finishing]
+        params = [r.params for r in requests]
+        raw = logits[[row for row, _ in finishing]]
+        scores = hold_eos(raw, params, [len(r.generated) for r in requests], self.model.config.eos_token_ids)
+        tokens = sample(scores, params, [r.generator for r in requests])
+        logprobs = self._logprobs(raw, params, tokens)
         now = time.monotonic()
-        for (row, request), token in zip(finishing, tokens, strict=True):
+        for i, (request, token, logprob) in enumerate(zip(requests, tokens, logprobs, strict=True)):
             if request.params.n > 1 and not request.generated:
-                self._fork(request, logits[row], now)
+                self._fork(request, raw[i], scores[i], now)
             request.first_token_at = request.first_token_at or now
             request.tokens.append(token)
             request.generated.append(token)
-            self._emit(request, token)
+            self._emit(request, token, logprob)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
+        """Logprobs for the rows whose request asked, in one batch; the other rows cost nothing."""
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        if asked:
+            rows = raw if len(asked) == len(params) else raw[asked]
+            found = token_logprobs(rows, [tokens[i] for i in asked], [params[i].logprobs or 0 for i in asked])
+            for i, logprob in zip(asked, found, strict=True):
+                out[i] = logprob
+        return out
 
     def _audited(self, chunks: list[tuple[Request, list[int]]]) -> list[tuple[Request, list[int]]]:
         """--audit-kv: a sequence whose K/V changed under it since this worker wrote (or found) it fails."""
@@ -478,35 +498,50 @@ class Scheduler:
                                                      "the turn is failed rather than answered from it"))
         return kept
 
-    def _fork(self, parent: Request, logits: torch.Tensor, now: float) -> None:
-        """n > 1: the prompt is in; n - 1 children share its KV (memd Fork) and sample their own first token."""
+    def _fork(self, parent: Request, raw: torch.Tensor, scores: torch.Tensor, now: float) -> None:
+        """n > 1: the prompt is in; n - 1 children share its KV (memd Fork) and sample their own first token.
+
+        They sample from the parent's `scores` (its EOS already held back for min_tokens) and report
+        logprobs from its `raw` row, as the parent does.
+        """
         p = parent.params
+        children = []
         for index in range(1, p.n):
             seed = None if p.seed is None else p.seed + index
             child = Request(parent.prompt_ids, replace(p, n=1, seed=seed), events=parent.events, arrived=parent.arrived,
                             index=index, num_prompt=parent.num_prompt, num_cached=parent.num_cached, fork_of=parent,
                             first_token_at=now,
                             generator=None if seed is None else torch.Generator().manual_seed(seed))
-            token = sample(logits[None], [child.params], [child.generator])[0]
+            token = sample(scores[None], [child.params], [child.generator])[0]
             child.tokens = parent.tokens + [token]
             child.generated = [token]
+            children.append(child)
+        logprobs: list[TokenLogprob | None] = [None] * len(children)
+        if p.logprobs is not None and children:       # one row for every child: one log_softmax
+            logprobs = list(token_logprobs(raw[None], [c.generated[0] for c in children], [p.logprobs] * len(children)))
+        for child, logprob in zip(children, logprobs, strict=True):
             parent.children.append(child)
-            self._emit(child, token)
+            self._emit(child, child.generated[0], logprob)
         # memd forks what it knows: the prompt, committed, and none of the parent's own sampled tokens.
         commit = Extend(parent.seq_id, append=parent.tokens[parent.num_known_to_memd:],
                         commit_to=parent.num_computed)
         parent.num_known_to_memd = parent.num_computed
         self._forks.append((parent, commit, parent.children))
 
-    def _emit(self, request: Request, token: int) -> None:
+    def _emit(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         p, config = request.params, self.model.config
-        eos = token in config.eos_token_ids and not p.ignore_eos
+        held = len(request.generated) < p.min_tokens       # min_tokens: neither EOS nor a stop string ends it yet
+        eos = token in config.eos_token_ids and not p.ignore_eos and not held
         text_ids = request.generated[:-1] if eos else request.generated
         text = self.tokenizer.decode(text_ids)
         reason = None
-        for stop in p.stop:
-            if (cut := text.find(stop)) >= 0:
-                text, reason = text[:cut], "stop"
+        if held:
+            request.stops_from = len(text)
+        else:
+            for stop in p.stop:
+                # A stop the held tokens' text already holds was passed over there: only one ending later counts.
+                if (cut := text.find(stop, max(0, request.stops_from - len(stop) + 1))) >= 0:
+                    text, reason = text[:cut], "stop"
         if eos:
             reason = "stop"
         elif reason is None and (len(request.generated) >= p.max_tokens or len(request.tokens) >= config.max_position):
@@ -517,7 +552,8 @@ class Scheduler:
         visible = text[:len(text) - hold] if hold else text
         delta = visible[len(request.emitted_text):] if visible.startswith(request.emitted_text) else ""
         request.emitted_text += delta
-        request.events.put_nowait(Event([token], delta, index=request.index))
+        request.events.put_nowait(Event([token], delta, index=request.index,
+                                        logprobs=None if logprob is None else [logprob]))
         if reason:
             self._end(request, reason=reason)
 
@@ -533,8 +569,13 @@ class Scheduler:
         if request.seq_id:
             # A session keeps its turn (a reset's Free follows in the same Step); an error frees.
             keep = request.session_id is not None and (error is None or keep)
-            op = (Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
-                       commit_to=request.num_computed) if keep else Free(request.seq_id))
+            progress = {"append": request.tokens[request.num_known_to_memd:], "commit_to": request.num_computed}
+            if keep:
+                op: Park | Free = Park(request.seq_id, **progress)
+            elif error is None:               # its full blocks stay in the prefix cache for the next same prompt
+                op = Free(request.seq_id, **progress)
+            else:                             # an error: what it computed is not offered to anyone
+                op = Free(request.seq_id)
             self._ending.append(End(request, final, op))   # the final event waits for memd: then nothing is RUNNING
         else:
             request.events.put_nowait(final)

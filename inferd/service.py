@@ -48,6 +48,15 @@ def model_namespace(model_dir: Path, config: ModelConfig) -> str:
     return f"{model_dir.name}-{h.hexdigest()[:12]}"
 
 
+def checked_request_id(given: str | None) -> str:
+    """The client's x-request-id (to find its request in our logs), else a new one; sent back either way."""
+    if given is None:
+        return uuid.uuid4().hex[:16]
+    if not (0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given):
+        raise GenerationError("INVALID_ARGUMENT", "x-request-id must be 1 to 128 visible ASCII characters")
+    return given
+
+
 class MemdLink:
     def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
                  max_batch_tokens: int = 512, dtype: str | None = None, audit_kv: bool = False) -> None:
@@ -211,13 +220,8 @@ class InferdService(pb_grpc.InferdServicer):
 
     @staticmethod
     def _request_id(context: grpc.aio.ServicerContext) -> str:
-        """The client's x-request-id (to find its request in our logs), else a new one; sent back either way."""
-        given = next((v for k, v in context.invocation_metadata() or () if k == REQUEST_ID_KEY), None)
-        if given is None:
-            return uuid.uuid4().hex[:16]
-        if not (0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given):
-            raise GenerationError("INVALID_ARGUMENT", "x-request-id must be 1 to 128 visible ASCII characters")
-        return given
+        return checked_request_id(next((v for k, v in context.invocation_metadata() or () if k == REQUEST_ID_KEY),
+                                       None))
 
     async def Reset(self, msg: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetReply:
         if not msg.session_id:

@@ -1,8 +1,9 @@
 """A tiny random checkpoint, seeded: what tests, the demo and benchmarks run.
 
 It is a real Hugging Face directory (config.json, model.safetensors,
-tokenizer.json) that `transformers` loads too, so kvpool's paged decoder can
-be checked against it on identical weights. The tokenizer is a byte-level BPE
+tokenizer.json, tokenizer_config.json) that `transformers` loads too, so
+kvpool's paged decoder can be checked against it on identical weights, and its
+chat template against `apply_chat_template`. The tokenizer is a byte-level BPE
 trained here on a short embedded text: any string encodes, nothing downloads.
 """
 
@@ -26,6 +27,23 @@ Tell me a story about a cat who learned to fly over the mountains and came home 
 The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } < > , . ; : ' " ! ?
 Once upon a time there was a small model with four layers that answered questions very quickly.
 Systems that serve language models care about time to first token, time per output token and memory.
+"""
+
+
+# Zephyr-style, with plain-text role markers: the tiny vocabulary has no special
+# tokens for roles, and any role (developer, tool) renders without a branch per
+# role. Block tags sit on lines of their own, which trim_blocks (Hugging Face
+# always turns it on) drops from the output; `{%-` also drops the newline after
+# bos_token, which trim_blocks leaves since it follows a `{{ }}`.
+CHAT_TEMPLATE = """\
+{{ bos_token }}
+{%- for message in messages %}
+<|{{ message['role'] }}|>
+{{ message['content'] }}{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}
 """
 
 
@@ -68,6 +86,13 @@ def make_tiny_model(out: Path, *, arch: str = "llama", seed: int = 0, hidden: in
     tokenizer = train_tokenizer(vocab)
     vocab = tokenizer.get_vocab_size()
     tokenizer.save(str(out / "tokenizer.json"))
+    # The generic class uses tokenizer.json as it is; without tokenizer_class AutoTokenizer
+    # picks one by config.json's model_type, and a Llama class expects a sentencepiece vocabulary.
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     head_dim = hidden // heads
     intermediate = intermediate or hidden * 2
     tie = arch == "qwen2"

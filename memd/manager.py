@@ -456,6 +456,8 @@ class KvManager:
         if seq.model != txn.worker.model:
             raise FailedPrecondition(f"sequence {seq.seq_id} belongs to model {seq.model!r}; "
                                      f"this worker serves {txn.worker.model!r}")
+        if op.append or op.commit_to:                  # its last progress: full blocks join the prefix cache
+            self._commit(txn, self._own(txn, seq.seq_id), list(op.append), op.commit_to)
         # Not `release`: within a Step the swap-out's cancel is undoable, and the slots are
         # given back only once the Step stands (and its copies are done).
         self._cancel_swap_out(txn, seq)

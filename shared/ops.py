@@ -59,8 +59,13 @@ class Resume:
 
 @dataclass(slots=True, frozen=True)
 class Free:
+    """Forget a sequence. `append`/`commit_to` (its worker only, RUNNING): commit first, as Extend does,
+    so its full blocks stay in the prefix cache once freed."""
+
     seq_id: int | None = None
     session_id: str | None = None
+    append: list[int] = field(default_factory=list)
+    commit_to: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -69,8 +69,8 @@ def op_to_proto(op: ops.Op) -> pb.Op:
             return pb.Op(resume=pb.ResumeOp(seq_id=op.seq_id or 0, reserve=op.reserve))
         case ops.Free():
             if op.session_id:
-                return pb.Op(free=pb.FreeOp(session_id=op.session_id))
-            return pb.Op(free=pb.FreeOp(seq_id=op.seq_id or 0))
+                return pb.Op(free=pb.FreeOp(session_id=op.session_id, append=op.append, commit_to=op.commit_to))
+            return pb.Op(free=pb.FreeOp(seq_id=op.seq_id or 0, append=op.append, commit_to=op.commit_to))
         case ops.Fork():
             return pb.Op(fork=pb.ForkOp(seq_id=op.seq_id, session_id=op.session_id or ""))
     raise TypeError(f"not a Step operation: {op!r}")
@@ -92,7 +92,8 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
         m = msg.resume
         return ops.Resume(m.seq_id or None, m.session_id or None, m.reserve)
     if kind == "free":
-        return ops.Free(msg.free.seq_id or None, msg.free.session_id or None)
+        return ops.Free(msg.free.seq_id or None, msg.free.session_id or None, list(msg.free.append),
+                        msg.free.commit_to)
     if kind == "fork":
         return ops.Fork(msg.fork.seq_id, msg.fork.session_id or None)
     raise WireError("empty operation: set one of open, extend, park, resume, free, fork")

@@ -210,6 +210,16 @@ async def local_memd_factory() -> AsyncIterator[Callable[..., Any]]:
 
 
 @pytest.fixture
+async def served(local_memd_factory: Callable[..., Any], checkpoint: Path) -> AsyncIterator[tuple[Any, Any]]:
+    """The scheduler on the `checkpoint` model over an in-process memd: (memd, scheduler)."""
+    from tests.scheduling import start_scheduler
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint)
+    yield memd, scheduler
+    task.cancel()
+    await client.close()
+
+
+@pytest.fixture
 def inferd_factory(tmp_path: Path, daemons: list[Daemon]) -> Callable[..., Any]:
     """Start `inferd serve` processes: `await inferd_factory(model_dir, memd.address, *flags)`."""
     async def factory(model: Path, memd_address: str, *args: str, name: str = "inferd") -> Daemon:
@@ -239,6 +249,21 @@ def judge(reference: Any, checkpoint: Path) -> Any:
     """Compares answers across batch shapes, tie-aware (tests/answers.py)."""
     from tests.answers import Reference
     return Reference(reference, checkpoint)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny seeded Llama checkpoint (with a chat template) for tests that run inferd processes."""
+    from inferd.tiny import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def model_judge(model_dir: Path) -> Any:
+    """Compares answers of `model_dir` across batch shapes and processes, tie-aware."""
+    pytest.importorskip("transformers")
+    from tests.answers import Reference
+    return Reference.load(model_dir)
 
 
 @pytest.fixture

@@ -150,6 +150,9 @@ class KvManagerMachine(RuleBasedStateMachine):
             return Resume(seq_id=data.draw(self.seq_ids(worker, extra)), reserve=data.draw(reserves))
         seq_id = data.draw(self.seq_ids(worker, extra))
         if kind == "free":
+            if data.draw(st.booleans()):               # its last progress committed as it goes
+                append = data.draw(appended)
+                return Free(seq_id, append=append, commit_to=self.commit_to(data, seq_id, append))
             return Free(seq_id)
         if kind == "fork":
             return Fork(seq_id, data.draw(sessions))
@@ -705,3 +708,15 @@ def test_whole_history_needs_a_session_and_changes_nothing_when_refused():
             m.step(worker, [op])
         assert err.value.code == "INVALID_ARGUMENT" and "whole_history" in str(err.value)
         assert dump(m) == before
+
+
+def test_a_sequence_freed_with_its_progress_leaves_its_full_blocks_in_the_prefix_cache():
+    m = new_manager()
+    worker = attach(m, "m")
+    seq, = m.step(worker, [Open([1, 2, 3, 4, 5, 6], reserve=4)]).results      # nothing committed yet
+    m.step(worker, [Free(seq.seq_id, append=[7, 8, 9], commit_to=9)])        # prefill and decode done
+    again, = m.step(worker, [Open([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]).results
+    assert again.num_cached == 8                                              # both full blocks
+    with pytest.raises(OpError) as refused:                                   # only its running worker commits
+        m.step(worker, [Free(again.seq_id, commit_to=99)])
+    assert refused.value.code == "INVALID_ARGUMENT" and m.violations() == []

@@ -15,10 +15,8 @@ import pytest
 
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
-from tests.test_inferd_service import health, inferctl, memd_state, model_dir, model_judge
+from tests.test_inferd_service import health, inferctl, memd_state
 from tests.test_memd_startup import run_memd
-
-__all__ = ["model_dir", "model_judge"]      # the module-scoped checkpoint fixtures, shared
 
 PROMPT = "Tell me a story about a cat who learned to sail."
 

@@ -16,14 +16,6 @@ from shared.ops import Extend, Free, Open
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture
-async def served(local_memd_factory, checkpoint):
-    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint)
-    yield memd, scheduler
-    task.cancel()
-    await client.close()
-
-
 async def test_concurrent_requests_match_transformers_and_leave_nothing(served, judge):
     memd, scheduler = served
     rng = random.Random(1)

@@ -31,9 +31,7 @@ import pytest
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
 from tests.answers import Reference
-from tests.test_inferd_service import model_dir, model_judge
 
-__all__ = ["model_dir", "model_judge"]
 pytestmark = pytest.mark.timeout(900)      # --soak-seconds plus start-up and the replay; --timeout 0 for long runs
 
 WORKERS = 4

@@ -15,10 +15,8 @@ import pytest
 
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
-from tests.test_inferd_service import memd_state, model_dir, model_judge, wait_until
+from tests.test_inferd_service import memd_state, wait_until
 from tests.test_memd_restart import attachments, memd_flags, turn
-
-__all__ = ["model_dir", "model_judge"]
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(150))      # a few hundred tokens
 QUESTION = "What happened next, and why?"

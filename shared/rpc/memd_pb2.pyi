@@ -151,12 +151,16 @@ class ResumeOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., reserve: _Optional[int] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("seq_id", "session_id")
+    __slots__ = ("seq_id", "session_id", "append", "commit_to")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: str
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    append: _containers.RepeatedScalarFieldContainer[int]
+    commit_to: int
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("seq_id", "session_id")

@@ -1,0 +1,424 @@
+"""inferd's OpenAI-compatible HTTP API: what applications, gateways and load tools speak.
+
+Served by uvicorn on inferd's own event loop, beside gRPC, over the same
+scheduler. The API is stateless: a chat client sends the whole conversation
+every turn. Every request's prompt meets memd's prefix cache, so the full
+blocks of an earlier turn are reused; with an `X-Session-Id` header the turn
+continues that session's sequence (memd keeps the longest prefix it shares
+with the conversation, its partial last block included) and is parked in
+memd when it ends, as gRPC sessions are. An edited conversation reuses only
+what still matches: memd compares token ids, never trusts a name.
+
+A request ends with its HTTP exchange: a client that hangs up cancels it,
+and its sequence is parked (session) or freed within a scheduler step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from inferd.chat_template import ChatTemplate, ChatTemplateError
+from inferd.metrics import InferdMetrics
+from inferd.openai_schema import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    parse,
+)
+from inferd.requests import Event, GenerationError, Request, TokenLogprob
+from inferd.sampling import BadParams, SamplingParams
+from inferd.service import MemdLink, checked_request_id
+
+log = structlog.get_logger("inferd.http")
+
+T = TypeVar("T")
+# gRPC status names (GenerationError.code) as HTTP statuses.
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "PERMISSION_DENIED": 409,
+               "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503, "INTERNAL": 500}
+SESSION_HEADER = "x-session-id"
+
+
+class ClientGone(Exception):
+    """The HTTP client hung up before its answer was ready."""
+
+
+def _api_error(err: GenerationError) -> ApiError:
+    status = HTTP_STATUS.get(err.code, 500)
+    code = "session_busy" if status == 409 else None
+    return ApiError(status, err.message, code=code)
+
+
+@dataclass(eq=False)
+class Completions:
+    """The events of one request (n completions), read until each has ended; an error event raises ApiError."""
+
+    request: Request
+    cancel: Callable[[Request], None]
+    metrics: InferdMetrics | None
+    remaining: int = 0
+    finals: dict[int, Event] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.remaining = self.request.params.n
+
+    async def next(self) -> Event | None:
+        if not self.remaining:
+            return None
+        event = await self.request.events.get()
+        if self.metrics is not None and (event.error is not None or event.finish_reason is not None):
+            self.metrics.finished(event)
+        if event.error is not None:
+            self.remaining = 0
+            self.cancel(self.request)                  # n > 1: the other completions stop too
+            log.info("request failed", request=self.request.request_id, session=self.request.session_id,
+                     code=event.error.code, error=event.error.message)
+            raise _api_error(event.error)
+        if event.finish_reason is not None:
+            self.remaining -= 1
+            self.finals[event.index] = event
+            log.info("request finished", request=self.request.request_id, session=self.request.session_id,
+                     seq=self.request.seq_id, index=event.index, finish_reason=event.finish_reason,
+                     **(event.usage or {}))
+        return event
+
+    def abandon(self) -> None:
+        """The client went away: the sequences park or free."""
+        if self.remaining:
+            self.remaining = 0
+            log.info("request cancelled by its client", request=self.request.request_id,
+                     session=self.request.session_id)
+            self.cancel(self.request)
+
+    def usage(self) -> dict[str, Any]:
+        finals = [e.usage or {} for e in self.finals.values()]
+        prompt = int(finals[0].get("prompt_tokens", 0)) if finals else 0
+        completion = sum(int(u.get("completion_tokens", 0)) for u in finals)
+        cached = int(finals[0].get("cached_tokens", 0)) if finals else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _or_disconnect(http: HttpRequest, waiter: Awaitable[T]) -> T:
+    """`waiter`'s result, unless the client hangs up first (ClientGone)."""
+    task = asyncio.ensure_future(waiter)
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientGone
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServer:
+    def __init__(self, link: MemdLink, *, served_model_name: str, api_key: str | None,
+                 template: ChatTemplate | None, metrics: InferdMetrics | None) -> None:
+        self.link, self.model_name, self.api_key = link, served_model_name, api_key
+        self.template, self.metrics = template, metrics
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+            Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ])
+
+    # ---- around every API call ----------------------------------------
+
+    def _endpoint(self, handler: Callable[[HttpRequest, str], Awaitable[Response]]
+                  ) -> Callable[[HttpRequest], Awaitable[Response]]:
+        async def run(http: HttpRequest) -> Response:
+            request_id = None
+            try:
+                try:
+                    request_id = checked_request_id(http.headers.get("x-request-id"))
+                except GenerationError as err:
+                    raise ApiError(400, err.message, param="x-request-id") from None
+                self._authorize(http)
+                response = await handler(http, request_id)
+            except ApiError as err:
+                response = JSONResponse(err.body(), status_code=err.status)
+            except ClientGone:
+                response = Response(status_code=499)     # nobody reads it
+            if request_id is not None:
+                response.headers["x-request-id"] = request_id
+            return response
+        return run
+
+    def _authorize(self, http: HttpRequest) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, given = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+
+    async def _body(self, http: HttpRequest) -> Any:
+        try:
+            return json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # ---- generation ----------------------------------------------------
+
+    async def chat(self, http: HttpRequest, request_id: str) -> Response:
+        body = parse(ChatBody, await self._body(http))
+        self._check_model(body.model)
+        prompt_ids = self._chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+        return await self._generate(http, request_id, body, prompt_ids, chat=True)
+
+    async def completions(self, http: HttpRequest, request_id: str) -> Response:
+        body = parse(CompletionBody, await self._body(http))
+        self._check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompt_ids = self.link.tokenizer.encode(prompt).ids
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)                               # type: ignore[arg-type]
+        elif isinstance(prompt, list) and len(prompt) == 1:
+            only = prompt[0]
+            prompt_ids = self.link.tokenizer.encode(only).ids if isinstance(only, str) else list(only)
+        else:
+            raise ApiError(400, "one prompt per request (a batch of prompts is not supported)", param="prompt")
+        return await self._generate(http, request_id, body, prompt_ids, chat=False)
+
+    def _chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        if self.template is None:
+            raise ApiError(400, "this model has no chat template (tokenizer_config.json chat_template or "
+                                "chat_template.jinja); start inferd with --chat-template FILE, or use "
+                                "/v1/completions", param="messages", code="no_chat_template")
+        try:
+            return self.template.encode(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as err:
+            raise ApiError(400, str(err), param="messages") from None
+
+    def _params(self, body: ChatBody | CompletionBody, prompt_len: int) -> SamplingParams:
+        limit = self.link.config.max_position
+        budget = body.token_budget()
+        if budget is None:
+            budget = limit - prompt_len                 # as vLLM: up to the model's positions
+        if prompt_len + budget > limit or budget < 1:
+            raise ApiError(400, f"a prompt of {prompt_len} tokens plus max_tokens {budget} exceeds the model's "
+                                f"{limit} positions", param="max_tokens", code="context_length_exceeded")
+        return SamplingParams(max_tokens=budget, temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), seed=body.seed,
+                              stop=body.stops(), ignore_eos=body.ignore_eos, n=body.n,
+                              logprobs=body.logprob_count(), min_tokens=body.min_tokens)
+
+    def _scheduler(self) -> Any:
+        scheduler = self.link.scheduler
+        if scheduler is None:
+            raise ApiError(503, "not attached to memd (it is down or restarting); retry shortly")
+        return scheduler
+
+    async def _generate(self, http: HttpRequest, request_id: str, body: ChatBody | CompletionBody,
+                        prompt_ids: list[int], *, chat: bool) -> Response:
+        vocab = self.link.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        scheduler = self._scheduler()
+        session = http.headers.get(SESSION_HEADER) or None
+        params = self._params(body, len(prompt_ids))
+        request = Request(prompt_ids, params, session_id=session, whole_history=session is not None)
+        request.request_id = request_id
+        try:
+            scheduler.submit(request)
+        except BadParams as err:
+            raise ApiError(400, str(err)) from None
+        except GenerationError as err:
+            raise _api_error(err) from None
+        reader = Completions(request, scheduler.cancel, self.metrics)
+        shape = _Shape(chat, self.model_name, request_id, self.link.tokenizer, params.n,
+                       body.return_tokens_as_token_ids)
+        try:
+            first = await _or_disconnect(http, reader.next())     # a refusal is an error status, not a stream
+        except BaseException:
+            reader.abandon()
+            raise
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventSourceResponse(self._stream(reader, shape, first, usage), sep="\n")
+        try:
+            events = [first]
+            while (event := await _or_disconnect(http, reader.next())) is not None:
+                events.append(event)
+        except BaseException:
+            reader.abandon()
+            raise
+        return JSONResponse(shape.whole(events, reader.usage()))
+
+    async def _stream(self, reader: Completions, shape: _Shape, first: Event | None,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI's chunks: the role first (chat), the text, the finish reason on the last text chunk."""
+        held: dict[int, dict[str, Any]] = {}          # per choice: its latest chunk, until we know if it is last
+        try:
+            for index in range(shape.n) if shape.chat else ():
+                yield shape.chunk_json(shape.chunk(index, {"role": "assistant", "content": ""}), include_usage)
+            event = first
+            while event is not None:
+                if event.finish_reason is not None:
+                    chunk = held.pop(event.index, None) or shape.chunk(event.index, {} if shape.chat else "")
+                    chunk["choices"][0]["finish_reason"] = event.finish_reason
+                    yield shape.chunk_json(chunk, include_usage)
+                elif event.text or event.logprobs:
+                    if (previous := held.pop(event.index, None)) is not None:
+                        yield shape.chunk_json(previous, include_usage)
+                    held[event.index] = shape.chunk(event.index, {"content": event.text} if shape.chat
+                                                    else event.text, event.logprobs)
+                event = await reader.next()
+            if include_usage:
+                yield json.dumps(shape.envelope([], usage=reader.usage()))
+        except ApiError as err:                        # an error mid-stream: said in the stream, as vLLM does
+            yield json.dumps(err.body())
+        finally:
+            reader.abandon()                           # a no-op once every completion ended
+        yield "[DONE]"
+
+    # ---- the rest of the API ------------------------------------------
+
+    async def models(self, http: HttpRequest, request_id: str) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvpool",
+            "root": self.link.namespace, "max_model_len": self.link.config.max_position}]})
+
+    async def tokenize(self, http: HttpRequest, request_id: str) -> Response:
+        body = parse(TokenizeBody, await self._body(http))
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give a prompt or messages", param="prompt")
+        if body.messages is not None:
+            tokens = self._chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+        else:
+            tokens = self.link.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+        return JSONResponse({"count": len(tokens), "max_model_len": self.link.config.max_position,
+                             "tokens": tokens})
+
+    async def detokenize(self, http: HttpRequest, request_id: str) -> Response:
+        body = parse(DetokenizeBody, await self._body(http))
+        self._check_model(body.model)
+        vocab = self.link.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": self.link.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    async def health(self, http: HttpRequest) -> Response:
+        """200 while requests can be served: attached to memd and not draining (a balancer's check)."""
+        scheduler = self.link.scheduler
+        if scheduler is None:
+            return JSONResponse({"status": "not attached to memd"}, status_code=503)
+        if scheduler.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, http: HttpRequest) -> Response:
+        if self.metrics is None:
+            return Response(status_code=404)
+        # Off the loop: the collector reads the batch's state on the loop, and waits for it.
+        data = await asyncio.to_thread(generate_latest, self.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How answers look: chat or text completion, whole or in chunks."""
+
+    chat: bool
+    model: str
+    request_id: str
+    tokenizer: Any
+    n: int
+    ids_as_tokens: bool = False          # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, choices: list[dict[str, Any]], *, chunk: bool = True,
+                 usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+            prefix = "chatcmpl"
+        else:
+            kind, prefix = "text_completion", "cmpl"
+        out: dict[str, Any] = {"id": f"{prefix}-{self.request_id}", "object": kind, "created": self.created,
+                               "model": self.model, "choices": choices}
+        if usage is not None or not chunk:
+            out["usage"] = usage
+        return out
+
+    def chunk(self, index: int, delta: Any, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": None,
+                                  "logprobs": self.logprobs(logprobs) if logprobs else None}
+        choice["delta" if self.chat else "text"] = delta
+        return self.envelope([choice])
+
+    def chunk_json(self, chunk: dict[str, Any], include_usage: bool) -> str:
+        if include_usage:
+            chunk["usage"] = None                       # as OpenAI: every chunk has it, the last one filled
+        return json.dumps(chunk)
+
+    def whole(self, events: list[Event], usage: dict[str, Any]) -> dict[str, Any]:
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        finish: dict[int, str | None] = {}
+        for event in events:
+            texts.setdefault(event.index, []).append(event.text)
+            logprobs.setdefault(event.index, []).extend(event.logprobs or [])
+            if event.finish_reason is not None:
+                finish[event.index] = event.finish_reason
+        choices = []
+        for index in range(self.n):
+            text = "".join(texts.get(index, []))
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish.get(index),
+                                      "logprobs": self.logprobs(logprobs[index]) if logprobs.get(index) else None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return self.envelope(choices, chunk=False, usage=usage)
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        decode = (lambda ids: f"token_id:{ids[0]}") if self.ids_as_tokens else self.tokenizer.decode
+        if self.chat:
+            def one(token_id: int, logprob: float) -> dict[str, Any]:
+                text = decode([token_id])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+                                for e in entries]}
+        tokens = [decode([e.token_id]) for e in entries]
+        offsets = [0]
+        for token in tokens[:-1]:
+            offsets.append(offsets[-1] + len(token))
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets[:len(tokens)]}

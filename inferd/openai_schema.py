@@ -1,0 +1,179 @@
+"""The OpenAI API's request bodies, checked, and its error shape.
+
+A body is checked before anything runs: a field out of range, of the wrong
+type or unknown is a 400 that names it (an unsupported parameter is never
+silently ignored: a client that asks for `logit_bias` must learn it got none).
+The extra parameters vLLM accepts (`top_k`, `ignore_eos`, `min_tokens`) are
+taken from the body as vLLM takes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_SEED = 2**63 - 1          # torch generators take a signed 64-bit seed
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        if self.status == 401:
+            return "authentication_error"
+        if self.status == 404:
+            return "not_found_error"
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints take."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Penalties are not implemented: their neutral values are accepted (clients send them by default).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = Field(default=None, ge=-1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("up to 4 stop strings, none empty")
+        return stops
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _neutral(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("penalties are not supported (only 0)")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())        # the validator made it a list
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the chat template (parts are kept as dicts; the template module joins text parts)."""
+        out: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            out["content"] = [part.model_dump(exclude_none=True) for part in self.content]
+        else:
+            out["content"] = self.content or ""
+        for key in ("name", "tool_call_id"):
+            if (value := getattr(self, key)) is not None:
+                out[key] = value
+        return out
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True            # vLLM's: continue the last message instead when False
+    return_tokens_as_token_ids: bool = False      # vLLM's: logprobs name tokens "token_id:N", not by text
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: Literal[False] = False
+    suffix: None = None
+    return_tokens_as_token_ids: bool = False
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages under the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse(kind: type[Body], raw: Any) -> Body:
+    """The body as `kind`, or a 400 naming the first field that is wrong."""
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return kind.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        if error["type"] == "extra_forbidden":
+            raise ApiError(400, f"unsupported parameter: {param}", param=param,
+                           code="unsupported_parameter") from None
+        if error["type"] == "missing":
+            raise ApiError(400, f"missing required parameter: {param}", param=param) from None
+        raise ApiError(400, f"invalid {param}: {error['msg']}", param=param) from None
