@@ -281,22 +281,27 @@ class OpenAIServer:
 
     async def _stream(self, reader: Completions, shape: _Shape, first: Event | None,
                       include_usage: bool) -> AsyncIterator[str]:
-        """OpenAI's chunks: the role first (chat), the text, the finish reason on the last text chunk."""
-        held: dict[int, dict[str, Any]] = {}          # per choice: its latest chunk, until we know if it is last
+        """OpenAI's chunks: the role first (chat), the text, the finish reason on the last text chunk.
+
+        A token's event says whether it ends its completion, so no chunk waits for the next one.
+        """
+        ended: set[int] = set()                        # completions whose finish reason was sent
         try:
             for index in range(shape.n) if shape.chat else ():
                 yield shape.chunk_json(shape.chunk(index, {"role": "assistant", "content": ""}), include_usage)
             event = first
             while event is not None:
-                if event.finish_reason is not None:
-                    chunk = held.pop(event.index, None) or shape.chunk(event.index, {} if shape.chat else "")
+                if event.token_ids and (event.text or event.logprobs or event.ends):
+                    chunk = shape.chunk(event.index, {"content": event.text} if shape.chat else event.text,
+                                        event.logprobs)
+                    if event.ends is not None:
+                        chunk["choices"][0]["finish_reason"] = event.ends
+                        ended.add(event.index)
+                    yield shape.chunk_json(chunk, include_usage)
+                elif event.finish_reason is not None and event.index not in ended:   # ended with no token
+                    chunk = shape.chunk(event.index, {} if shape.chat else "")
                     chunk["choices"][0]["finish_reason"] = event.finish_reason
                     yield shape.chunk_json(chunk, include_usage)
-                elif event.text or event.logprobs:
-                    if (previous := held.pop(event.index, None)) is not None:
-                        yield shape.chunk_json(previous, include_usage)
-                    held[event.index] = shape.chunk(event.index, {"content": event.text} if shape.chat
-                                                    else event.text, event.logprobs)
                 event = await reader.next()
             if include_usage:
                 yield json.dumps(shape.envelope([], usage=reader.usage()))

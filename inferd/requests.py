@@ -33,6 +33,9 @@ class Event:
     index: int = 0                         # which of the request's n completions
     # SamplingParams.logprobs set: one per token of `token_ids` (None on an event that carries no token).
     logprobs: list[TokenLogprob] | None = None
+    # On a token's event: this token ends the completion, for this reason. The final event (finish_reason,
+    # usage) follows once memd has the sequence back; a stream can say "this was the last" at once.
+    ends: str | None = None
 
 
 class RequestStatus(enum.Enum):

@@ -552,7 +552,7 @@ class Scheduler:
         visible = text[:len(text) - hold] if hold else text
         delta = visible[len(request.emitted_text):] if visible.startswith(request.emitted_text) else ""
         request.emitted_text += delta
-        request.events.put_nowait(Event([token], delta, index=request.index,
+        request.events.put_nowait(Event([token], delta, index=request.index, ends=reason,
                                         logprobs=None if logprob is None else [logprob]))
         if reason:
             self._end(request, reason=reason)

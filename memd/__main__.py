@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop parked and swapped sequences idle this many seconds; 0 = never (default: 300)")
     p.add_argument("--free-watermark", type=fraction, default=0.02,
                    help="keep this fraction of blocks free by evicting cold parked sequences (default: 0.02)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="never share blocks between sequences by content: every new sequence computes its whole "
+                        "prompt (a session's parked history is still resumed); for measuring what the cache is worth")
     p.add_argument("--token-file", type=Path,
                    help="the worker token (group-readable): kept if it exists, else written; required with TCP "
                         "(default: a fresh one at every start, next to the socket: SOCKET.token)")

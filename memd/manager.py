@@ -95,8 +95,11 @@ class KvManager:
 
     def __init__(self, geometry: PoolGeometry, *, hash_key: bytes | None = None,
                  heat_decay: float = 0.9, heat_interval_s: float = 10.0, swap_slots: int = 0,
-                 idle_ttl_s: float = 0.0, watermark_blocks: int = 0) -> None:
+                 idle_ttl_s: float = 0.0, watermark_blocks: int = 0, prefix_cache: bool = True) -> None:
         self.geometry = geometry
+        # Off (memd --no-prefix-cache): no block is ever offered to or found in the prefix cache;
+        # a session's own parked sequence is still resumed. For measuring what the cache is worth.
+        self.prefix_cache = prefix_cache
         self.pool = BlockPool(geometry.num_blocks)
         self.swap = SwapSlots(swap_slots) if swap_slots else None
         self.swap_jobs: dict[int, SwapOut] = {}        # by sequence id: swap-outs being copied
@@ -247,7 +250,7 @@ class KvManager:
             if b.index < len(seq.block_ids) and seq.block_ids[b.index] == b.block and b.index < len(seq.hashes) \
                     and self.seqs.get(seq.seq_id) is seq:
                 bs = seq.block_size
-                self.pool.register(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
+                self._offer(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
         self._filling -= outcome.filling
         self._changed |= outcome.filling
 
@@ -282,7 +285,7 @@ class KvManager:
             seq.hashes = [digest for digest, _ in chain]
             if seq.state is SeqState.PARKED:
                 for block, (digest, chunk) in zip(seq.block_ids, chain, strict=False):
-                    self.pool.register(block, digest, chunk)
+                    self._offer(block, digest, chunk)
         for pid, blocks in (fences or {}).items():
             for block in blocks:
                 self.pool.incref(block)
@@ -619,7 +622,7 @@ class KvManager:
         for i, (digest, chunk) in enumerate(
                 self.hasher.chain(seq.model, seq.token_ids, seq.block_size, start, parent, seq.num_full_blocks),
                 start):
-            self.pool.register(seq.block_ids[i], digest, chunk)
+            self._offer(seq.block_ids[i], digest, chunk)
             seq.hashes.append(digest)
 
     def _swap_in(self, txn: _Txn, seq: Sequence) -> int:
@@ -683,6 +686,11 @@ class KvManager:
         del seq.block_ids[keep:]
         seq.state, seq.owner = SeqState.PARKED, None
         self._changed.add(seq.seq_id)
+
+    def _offer(self, block: int, digest: bytes, tokens: tuple[int, ...]) -> None:
+        """A full, committed block joins the prefix cache (unless the cache is off)."""
+        if self.prefix_cache:
+            self.pool.register(block, digest, tokens)
 
     def release_blocks(self, blocks: list[int]) -> int:
         return sum(self.pool.decref(block) for block in blocks)

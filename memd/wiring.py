@@ -35,11 +35,13 @@ class Policy:
     swap_ratio: float = 0.3              # 0: no swap tier
     idle_ttl_s: float = 300.0            # 0: never
     free_watermark: float = 0.02
+    prefix_cache: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Policy:
         return cls(args.lease_timeout, args.heat_decay, args.heat_interval,
-                   0.0 if args.disable_swap else args.swap_ratio, args.idle_ttl, args.free_watermark)
+                   0.0 if args.disable_swap else args.swap_ratio, args.idle_ttl, args.free_watermark,
+                   not args.no_prefix_cache)
 
     def swap_slots(self, geometry: PoolGeometry) -> int:
         return int(geometry.num_blocks * self.swap_ratio)
@@ -57,7 +59,8 @@ class Parts:
 def new_manager(geometry: PoolGeometry, policy: Policy) -> KvManager:
     return KvManager(geometry, heat_decay=policy.heat_decay, heat_interval_s=policy.heat_interval_s,
                      swap_slots=policy.swap_slots(geometry), idle_ttl_s=policy.idle_ttl_s,
-                     watermark_blocks=math.ceil(geometry.num_blocks * policy.free_watermark))
+                     watermark_blocks=math.ceil(geometry.num_blocks * policy.free_watermark),
+                     prefix_cache=policy.prefix_cache)
 
 
 def wire(manager: KvManager, policy: Policy, memory: PoolMemory, swap: SwapMemory | None,

@@ -720,3 +720,14 @@ def test_a_sequence_freed_with_its_progress_leaves_its_full_blocks_in_the_prefix
     with pytest.raises(OpError) as refused:                                   # only its running worker commits
         m.step(worker, [Free(again.seq_id, commit_to=99)])
     assert refused.value.code == "INVALID_ARGUMENT" and m.violations() == []
+
+
+def test_without_the_prefix_cache_nothing_is_shared_but_a_session_still_resumes():
+    m = KvManager(GEOMETRY, hash_key=b"k" * 32, swap_slots=SWAP_SLOTS, prefix_cache=False)
+    worker = attach(m, "m")
+    chat = open_and_commit(m, worker, [1, 2, 3, 4, 5, 6, 7, 8, 9], session_id="chat")
+    other, = m.step(worker, [Open([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]).results
+    assert other.num_cached == 0 and m.pool.by_hash == {}                   # the same prefix, computed again
+    m.step(worker, [Park(chat, commit_to=9), Free(other.seq_id, commit_to=0)])
+    resumed, = m.step(worker, [Open([10], session_id="chat", continue_session=True)]).results
+    assert resumed.num_cached == 9 and m.violations() == []
