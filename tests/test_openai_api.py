@@ -284,3 +284,35 @@ async def test_a_checkpoint_without_a_chat_template_says_so_and_completions_stil
     done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert done.usage.completion_tokens <= 2
     await client.close()
+
+
+async def test_a_session_in_use_is_a_409_and_a_drain_is_a_503_until_it_ends(api):
+    memd, _inferd, url = api
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "temperature": 0,
+            "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=chat | {"stream": True, "max_tokens": 3000},
+                               headers=auth | {"X-Session-Id": "busy"}) as long:
+            lines = long.aiter_lines()
+            while not (await anext(lines)).startswith("data:"):
+                pass                                   # the first turn is running
+            again = await http.post(f"{url}/v1/chat/completions", json=chat | {"max_tokens": 2},
+                                    headers=auth | {"X-Session-Id": "busy"})
+            assert again.status_code == 409 and again.json()["error"]["code"] == "session_busy"
+        async with memd.admin() as admin:
+            await admin.drain()
+            try:
+                async def draining() -> bool:
+                    return (await http.get(f"{url}/health")).status_code == 503
+                await wait_until(draining)
+                refused = await http.post(f"{url}/v1/chat/completions", json=chat | {"max_tokens": 2}, headers=auth)
+                assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+            finally:
+                await admin.drain(undo=True)
+
+        async def serving() -> bool:
+            return (await http.get(f"{url}/health")).status_code == 200
+        await wait_until(serving)
+        done = await http.post(f"{url}/v1/chat/completions", json=chat | {"max_tokens": 2}, headers=auth)
+        assert done.status_code == 200
