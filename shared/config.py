@@ -23,6 +23,7 @@ NOT_SETTINGS = {"help", "config", "print_config", "command"}
 # Variables with a daemon's prefix that are not its settings: clients read them.
 CLIENT_VARIABLES = {"MEMD_ADDRESS", "INFERD_ADDRESS"}
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+SECRETS = {"api_key"}       # settings --print-config names but does not print
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,9 @@ class Layers:
             value = getattr(args, dest)
             if value is None:
                 lines.append(f"# {self.key(dest)} is not set")
+                continue
+            if dest in SECRETS:       # said to be set, and where, but never printed: the output gets pasted
+                lines.append(f"# {self.key(dest)} is set (not shown)  # {self.sources.get(dest, 'default')}")
                 continue
             text = json.dumps(str(value) if isinstance(value, Path) else value)
             lines.append(f"{self.key(dest):<{width}} = {text:<24} # {self.sources.get(dest, 'default')}")

@@ -111,3 +111,13 @@ async def test_memd_serves_the_pool_its_config_file_describes(tmp_path, memd_fac
     async with memd.admin() as admin:
         stats = await admin.stats()
     assert (stats.total_blocks, stats.block_bytes, stats.swap_total_blocks) == (32, 4096, 8)
+
+
+def test_print_config_says_an_api_key_is_set_and_never_prints_it(tmp_path):
+    from inferd.__main__ import build_parser as inferd_parser
+    _, serve = inferd_parser()
+    layers = Layers(serve, "INFERD")
+    args = layers.resolve(serve.parse_args(["--model", str(tmp_path)]), {"INFERD_API_KEY": "hunter2-secret"})
+    assert args.api_key == "hunter2-secret"
+    printed = layers.render(args)
+    assert "hunter2" not in printed and "# api-key is set (not shown)  # $INFERD_API_KEY" in printed
