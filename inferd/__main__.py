@@ -122,11 +122,11 @@ async def serve(args: argparse.Namespace) -> None:
     linking = asyncio.create_task(link.run(), name="memd-link")
     await link.attached.wait()
     await server.start()
+    stop = asyncio.Event()
     if http is not None:
-        http.start()
+        http.start(on_crash=stop.set)
     if sock_path is not None:
         os.chmod(sock_path, 0o660)               # clients in the service group may connect
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -141,9 +141,7 @@ async def serve(args: argparse.Namespace) -> None:
         watchdog.cancel()
     link.on_serving = None
     await health_servicer.enter_graceful_shutdown()
-    if http is not None:
-        await http.stop()
-    await server.stop(grace=5.0)
+    await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http is not None else []))
     linking.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await linking

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import structlog
 import uvicorn
@@ -46,8 +46,9 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpFrontDoor:
-    def __init__(self, app: object, sock: socket.socket) -> None:
-        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, loop="none",
+    def __init__(self, api: OpenAIServer, sock: socket.socket) -> None:
+        self.api = api
+        config = uvicorn.Config(api.app(), lifespan="off", log_config=None, access_log=False, loop="none",
                                 timeout_graceful_shutdown=GRACE_S)
         self.server = _EmbeddedServer(config)
         self.sock = sock
@@ -72,13 +73,22 @@ class HttpFrontDoor:
             sock = socket.create_server((host, port), family=family, backlog=1024)
         except OSError as exc:
             raise HttpStartError(f"cannot serve HTTP on {args.http}: {exc.strerror or exc}") from None
-        return cls(api.app(), sock)
+        return cls(api, sock)
 
-    def start(self) -> None:
+    def start(self, on_crash: Callable[[], None]) -> None:
         self._task = asyncio.create_task(self.server.serve(sockets=[self.sock]), name="http")
+        self._task.add_done_callback(lambda task: self._ended(task, on_crash))
+
+    def _ended(self, task: asyncio.Task[None], on_crash: Callable[[], None]) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.server.should_exit:
+            log.error("the HTTP API failed; inferd stops", error=repr(task.exception()))
+            on_crash()
 
     async def stop(self) -> None:
+        """Requests in flight are cancelled (their streams end within a step), then uvicorn closes."""
+        self.api.close()
         self.server.should_exit = True
         if self._task is not None:
-            await self._task
+            with contextlib.suppress(Exception):      # a crash was logged when it happened
+                await self._task
         self.sock.close()

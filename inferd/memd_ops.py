@@ -195,6 +195,12 @@ class End(PendingOp):
     final: Event
     op: Park | Free
 
+    def retry(self, err: MemdError) -> PendingOp | None:
+        if isinstance(self.op, Free) and (self.op.append or self.op.commit_to):
+            # Its last progress was refused (memd no longer agrees it runs here): free it all the same.
+            return End(self.request, self.final, Free(self.op.seq_id, self.op.session_id))
+        return None
+
     def applied(self, scheduler: Scheduler, result: OpResult) -> None:
         self.request.events.put_nowait(self.final)
 

@@ -27,6 +27,8 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -60,8 +62,13 @@ class ClientGone(Exception):
 
 def _api_error(err: GenerationError) -> ApiError:
     status = HTTP_STATUS.get(err.code, 500)
-    code = "session_busy" if status == 409 else None
-    return ApiError(status, err.message, code=code)
+    busy = status == 409 and ("running" in err.message or "in flight" in err.message)
+    return ApiError(status, err.message, code="session_busy" if busy else None)
+
+
+def _finish_reason(reason: str) -> str:
+    """OpenAI's names: a request ended by its client or a session reset is "abort", as vLLM says."""
+    return "abort" if reason in ("cancelled", "reset") else reason
 
 
 @dataclass(eq=False)
@@ -97,6 +104,11 @@ class Completions:
                      **(event.usage or {}))
         return event
 
+    def stop(self) -> None:
+        """End the request early; its completions still end as usual (finish reason "abort")."""
+        if self.remaining:
+            self.cancel(self.request)
+
     def abandon(self) -> None:
         """The client went away: the sequences park or free."""
         if self.remaining:
@@ -122,6 +134,8 @@ async def _or_disconnect(http: HttpRequest, waiter: Awaitable[T]) -> T:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        if not task.done():            # we were cancelled (a shutdown): nobody will read what it returns
+            task.cancel()
     if task.done():
         return task.result()
     task.cancel()
@@ -139,9 +153,15 @@ class OpenAIServer:
         self.link, self.model_name, self.api_key = link, served_model_name, api_key
         self.template, self.metrics = template, metrics
         self.created = int(time.time())
+        self.active: set[Completions] = set()       # requests with an exchange in flight
+
+    def close(self) -> None:
+        """inferd is stopping: every request in flight is cancelled, so its answer ends within a step."""
+        for reader in list(self.active):
+            reader.stop()
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
+        return Starlette(exception_handlers={HTTPException: _http_error}, routes=[
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
             Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
@@ -183,6 +203,8 @@ class OpenAIServer:
     async def _body(self, http: HttpRequest) -> Any:
         try:
             return json.loads(await http.body())
+        except ClientDisconnect:
+            raise ClientGone from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
 
@@ -260,24 +282,24 @@ class OpenAIServer:
         except GenerationError as err:
             raise _api_error(err) from None
         reader = Completions(request, scheduler.cancel, self.metrics)
+        self.active.add(reader)
         shape = _Shape(chat, self.model_name, request_id, self.link.tokenizer, params.n,
                        body.return_tokens_as_token_ids)
+        streaming = False
         try:
             first = await _or_disconnect(http, reader.next())     # a refusal is an error status, not a stream
-        except BaseException:
-            reader.abandon()
-            raise
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventSourceResponse(self._stream(reader, shape, first, usage), sep="\n")
-        try:
+            if body.stream:
+                usage = body.stream_options is not None and body.stream_options.include_usage
+                streaming = True
+                return _Stream(self, reader, self._stream(reader, shape, first, usage), sep="\n")
             events = [first]
             while (event := await _or_disconnect(http, reader.next())) is not None:
                 events.append(event)
-        except BaseException:
-            reader.abandon()
-            raise
-        return JSONResponse(shape.whole(events, reader.usage()))
+            return JSONResponse(shape.whole(events, reader.usage()))
+        finally:
+            if not streaming:
+                reader.abandon()                       # a no-op once every completion ended
+                self.active.discard(reader)
 
     async def _stream(self, reader: Completions, shape: _Shape, first: Event | None,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -295,12 +317,12 @@ class OpenAIServer:
                     chunk = shape.chunk(event.index, {"content": event.text} if shape.chat else event.text,
                                         event.logprobs)
                     if event.ends is not None:
-                        chunk["choices"][0]["finish_reason"] = event.ends
+                        chunk["choices"][0]["finish_reason"] = _finish_reason(event.ends)
                         ended.add(event.index)
                     yield shape.chunk_json(chunk, include_usage)
                 elif event.finish_reason is not None and event.index not in ended:   # ended with no token
                     chunk = shape.chunk(event.index, {} if shape.chat else "")
-                    chunk["choices"][0]["finish_reason"] = event.finish_reason
+                    chunk["choices"][0]["finish_reason"] = _finish_reason(event.finish_reason)
                     yield shape.chunk_json(chunk, include_usage)
                 event = await reader.next()
             if include_usage:
@@ -355,6 +377,29 @@ class OpenAIServer:
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
 
+class _Stream(EventSourceResponse):
+    """An SSE response that cancels its request however the exchange ends, even before the first chunk."""
+
+    def __init__(self, server: OpenAIServer, reader: Completions, content: AsyncIterator[str],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.server, self.reader = server, reader
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.reader.abandon()
+            self.server.active.discard(self.reader)
+
+
+async def _http_error(http: HttpRequest, exc: Exception) -> Response:
+    """An unknown path or method, in OpenAI's error shape too."""
+    assert isinstance(exc, HTTPException)
+    error = ApiError(exc.status_code, f"{http.method} {http.url.path}: {exc.detail}")
+    return JSONResponse(error.body(), status_code=exc.status_code)
+
+
 @dataclass(frozen=True)
 class _Shape:
     """How answers look: chat or text completion, whole or in chunks."""
@@ -399,7 +444,7 @@ class _Shape:
             texts.setdefault(event.index, []).append(event.text)
             logprobs.setdefault(event.index, []).extend(event.logprobs or [])
             if event.finish_reason is not None:
-                finish[event.index] = event.finish_reason
+                finish[event.index] = _finish_reason(event.finish_reason)
         choices = []
         for index in range(self.n):
             text = "".join(texts.get(index, []))

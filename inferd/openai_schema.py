@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1          # torch generators take a signed 64-bit seed
 MAX_N = 16
@@ -42,6 +42,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _once(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("usage is reported once, at the end (continuous_usage_stats is not supported)")
+        return value
+
 
 class _Sampling(BaseModel):
     """What both endpoints take."""
@@ -58,9 +65,11 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Penalties are not implemented: their neutral values are accepted (clients send them by default).
+    # Penalties are not implemented: their neutral values are accepted (clients send them by default;
+    # vLLM's bench sends repetition_penalty 1.0).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     # vLLM's extra sampling parameters.
     top_k: int | None = Field(default=None, ge=-1)
     ignore_eos: bool = False
@@ -81,12 +90,27 @@ class _Sampling(BaseModel):
             raise ValueError("penalties are not supported (only 0)")
         return value
 
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _neutral_repetition(cls, value: float | None) -> float | None:
+        if value is not None and value != 1.0:
+            raise ValueError("penalties are not supported (only 1)")
+        return value
+
+    @model_validator(mode="after")
+    def _options_need_a_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ())        # the validator made it a list
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(BaseModel):
+    """A part of a message's content; kinds other than text are refused by the chat template, by name."""
+
+    model_config = ConfigDict(extra="allow")       # e.g. cache_control, which gateways add
     type: str
     text: str | None = None
 
@@ -94,9 +118,23 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # What a client that appends `response.choices[0].message` sends back: accepted while empty.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: list[Any] | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("audio", "function_call", "tool_calls")
+    @classmethod
+    def _empty(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("tool calls and audio are not supported")
+        return value
 
     def as_dict(self) -> dict[str, Any]:
         """For the chat template (parts are kept as dicts; the template module joins text parts)."""
@@ -105,7 +143,7 @@ class ChatMessage(BaseModel):
             out["content"] = [part.model_dump(exclude_none=True) for part in self.content]
         else:
             out["content"] = self.content or ""
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value
         return out
@@ -131,9 +169,16 @@ class ChatBody(_Sampling):
 class CompletionBody(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
-    suffix: None = None
+    echo: bool = False
+    suffix: str | None = None
     return_tokens_as_token_ids: bool = False
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("not supported")
+        return value
 
     def token_budget(self) -> int | None:
         return self.max_tokens
@@ -166,6 +211,7 @@ def parse(kind: type[Body], raw: Any) -> Body:
     """The body as `kind`, or a 400 naming the first field that is wrong."""
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    raw = {key: value for key, value in raw.items() if value is not None}     # null: the default, as OpenAI's
     try:
         return kind.model_validate(raw)
     except ValidationError as exc:
@@ -176,4 +222,5 @@ def parse(kind: type[Body], raw: Any) -> Body:
                            code="unsupported_parameter") from None
         if error["type"] == "missing":
             raise ApiError(400, f"missing required parameter: {param}", param=param) from None
-        raise ApiError(400, f"invalid {param}: {error['msg']}", param=param) from None
+        message = error["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"invalid {param or 'request'}: {message}", param=param) from None

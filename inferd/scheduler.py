@@ -510,7 +510,7 @@ class Scheduler:
             seed = None if p.seed is None else p.seed + index
             child = Request(parent.prompt_ids, replace(p, n=1, seed=seed), events=parent.events, arrived=parent.arrived,
                             index=index, num_prompt=parent.num_prompt, num_cached=parent.num_cached, fork_of=parent,
-                            first_token_at=now,
+                            first_token_at=now, cancelled=parent.cancelled,   # a cancel that came during the prefill
                             generator=None if seed is None else torch.Generator().manual_seed(seed))
             token = sample(scores[None], [child.params], [child.generator])[0]
             child.tokens = parent.tokens + [token]

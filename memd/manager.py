@@ -322,6 +322,10 @@ class KvManager:
             raise InvalidArgument("whole_history names a session's whole conversation: give session_id, "
                                   "continue_session and its token ids")
         if op.continue_session and op.session_id in self.sessions:
+            held = self.seqs[self.sessions[op.session_id]]
+            if held.preempted_by is not None:         # a turn in flight, waiting for pages: not a new turn's
+                raise FailedPrecondition(f"session {op.session_id!r} has a turn in flight (sequence "
+                                         f"{held.seq_id} is running, preempted by worker {held.preempted_by})")
             return self._resume(txn, Resume(session_id=op.session_id, reserve=op.reserve), op.token_ids,
                                 op.turn_id or "", whole_history=op.whole_history)
         self._check_session_free(op.session_id)

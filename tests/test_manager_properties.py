@@ -731,3 +731,19 @@ def test_without_the_prefix_cache_nothing_is_shared_but_a_session_still_resumes(
     m.step(worker, [Park(chat, commit_to=9), Free(other.seq_id, commit_to=0)])
     resumed, = m.step(worker, [Open([10], session_id="chat", continue_session=True)]).results
     assert resumed.num_cached == 9 and m.violations() == []
+
+
+def test_a_session_whose_turn_is_preempted_is_busy_for_a_new_turn():
+    m = new_manager()
+    worker = attach(m, "m")
+    chat = open_and_commit(m, worker, [1, 2, 3, 4, 5], session_id="chat")
+    m.step(worker, [Park(chat, commit_to=5, preempt=True)])                   # waits for pages to come back
+    before = dump(m)
+    for op in (Open([9], session_id="chat", continue_session=True),
+               Open([1, 2, 3, 4, 5, 9], session_id="chat", continue_session=True, whole_history=True)):
+        with pytest.raises(OpError) as busy:
+            m.step(worker, [op])
+        assert busy.value.code == "FAILED_PRECONDITION" and "in flight" in str(busy.value)
+        assert dump(m) == before
+    resumed, = m.step(worker, [Resume(chat)]).results                          # its own request resumes it
+    assert resumed.token_ids == [1, 2, 3, 4, 5] and m.violations() == []

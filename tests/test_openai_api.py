@@ -316,3 +316,25 @@ async def test_a_session_in_use_is_a_409_and_a_drain_is_a_503_until_it_ends(api)
         await wait_until(serving)
         done = await http.post(f"{url}/v1/chat/completions", json=chat | {"max_tokens": 2}, headers=auth)
         assert done.status_code == 200
+
+
+async def test_stopping_inferd_ends_its_streams_cleanly(api):
+    memd, inferd, url = api
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 3000,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        missing = await http.get(f"{url}/v1/nothing-here")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines, chunks = response.aiter_lines(), []
+            while len(chunks) < 3:
+                if (line := await anext(lines)).startswith("data:"):
+                    chunks.append(line)
+            stopping = asyncio.ensure_future(inferd.stop())            # SIGTERM, as systemctl stop sends
+            chunks += [line async for line in lines if line.startswith("data:")]
+    assert chunks[-1] == "data: [DONE]"
+    assert json.loads(chunks[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+    assert await stopping == 0
+    states, _, ok = await memd_state(memd)
+    assert states["running"] == 0 and ok

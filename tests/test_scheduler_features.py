@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scheduling import assert_clean, collect, greedy
+from scheduling import assert_clean, collect, greedy, on_step
 
 from inferd.requests import Event, TokenLogprob
 from inferd.sampling import BadParams, SamplingParams, hold_eos, token_logprobs
@@ -315,3 +315,22 @@ async def test_a_memd_that_appends_the_conversation_fails_the_turn(served):
     stats = await assert_clean(memd, parked=0)                   # the muddled history is freed
     assert stats.used_blocks == 0
 
+
+
+async def test_completions_forked_after_a_cancel_end_at_once(served):
+    memd, scheduler = served
+    request = Request([5, 6, 7, 8, 9], SamplingParams(max_tokens=50, n=3, ignore_eos=True, temperature=1.0, seed=1))
+
+    async def cancel_once_admitted(ops) -> None:
+        if any(isinstance(op, Open) for op in ops):
+            scheduler.cancel(request)                # the client hangs up while its prompt is prefilled
+    on_step(scheduler.client, cancel_once_admitted)
+    scheduler.submit(request)
+    finals = []
+    while len(finals) < 3:
+        event = await asyncio.wait_for(request.events.get(), 60)
+        if event.finish_reason is not None or event.error is not None:
+            finals.append(event)
+    assert {e.finish_reason for e in finals} <= {"cancelled"}
+    assert all(e.usage["completion_tokens"] <= 1 for e in finals)             # nobody decodes for no one
+    await assert_clean(memd)
