@@ -308,6 +308,7 @@ class OpenAIServer:
         A token's event says whether it ends its completion, so no chunk waits for the next one.
         """
         ended: set[int] = set()                        # completions whose finish reason was sent
+        sent: dict[int, int] = {}                      # characters of text sent, per completion
         try:
             for index in range(shape.n) if shape.chat else ():
                 yield shape.chunk_json(shape.chunk(index, {"role": "assistant", "content": ""}), include_usage)
@@ -315,7 +316,8 @@ class OpenAIServer:
             while event is not None:
                 if event.token_ids and (event.text or event.logprobs or event.ends):
                     chunk = shape.chunk(event.index, {"content": event.text} if shape.chat else event.text,
-                                        event.logprobs)
+                                        event.logprobs, sent.get(event.index, 0))
+                    sent[event.index] = sent.get(event.index, 0) + len(event.text)
                     if event.ends is not None:
                         chunk["choices"][0]["finish_reason"] = _finish_reason(event.ends)
                         ended.add(event.index)
@@ -425,9 +427,10 @@ class _Shape:
             out["usage"] = usage
         return out
 
-    def chunk(self, index: int, delta: Any, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    def chunk(self, index: int, delta: Any, logprobs: list[TokenLogprob] | None = None,
+              offset: int = 0) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "finish_reason": None,
-                                  "logprobs": self.logprobs(logprobs) if logprobs else None}
+                                  "logprobs": self.logprobs(logprobs, offset) if logprobs else None}
         choice["delta" if self.chat else "text"] = delta
         return self.envelope([choice])
 
@@ -457,18 +460,50 @@ class _Shape:
             choices.append(choice)
         return self.envelope(choices, chunk=False, usage=usage)
 
-    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+        """OpenAI's logprobs; `offset`: characters of this completion's text before these tokens (streaming)."""
         decode = (lambda ids: f"token_id:{ids[0]}") if self.ids_as_tokens else self.tokenizer.decode
         if self.chat:
             def one(token_id: int, logprob: float) -> dict[str, Any]:
-                text = decode([token_id])
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                return {"token": decode([token_id]), "logprob": logprob,
+                        "bytes": list(token_bytes(self.tokenizer, token_id))}
             return {"content": [one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
                                 for e in entries]}
         tokens = [decode([e.token_id]) for e in entries]
-        offsets = [0]
+        offsets = [offset]
         for token in tokens[:-1]:
             offsets.append(offsets[-1] + len(token))
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in entries],
                 "text_offset": offsets[:len(tokens)]}
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as one printable character; this maps them back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A token's own bytes, also when it holds part of a character (its text then decodes to U+FFFD).
+
+    Byte-level BPE (Llama 3, Qwen2, GPT-2) spells bytes as characters; SentencePiece vocabularies
+    (Llama 2, Mistral) write "▁" for a space and "<0xNN>" for a byte they fall back to.
+    """
+    piece = tokenizer.id_to_token(token_id) or ""
+    if piece and all(c in BYTE_LEVEL for c in piece) and "ByteLevel" in type(tokenizer.decoder).__name__ + \
+            repr(tokenizer.decoder):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()

@@ -56,3 +56,15 @@ def test_completions_refuse_what_they_cannot_do_by_name():
     assert refused(CompletionBody, {"model": "m", "prompt": "x", "echo": True}).param == "echo"
     assert refused(CompletionBody, {"model": "m", "prompt": "x", "suffix": "y"}).param == "suffix"
     assert refused(ChatBody, []).message == "the request body must be a JSON object"
+
+
+def test_logprob_bytes_are_each_tokens_own_even_inside_a_character(checkpoint):
+    from inferd.checkpoint import load_tokenizer
+    from inferd.openai_api import token_bytes
+
+    tokenizer = load_tokenizer(checkpoint)
+    text = "héllo wörld 日本 ✓"
+    ids = tokenizer.encode(text).ids
+    pieces = [token_bytes(tokenizer, i) for i in ids]
+    assert b"".join(pieces).decode() == text
+    assert any(piece and not piece.decode(errors="ignore") for piece in pieces)   # some hold half a character
