@@ -57,10 +57,10 @@ import uvloop
 from tables import table
 
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
+from inferd.fingerprint import model_fingerprint
 from inferd.model import PagedDecoder
 from inferd.sampling import SamplingParams
 from inferd.scheduler import Request, Scheduler
-from inferd.service import model_namespace
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
 from shared.launch import LaunchError, spawn_ready
@@ -282,8 +282,9 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
     thread (as kvpool's forward does), so memd's lease heartbeats go on meanwhile."""
     config = read_config(model_dir)
     hf = await asyncio.to_thread(hf_load, model_dir)
-    client = await MemdClient.attach(address, model=model_namespace(model_dir, config), block_size=BLOCK_SIZE,
-                                     bytes_per_token=config.bytes_per_token, name=f"bench-inferd:{os.getpid()}")
+    client = await MemdClient.attach(address, model=model_fingerprint(model_dir, config, BLOCK_SIZE),
+                                     block_size=BLOCK_SIZE, bytes_per_token=config.bytes_per_token,
+                                     name=f"bench-inferd:{os.getpid()}")
     assert client.pool is not None
     model = PagedDecoder(config, load_weights(model_dir, config.dtype),
                          client.pool.view(config.dtype, config.page_shape(BLOCK_SIZE)))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +21,8 @@ from pathlib import Path
 import grpc
 import structlog
 
-from inferd.checkpoint import ModelConfig, load_tokenizer, load_weights, read_config
+from inferd.checkpoint import load_tokenizer, load_weights, read_config
+from inferd.fingerprint import model_fingerprint
 from inferd.metrics import InferdMetrics
 from inferd.model import PagedDecoder
 from inferd.sampling import BadParams, SamplingParams
@@ -36,16 +36,6 @@ log = structlog.get_logger("inferd")
 DEFAULT_MAX_TOKENS = 64
 CARRY_S = 30.0      # how long requests that had not started wait for memd to come back
 REQUEST_ID_KEY = "x-request-id"
-
-
-def model_namespace(model_dir: Path, config: ModelConfig) -> str:
-    """Prefix hashes are only shared between workers serving the very same weights."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    h.update(config.dtype_name.encode())
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with file.open("rb") as f:
-            h.update(file.name.encode() + str(file.stat().st_size).encode() + f.read(1 << 20))
-    return f"{model_dir.name}-{h.hexdigest()[:12]}"
 
 
 def checked_request_id(given: str | None) -> str:
@@ -63,7 +53,7 @@ class MemdLink:
         self.config = read_config(model_dir, dtype)
         self.weights = load_weights(model_dir, self.config.dtype)
         self.tokenizer = load_tokenizer(model_dir)
-        self.namespace = model_namespace(model_dir, self.config)
+        self.namespace = model_fingerprint(model_dir, self.config, block_size)
         self.memd_address = memd_address
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
         self.audit_kv = audit_kv

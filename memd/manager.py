@@ -370,13 +370,11 @@ class KvManager:
             if seq.owner == worker.worker_id:
                 raise FailedPrecondition(f"sequence {seq.seq_id} is already running on this worker")
             raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
-        if (seq.model, seq.block_size) != (worker.model, worker.block_size):
-            raise FailedPrecondition(
-                f"sequence {seq.seq_id} holds KV of model {seq.model!r} (block size {seq.block_size}); "
-                f"this worker serves {worker.model!r} (block size {worker.block_size})")
-        self._check_fits((0 if whole_history else len(seq.token_ids)) + len(append) + op.reserve, seq.block_size)
+        self._check_fits((0 if whole_history else len(seq.token_ids)) + len(append) + op.reserve, worker.block_size)
         self._save(txn, seq)
         self._cancel_swap_out(txn, seq)
+        if (seq.model, seq.block_size) != (worker.model, worker.block_size):
+            self._recompute_under(txn, seq, worker)
         if whole_history:
             append = self._replace_history(txn, seq, list(append))
             seq.turn_id = turn_id
@@ -401,6 +399,24 @@ class KvManager:
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         txn.counters["resumes"] += 1
         return _result(seq, 0, cached, history=True)
+
+    def _recompute_under(self, txn: _Txn, seq: Sequence, worker: Worker) -> None:
+        """K/V written under other weights (or another page layout) is never read again: the history stays.
+
+        A worker's model name is the fingerprint of everything that determines
+        K/V (weights, config, dtype, tokenizer, layout). Its pages and slots go,
+        as a drop's would, and the sequence continues under the new worker's
+        model: prefix blocks that model cached are shared, the rest recomputed.
+        """
+        txn.undo.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
+        txn.undo.record(_set_model, seq, seq.model, seq.block_size)
+        self.release_blocks(seq.block_ids)
+        if seq.slots:
+            txn.outcome.read_slots += seq.slots
+        seq.block_ids[:], seq.hashes[:], seq.slots, seq.num_committed = [], [], [], 0
+        seq.state = SeqState.DROPPED
+        seq.model, seq.block_size = worker.model, worker.block_size
+        txn.counters["resumed_under_other_weights"] += 1
 
     def _retry_turn(self, txn: _Txn, seq: Sequence, prompt: list[int]) -> list[int]:
         """A turn whose worker died replaced by the next one: keep what the two have in common.
@@ -743,6 +759,10 @@ def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int,
     del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
     del seq.hashes[num_hashes:]
+
+
+def _set_model(seq: Sequence, model: str, block_size: int) -> None:
+    seq.model, seq.block_size = model, block_size
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

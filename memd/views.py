@@ -120,8 +120,8 @@ def render_workers(rows: list[dict[str, Any]]) -> str:
 
 
 def render_sequences(rows: list[dict[str, Any]]) -> str:
-    return table(rows, ["seq_id", "session_id", "state", "owner", "num_tokens", "blocks", "swapped_blocks", "heat",
-                        "idle_s"], "no sequence matches")
+    return table(rows, ["seq_id", "session_id", "state", "owner", "model", "num_tokens", "blocks", "swapped_blocks",
+                        "heat", "idle_s"], "no sequence matches")
 
 
 def evicted_dict(reply: pb.EvictReply) -> dict[str, Any]:

@@ -747,3 +747,22 @@ def test_a_session_whose_turn_is_preempted_is_busy_for_a_new_turn():
         assert dump(m) == before
     resumed, = m.step(worker, [Resume(chat)]).results                          # its own request resumes it
     assert resumed.token_ids == [1, 2, 3, 4, 5] and m.violations() == []
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["parked", "swapped"])
+def test_a_session_resumed_under_other_weights_keeps_its_history_and_none_of_its_kv(swapped):
+    m = new_manager()
+    old, new = attach(m, "weights-a"), attach(m, "weights-b")
+    chat = open_and_commit(m, old, [1, 2, 3, 4, 5, 6], session_id="chat")
+    m.step(old, [Park(chat, commit_to=6)])
+    if swapped:
+        jobs = m.evictions.evict(m.seqs[chat], "swap", EvictionReason.FORCED).jobs
+        assert m.evictions.finish_swap_out(jobs[0]) and m.seqs[chat].state is SeqState.SWAPPED
+    outcome = m.step(new, [Open([7], session_id="chat", continue_session=True)])
+    resumed, = outcome.results
+    assert resumed.token_ids == [1, 2, 3, 4, 5, 6, 7] and resumed.num_cached == 0       # recomputed, not refused
+    assert not any(isinstance(e, SwapIn) for e in outcome.effects)                       # old bytes never read
+    assert m.seqs[chat].model == "weights-b" and m.counters["resumed_under_other_weights"] == 1
+    m.release_slots(outcome.read_slots)
+    assert m.violations() == []
+    free_everything(m)

@@ -164,7 +164,7 @@ async def test_workers_and_sequences_list_what_memd_holds(memd):
             (mine.seq_id, "live", 2, a.worker_id)]
         rc, out, _ = await memctl("--address", memd.address, "sequences")
         lines = out.splitlines()
-        assert lines[0].split() == ["seq_id", "session_id", "state", "owner", "num_tokens", "blocks",
+        assert lines[0].split() == ["seq_id", "session_id", "state", "owner", "model", "num_tokens", "blocks",
                                     "swapped_blocks", "heat", "idle_s"]
         assert len(lines) == 4 and any("parked-one" in line and "parked" in line for line in lines)
         rc, out, _ = await memctl("--address", memd.address, "workers")
