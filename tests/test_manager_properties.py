@@ -226,8 +226,10 @@ class KvManagerMachine(RuleBasedStateMachine):
     def check_effects(self, before: dict[str, Any], ops: list[Op], effects: list[PageEffect]) -> None:
         """A page is zeroed only if written before, and a written page is never handed out as it is."""
         pool, targets = self.manager.pool, set()
-        # The retry of an interrupted turn (an Open continuing its session) releases what it does not keep.
-        releases = any(isinstance(op, Free | Park) or (isinstance(op, Open) and op.continue_session) for op in ops)
+        # The retry of an interrupted turn (an Open continuing its session) releases what it does not keep; so
+        # does a resume under other weights (another model's worker), whose pages are never read again.
+        releases = any(isinstance(op, Free | Park | Resume) or (isinstance(op, Open) and op.continue_session)
+                       for op in ops)
         for effect in effects:
             assert isinstance(effect, Zero | Copy | SwapIn)
             dst = effect.page
