@@ -33,18 +33,15 @@ from memd.errors import (
     NotFound,
     OpError,
     PermissionDenied,
-    PoolExhausted,
 )
-from memd.eviction import Eviction, EvictionReason, Evictor
+from memd.eviction import Evictor
 from memd.invariants import violations
-from memd.page_effects import Copy, SwapIn, Zero
 from memd.pool import BlockPool, SwapSlots, UndoLog
 from memd.sequences import PrefixHasher, SeqState, Sequence, SwapOut, blocks_for
-from memd.step_outcome import StepOutcome, SwappedInBlock
+from memd.step_ops import StepOps, _check_name
+from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
-from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
-
-MAX_NAME = 256                  # characters of a session id, model or worker name
+from shared.ops import Op
 
 
 @dataclass(slots=True)
@@ -80,7 +77,7 @@ class Changes:
     fence_pids: set[int]        # processes whose fenced pages changed
 
 
-class KvManager:
+class KvManager(StepOps):
     """Workers, sequences and pages; changed by Steps (`step`) and by the few calls outside them below.
 
     Others read `seqs`, `sessions`, `workers`, `fences`, `pool` and `swap`
@@ -299,220 +296,6 @@ class KvManager:
             assert self.swap is not None
             self.swap.give(slots)
 
-    def _run_op(self, txn: _Txn, op: Op) -> OpResult:
-        match op:
-            case Open():
-                return self._open(txn, op)
-            case Extend():
-                return self._extend(txn, op)
-            case Park():
-                return self._park_op(txn, op)
-            case Resume():
-                return self._resume(txn, op)
-            case Free():
-                return self._free(txn, op)
-            case Fork():
-                return self._fork(txn, op)
-        raise InvalidArgument(f"unknown operation {op!r}")
-
-    def _open(self, txn: _Txn, op: Open) -> OpResult:
-        worker = txn.worker
-        _check_name("turn id", op.turn_id or "")
-        if op.whole_history and not (op.continue_session and op.session_id and op.token_ids):
-            raise InvalidArgument("whole_history names a session's whole conversation: give session_id, "
-                                  "continue_session and its token ids")
-        if op.continue_session and op.session_id in self.sessions:
-            held = self.seqs[self.sessions[op.session_id]]
-            if held.preempted_by is not None:         # a turn in flight, waiting for pages: not a new turn's
-                raise FailedPrecondition(f"session {op.session_id!r} has a turn in flight (sequence "
-                                         f"{held.seq_id} is running, preempted by worker {held.preempted_by})")
-            return self._resume(txn, Resume(session_id=op.session_id, reserve=op.reserve), op.token_ids,
-                                op.turn_id or "", whole_history=op.whole_history)
-        self._check_session_free(op.session_id)
-        self._check_fits(len(op.token_ids) + op.reserve, worker.block_size)
-        seq = Sequence(self._next_seq, worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
-                       [], 0, list(op.token_ids), session_id=op.session_id or None, turn_id=op.turn_id or "")
-        self._next_seq += 1
-        self._create(txn, seq)
-        cached = self._match_prefix(txn, seq)
-        self._grow(txn, seq, len(seq.token_ids) + op.reserve)
-        return _result(seq, 0, cached, history=op.continue_session)
-
-    def _extend(self, txn: _Txn, op: Extend) -> OpResult:
-        seq = self._own(txn, op.seq_id)
-        self._commit(txn, seq, op.append, op.commit_to)
-        first = len(seq.block_ids)
-        self._grow(txn, seq, len(seq.token_ids) + op.reserve)
-        return _result(seq, first)
-
-    def _park_op(self, txn: _Txn, op: Park) -> OpResult:
-        seq = self._own(txn, op.seq_id)
-        self._commit(txn, seq, op.append, op.commit_to)
-        cut = seq.block_ids[blocks_for(seq.num_committed, seq.block_size):]
-        if cut:
-            # The whole table, not the cut: a later op of this Step (a Resume) may grow it again.
-            txn.undo.record(_set_blocks, seq, list(seq.block_ids))
-        self._park(seq)
-        mode = self.revoked.get(seq.seq_id)
-        seq.preempted_by = txn.worker.worker_id if op.preempt else None
-        if op.preempt:
-            txn.counters["preemptions"] += 1
-            txn.outcome.evictions.append(Eviction(seq, mode or "swap", EvictionReason.FORCED if mode else None))
-        elif mode is not None:
-            txn.outcome.evictions.append(Eviction(seq, mode, EvictionReason.FORCED))
-        return _result(seq, len(seq.block_ids))
-
-    def _resume(self, txn: _Txn, op: Resume, append: list[int] | tuple[()] = (), turn_id: str = "", *,
-                whole_history: bool = False) -> OpResult:
-        worker = txn.worker
-        seq = self.find(op.seq_id, op.session_id)
-        if seq.state is SeqState.RUNNING:
-            if seq.owner == worker.worker_id:
-                raise FailedPrecondition(f"sequence {seq.seq_id} is already running on this worker")
-            raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
-        self._check_fits((0 if whole_history else len(seq.token_ids)) + len(append) + op.reserve, worker.block_size)
-        self._save(txn, seq)
-        self._cancel_swap_out(txn, seq)
-        if (seq.model, seq.block_size) != (worker.model, worker.block_size):
-            self._recompute_under(txn, seq, worker)
-        if whole_history:
-            append = self._replace_history(txn, seq, list(append))
-            seq.turn_id = turn_id
-        elif seq.preempted_by is None and append:        # a new turn, not a preempted request coming back
-            # The same turn again: its worker died mid-turn, or after the turn ended but before the client
-            # heard the answer (then only the client can tell a retry from a new message: by its turn id).
-            if seq.interrupted or (turn_id and turn_id == seq.turn_id):
-                append = self._retry_turn(txn, seq, append)
-            else:
-                seq.turn_start = len(seq.token_ids)
-            seq.turn_id = turn_id
-        seq.interrupted = False
-        seq.preempted_by = None
-        seq.token_ids.extend(append)
-        if seq.state is SeqState.DROPPED:
-            cached = self._match_prefix(txn, seq)
-        elif seq.state is SeqState.SWAPPED:
-            cached = self._swap_in(txn, seq)
-        else:
-            cached = seq.num_committed
-        seq.state, seq.owner = SeqState.RUNNING, worker.worker_id
-        self._grow(txn, seq, len(seq.token_ids) + op.reserve)
-        txn.counters["resumes"] += 1
-        return _result(seq, 0, cached, history=True)
-
-    def _recompute_under(self, txn: _Txn, seq: Sequence, worker: Worker) -> None:
-        """K/V written under other weights (or another page layout) is never read again: the history stays.
-
-        A worker's model name is the fingerprint of everything that determines
-        K/V (weights, config, dtype, tokenizer, layout). Its pages and slots go,
-        as a drop's would, and the sequence continues under the new worker's
-        model: prefix blocks that model cached are shared, the rest recomputed.
-        """
-        txn.undo.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
-        txn.undo.record(_set_model, seq, seq.model, seq.block_size)
-        self.release_blocks(seq.block_ids)
-        if seq.slots:
-            txn.outcome.read_slots += seq.slots
-        seq.block_ids[:], seq.hashes[:], seq.slots, seq.num_committed = [], [], [], 0
-        seq.state = SeqState.DROPPED
-        seq.model, seq.block_size = worker.model, worker.block_size
-        txn.counters["resumed_under_other_weights"] += 1
-
-    def _retry_turn(self, txn: _Txn, seq: Sequence, prompt: list[int]) -> list[int]:
-        """A turn whose worker died replaced by the next one: keep what the two have in common.
-
-        A client whose turn failed (its worker was killed, memd restarted)
-        sends it again; so does one whose answer was lost after the turn
-        ended, naming it by the same turn id. What the turn committed of the
-        same prompt is kept, so prefill goes on where it stopped; the rest of
-        it (tokens sampled, a different prompt) goes, so the answer is what an
-        uninterrupted turn gives. Returns the part of `prompt` still to append.
-        """
-        same = _common_prefix(seq.token_ids[seq.turn_start:], prompt)
-        self._rewind(txn, seq, seq.turn_start + same, more_follow=same < len(prompt))
-        txn.counters["turns_retried"] += 1
-        return prompt[same:]
-
-    def _replace_history(self, txn: _Txn, seq: Sequence, history: list[int]) -> list[int]:
-        """The whole conversation, resent by a stateless client: keep what it shares with the session's history.
-
-        Only that common prefix keeps its K/V; a conversation edited earlier on
-        (a changed message) never reads K/V of the old one. Returns the part of
-        `history` still to append; that part is the new turn.
-        """
-        same = _common_prefix(seq.token_ids, history)
-        if same < len(seq.token_ids) or same == len(history):
-            self._rewind(txn, seq, same, more_follow=same < len(history))
-        seq.turn_start, seq.interrupted = same, False
-        txn.counters["history_tokens_kept"] += same
-        return history[same:]
-
-    def _rewind(self, txn: _Txn, seq: Sequence, cut: int, *, more_follow: bool) -> None:
-        """Cut the history to its first `cut` tokens, and the committed K/V past what stays valid.
-
-        Unless `more_follow` (tokens are appended after the cut), the last token
-        kept is left to compute: its logits are the first the worker samples from.
-        """
-        txn.undo.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
-        del seq.token_ids[cut:]
-        self._tokens_cut.add(seq.seq_id)
-        limit = cut if more_follow else max(cut - 1, 0)
-        if limit % seq.block_size and limit // seq.block_size < seq.num_full_blocks:
-            # That block was full: maybe shared, and in the prefix cache. It is never written again:
-            # keep only whole blocks and recompute the few tokens past them.
-            limit -= limit % seq.block_size
-        if seq.num_committed > limit:
-            seq.num_committed = limit
-            keep = blocks_for(limit, seq.block_size)
-            if seq.state is SeqState.SWAPPED:
-                txn.outcome.read_slots += seq.slots[keep:]          # given back once the Step is done
-                seq.slots = seq.slots[:keep]
-            else:
-                self.release_blocks(seq.block_ids[keep:])
-                del seq.block_ids[keep:]
-            del seq.hashes[seq.num_full_blocks:]
-
-    def _free(self, txn: _Txn, op: Free) -> OpResult:
-        seq = self.find(op.seq_id, op.session_id)
-        if seq.state is SeqState.RUNNING and seq.owner != txn.worker.worker_id:
-            raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
-        if seq.model != txn.worker.model:
-            raise FailedPrecondition(f"sequence {seq.seq_id} belongs to model {seq.model!r}; "
-                                     f"this worker serves {txn.worker.model!r}")
-        if op.append or op.commit_to:                  # its last progress: full blocks join the prefix cache
-            self._commit(txn, self._own(txn, seq.seq_id), list(op.append), op.commit_to)
-        # Not `release`: within a Step the swap-out's cancel is undoable, and the slots are
-        # given back only once the Step stands (and its copies are done).
-        self._cancel_swap_out(txn, seq)
-        self.release_blocks(seq.block_ids)
-        txn.outcome.read_slots += seq.slots
-        self.forget(seq, txn.undo)
-        txn.touched.pop(seq.seq_id, None)
-        return OpResult(seq.seq_id, "freed", 0, [], 0, 0)
-
-    def _fork(self, txn: _Txn, op: Fork) -> OpResult:
-        parent = self._own(txn, op.seq_id)
-        self._check_session_free(op.session_id)
-        full = parent.num_full_blocks
-        partial = parent.num_committed % parent.block_size != 0
-        if partial and not self.pool.num_free:
-            raise PoolExhausted(1, 0)
-        child = Sequence(self._next_seq, parent.model, parent.block_size, parent.owner, SeqState.RUNNING,
-                         list(parent.block_ids[:full]), parent.num_committed, list(parent.token_ids),
-                         list(parent.hashes), op.session_id or None, turn_start=parent.turn_start)
-        self._next_seq += 1
-        for block in child.block_ids:
-            self.pool.incref(block)
-        if partial:
-            # The only block either side will write: copy it now rather than share it.
-            dst, _ = self.pool.allocate()
-            txn.outcome.effects.append(Copy(parent.block_ids[full], dst))
-            txn.outcome.filling.add(child.seq_id)
-            child.block_ids.append(dst)
-        self._create(txn, child)
-        txn.counters["forks"] += 1
-        return _result(child, 0, history=True)
-
     # ---- inspection ----------------------------------------------------
 
     def violations(self) -> list[str]:
@@ -603,94 +386,6 @@ class KvManager:
         if seq.session_id:
             self.sessions[seq.session_id] = seq.seq_id
 
-    def _match_prefix(self, txn: _Txn, seq: Sequence) -> int:
-        """Share cached blocks for the history's leading full blocks; returns tokens reused.
-
-        The last token is always left to compute: its logits are what the worker needs.
-        """
-        bs, tokens = seq.block_size, seq.token_ids
-        limit = (len(tokens) - 1) // bs if tokens else 0
-        parent = b""
-        for i in range(limit):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            digest = self.hasher.block_hash(parent, seq.model, chunk)
-            block = self.pool.lookup(digest, chunk)
-            if block is None:
-                break
-            self.pool.incref(block)
-            seq.block_ids.append(block)
-            seq.hashes.append(digest)
-            parent = digest
-        seq.num_committed = len(seq.block_ids) * bs
-        txn.counters["prefix_query_tokens"] += len(tokens)
-        txn.counters["prefix_hit_tokens"] += seq.num_committed
-        return seq.num_committed
-
-    def _commit(self, txn: _Txn, seq: Sequence, append: list[int], commit_to: int) -> None:
-        seq.token_ids.extend(append)
-        if not commit_to:
-            return
-        if commit_to < seq.num_committed:
-            raise InvalidArgument(f"commit_to {commit_to} is below the {seq.num_committed} tokens already committed")
-        if commit_to > len(seq.token_ids):
-            raise InvalidArgument(f"commit_to {commit_to} is past the {len(seq.token_ids)} known tokens")
-        if commit_to > seq.capacity:
-            raise InvalidArgument(f"commit_to {commit_to} is past the {seq.capacity} slots of the block table")
-        seq.num_committed = commit_to
-        parent = seq.hashes[-1] if seq.hashes else b""
-        start = len(seq.hashes)
-        for i, (digest, chunk) in enumerate(
-                self.hasher.chain(seq.model, seq.token_ids, seq.block_size, start, parent, seq.num_full_blocks),
-                start):
-            self._offer(seq.block_ids[i], digest, chunk)
-            seq.hashes.append(digest)
-
-    def _swap_in(self, txn: _Txn, seq: Sequence) -> int:
-        """Pages for a SWAPPED sequence: still-cached prefix blocks are shared, the rest copied back."""
-        bs, tokens, hashes = seq.block_size, seq.token_ids, seq.hashes
-        copies = 0
-        for i, slot in enumerate(seq.slots):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs]) if i < len(hashes) else None
-            block = self.pool.lookup(hashes[i], chunk) if chunk is not None else None
-            if block is not None:
-                self.pool.incref(block)
-            else:
-                if not self.pool.num_free:
-                    raise PoolExhausted(len(seq.slots) - i, 0)
-                block, _ = self.pool.allocate()
-                txn.outcome.effects.append(SwapIn(slot, block))
-                txn.outcome.filling.add(seq.seq_id)
-                if chunk is not None:
-                    txn.outcome.swapped_in.append(SwappedInBlock(seq, i, block))
-                copies += 1
-            seq.block_ids.append(block)
-        txn.outcome.read_slots += seq.slots
-        seq.slots = []
-        txn.counters["swap_ins"] += 1
-        txn.counters["swap_in_blocks"] += copies
-        txn.counters["blocks_allocated"] += copies
-        return seq.num_committed
-
-    def _cancel_swap_out(self, txn: _Txn, seq: Sequence) -> None:
-        """The sequence is wanted (resume) or gone (free): a swap-out in flight no longer counts."""
-        job = self.swap_jobs.pop(seq.seq_id, None)
-        if job is not None:
-            txn.undo.record(self.swap_jobs.__setitem__, seq.seq_id, job)
-
-    def _grow(self, txn: _Txn, seq: Sequence, num_tokens: int) -> None:
-        self._check_fits(num_tokens, seq.block_size)
-        needed = blocks_for(num_tokens, seq.block_size) - len(seq.block_ids)
-        if needed <= 0:
-            return
-        if needed > self.pool.num_free:
-            raise PoolExhausted(needed, self.pool.num_free)
-        for _ in range(needed):
-            block, dirty = self.pool.allocate()
-            if dirty:
-                txn.outcome.effects.append(Zero(block))
-            seq.block_ids.append(block)
-        txn.counters["blocks_allocated"] += needed
-
     def _park(self, seq: Sequence, fence: list[int] | None = None) -> None:
         """Cut the table to the committed tokens; the pages cut go free, or to `fence` (reclaim).
 
@@ -743,14 +438,6 @@ class KvManager:
         seq.heat_at = seq.last_access = now
 
 
-def _set_blocks(seq: Sequence, blocks: list[int]) -> None:
-    seq.block_ids[:] = blocks
-
-
-def _set_lists(seq: Sequence, token_ids: list[int], block_ids: list[int], hashes: list[bytes]) -> None:
-    seq.token_ids[:], seq.block_ids[:], seq.hashes[:] = token_ids, block_ids, hashes
-
-
 def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,
              num_tokens: int, num_hashes: int, slots: list[int], preempted_by: int | None, turn_start: int,
              interrupted: bool, turn_id: str) -> None:
@@ -759,27 +446,6 @@ def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int,
     del seq.block_ids[num_blocks:]
     del seq.token_ids[num_tokens:]
     del seq.hashes[num_hashes:]
-
-
-def _set_model(seq: Sequence, model: str, block_size: int) -> None:
-    seq.model, seq.block_size = model, block_size
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    same, end = 0, min(len(a), len(b))
-    while same < end and a[same] == b[same]:
-        same += 1
-    return same
-
-
-def _check_name(what: str, value: str) -> None:
-    if len(value) > MAX_NAME:
-        raise InvalidArgument(f"{what} of {len(value)} characters; at most {MAX_NAME}")
-
-
-def _result(seq: Sequence, first_block: int, cached: int = 0, *, history: bool = False) -> OpResult:
-    return OpResult(seq.seq_id, seq.state.value, first_block, seq.block_ids[first_block:], len(seq.block_ids),
-                    seq.num_committed, cached, list(seq.token_ids) if history else None)
 
 
 def _describe(op: Op) -> str:
