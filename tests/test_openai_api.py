@@ -114,22 +114,23 @@ async def test_streaming_follows_openai_chunk_by_chunk(api, hf_tokenizer):
     _memd, _inferd, url = api
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY)
     messages = [{"role": "user", "content": "Hello! How are you today?"}]
-    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                                 extra_body={"ignore_eos": True})
-    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                                  n=2, stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"ignore_eos": True})
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0.9, seed=3, n=2, stream=True,
+        stream_options={"include_usage": True}, logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
-    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens == len(template_ids(hf_tokenizer, messages))
     assert all(chunk.usage is None for chunk in chunks[:-1])
     for index in (0, 1):
         mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == index]
         assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
         assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
-        assert mine[-1].delta.content                          # the finish reason rides on the last text
-        text = "".join(c.delta.content or "" for c in mine)
-        assert text == whole.choices[0].message.content       # greedy: both completions are the one answer
+        assert mine[-1].delta.content is not None and mine[-1].logprobs is not None   # rides on the last token
+        ids = [int(e.token.removeprefix("token_id:")) for c in mine if c.logprobs for e in c.logprobs.content]
+        assert len(ids) == 12
+        # The text streamed, joined, is the detokenization of the whole answer (held-back half characters too).
+        assert "".join(c.delta.content or "" for c in mine) == hf_tokenizer.decode(ids, skip_special_tokens=True)
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     await client.close()
 
@@ -150,8 +151,13 @@ async def test_stop_strings_logprobs_and_the_completions_endpoint(api, model_jud
         assert len(top) == 3 and top[chosen] == logprob == max(top.values())     # greedy: the likeliest
     cut = text[3:6] or text[:1]
     stopped = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[cut],
-                                              extra_body={"ignore_eos": True})
-    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[:text.index(cut)]
+                                              logprobs=0, extra_body={"ignore_eos": True,
+                                                                      "return_tokens_as_token_ids": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    # What it generated holds the stop string, and the answer is the text before it (this run's own tokens:
+    # a second run may part from the first at a near-tie).
+    generated = hf_tokenizer.decode([int(t.removeprefix("token_id:")) for t in stopped.choices[0].logprobs.tokens])
+    assert cut in generated and stopped.choices[0].text == generated[:generated.index(cut)]
     await client.close()
 
 
