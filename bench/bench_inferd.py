@@ -192,10 +192,10 @@ class Probe:
     def wrap_async(self, obj: object, name: str, kind: str) -> None:
         fn = getattr(obj, name)
 
-        async def timed(*args: Any) -> Any:
+        async def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return await fn(*args)
+                return await fn(*args, **kwargs)
             finally:
                 if self.meter is not None:
                     self.meter.add(kind, time.perf_counter() - start)
@@ -204,10 +204,10 @@ class Probe:
     def wrap(self, obj: object, name: str, kind: str) -> None:
         fn = getattr(obj, name)
 
-        def timed(*args: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 if self.meter is not None:
                     self.meter.add(kind, time.perf_counter() - start)

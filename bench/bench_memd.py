@@ -253,7 +253,10 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8, help="client processes of the concurrent run (default: 8)")
     p.add_argument("--reclaim-trials", type=int, default=3, help="workers killed, one at a time (default: 3)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.add_argument("--quick", action="store_true", help="a short smoke run: checks the bench still runs")
     args = p.parse_args()
+    if args.quick:
+        args.seconds, args.clients, args.reclaim_trials = 0.3, 2, 1
     geometry = plan_pool(parse_size(POOL), block_bytes=parse_size(PAGE))
     res: dict = {"cores": os.cpu_count(), "python": sys.version.split()[0], "seconds": args.seconds,
                  "geometry": {"num_blocks": geometry.num_blocks, "block_bytes": geometry.block_bytes}}

@@ -270,7 +270,10 @@ def main() -> None:
                    help="memd's pool: cpu (shared memory, host swap; the default) or cuda:N (GPU pool, pinned swap)")
     p.add_argument("--storm", metavar="ADDRESS", help=argparse.SUPPRESS)     # the storm's own process
     p.add_argument("--bandwidth-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="a short smoke run: checks the bench still runs")
     args = p.parse_args()
+    if args.quick:
+        args.seconds, args.moved, args.repeats = 0.5, "16MiB", 1
     if args.storm:
         asyncio.run(storm(args.storm))
         return
