@@ -357,7 +357,7 @@ def open_journal(args: argparse.Namespace, state: StateDir | None, layout: Layou
         restored = restore(found, pool_kept=getattr(memory, "reopened", False),
                            swap_kept=getattr(swap, "reopened", False), num_blocks=layout.num_blocks,
                            num_slots=layout.swap_slots)
-        manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences)
+        manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums)
         log.info("recovered the sequences of the memd before", state_dir=str(state.path),
                  sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
                  fenced={pid: len(b) for pid, b in restored.fences.items()},

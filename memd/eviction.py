@@ -170,6 +170,8 @@ class Evictor:
             return False
         del m.swap_jobs[seq.seq_id]
         m.swap.assign(job.slots)
+        for slot, checksum in zip(job.slots, job.checksums, strict=False):
+            m.swap.checksum[slot] = checksum
         seq.slots = job.slots
         job.blocks_freed = m.release_blocks(seq.block_ids)
         seq.block_ids = []

@@ -25,6 +25,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import structlog
+
 from memd.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -36,12 +38,15 @@ from memd.errors import (
 )
 from memd.eviction import Evictor
 from memd.invariants import violations
+from memd.page_effects import SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog
 from memd.sequences import PrefixHasher, SeqState, Sequence, SwapOut, blocks_for
 from memd.step_ops import StepOps, _check_name
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
 from shared.ops import Op
+
+log = structlog.get_logger("memd")
 
 
 @dataclass(slots=True)
@@ -236,12 +241,23 @@ class KvManager(StepOps):
         out.effects = [e for e in out.effects if self.pool.ref[e.page] > 0]
         return out
 
-    def effects_landed(self, outcome: StepOutcome) -> None:
+    def effects_landed(self, outcome: StepOutcome, corrupt: list[int] | None = None) -> None:
         """A Step's page effects are done: its swapped-in blocks may serve prefix hits, its pages be journaled.
 
-        A swapped-in block joins the prefix cache only while its sequence still
-        holds it at that index: a drop in between may have handed the page to someone else.
+        `corrupt`: pages a swap-in brought back with other bytes than its swap-out
+        wrote. Their sequence keeps its tokens, and its K/V up to the page before:
+        the worker recomputes the rest (the results it is about to get say so).
+        A swapped-in block joins the prefix cache only if sound, and only while
+        its sequence still holds it: a drop in between may have handed the page on.
         """
+        bad = set(corrupt or ())
+        self.counters["pages_verified"] += sum(1 for e in outcome.effects if isinstance(e, SwapIn) and e.checksum)
+        for b in outcome.swapped_in:
+            if b.block in bad:
+                self.counters["integrity_failures"] += 1
+                self.counters["integrity_failures_swap_in"] += 1
+                if b.index * b.seq.block_size < b.seq.num_committed:
+                    self._distrust(outcome, b.seq, b.index)
         for b in outcome.swapped_in:
             seq = b.seq
             if b.index < len(seq.block_ids) and seq.block_ids[b.index] == b.block and b.index < len(seq.hashes) \
@@ -250,6 +266,18 @@ class KvManager(StepOps):
                 self._offer(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
         self._filling -= outcome.filling
         self._changed |= outcome.filling
+
+    def _distrust(self, outcome: StepOutcome, seq: Sequence, index: int) -> None:
+        """Block `index` of a running sequence failed its check: its K/V from there on is recomputed."""
+        seq.num_committed = index * seq.block_size
+        del seq.hashes[index:]
+        self._changed.add(seq.seq_id)
+        for result in outcome.results:
+            if result.seq_id == seq.seq_id:
+                result.num_committed = min(result.num_committed, seq.num_committed)
+                result.num_cached = min(result.num_cached, seq.num_committed)
+        log.error("a swapped-in page is not what was swapped out: its K/V is recomputed", seq=seq.seq_id,
+                  session=seq.session_id, block=seq.block_ids[index], index=index)
 
     def filling(self, seq_id: int) -> bool:
         """Whether a Step's effects are still filling this sequence's pages."""
@@ -261,7 +289,8 @@ class KvManager(StepOps):
         self._changed, self._tokens_cut, self._fences_changed = set(), set(), set()
         return changes
 
-    def adopt(self, seqs: list[Sequence], next_seq: int, fences: dict[int, list[int]] | None = None) -> None:
+    def adopt(self, seqs: list[Sequence], next_seq: int, fences: dict[int, list[int]] | None = None,
+              slot_checksums: dict[int, int] | None = None) -> None:
         """Take over sequences recovered from an earlier memd's journal (memd.recovery.restore checked them).
 
         Every page's content is unknown now, so all are zeroed before reuse;
@@ -278,6 +307,8 @@ class KvManager(StepOps):
                 self.pool.incref(block)
             if self.swap is not None and seq.slots:
                 self.swap.claim(seq.slots)
+                for slot in seq.slots:
+                    self.swap.checksum[slot] = (slot_checksums or {}).get(slot, 0)
             chain = self.hasher.chain(seq.model, seq.token_ids, seq.block_size, 0, b"", seq.num_full_blocks)
             seq.hashes = [digest for digest, _ in chain]
             if seq.state is SeqState.PARKED:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from memd.page_effects import Copy, Zero
+from memd.page_effects import Copy, Zero, page_checksum
 from shared.sizes import format_size
 
 
@@ -31,6 +31,7 @@ class PoolMemory(Protocol):
 
     def export(self) -> dict[str, Any]: ...
     def apply(self, effects: list[Zero | Copy]) -> None: ...
+    def checksum(self, page: int) -> int: ...
     def close(self) -> None: ...
 
 
@@ -132,6 +133,9 @@ class ShmMemory:
     def export(self) -> dict[str, Any]:
         return {"backend": "shm", "size": self.size}
 
+    def checksum(self, page: int) -> int:
+        return page_checksum(memoryview(self._map)[page * self.block_bytes:(page + 1) * self.block_bytes])
+
     def apply(self, effects: list[Zero | Copy]) -> None:
         base, size = self._base, self.block_bytes
         for effect in effects:
@@ -216,6 +220,10 @@ class CudaMemory:
 
     def export(self) -> dict[str, Any]:
         return dict(self._handle)
+
+    def checksum(self, page: int) -> int:
+        """Not checked on the GPU yet: 0, unknown (a device-side reduction is to come)."""
+        return 0
 
     def apply(self, effects: list[Zero | Copy]) -> None:
         """Zero and copy pages in Step order, batching runs of zeros into one kernel.

@@ -42,7 +42,9 @@ COUNTERS = (
     ("resumes", "resumes", "parked, swapped or dropped sequences resumed"),
     ("forks", "forks", "sequences forked"),
     ("reclaims", "reclaims", "workers whose lease ended and whose sequences memd took back"),
+    ("pages_verified", "pages_verified", "pages checked against their checksum where K/V crossed a boundary"),
 )
+INTEGRITY_CHECKS = ("swap_in",)     # where pages are checked: counters integrity_failures_<where>
 
 
 class MemdMetrics(Collector):
@@ -99,6 +101,12 @@ class MemdMetrics(Collector):
         for reason in EvictionReason:
             evictions.add_metric([reason.value], counters.get(reason.counter, 0))
         yield evictions
+        failures = CounterMetricFamily("kvpool_memd_integrity_failures",
+                                       "pages whose bytes were not what was written, by where they were checked",
+                                       labels=["where"])
+        for where in INTEGRITY_CHECKS:
+            failures.add_metric([where], counters.get(f"integrity_failures_{where}", 0))
+        yield failures
         rpcs = CounterMetricFamily("kvpool_memd_rpcs", "gRPC calls received, by method", labels=["method"])
         for method, count in sorted(r["rpcs"].items()):
             rpcs.add_metric([method], count)

@@ -31,7 +31,7 @@ class PageCopier:
         self._swap_outs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap")
         self._busy: Counter[int] = Counter()      # pages that queued effects still touch
 
-    async def apply(self, effects: list[PageEffect]) -> None:
+    async def apply(self, effects: list[PageEffect]) -> list[int]:
         """Zero, copy and swap in pages before the reply; the Step's state change is already made.
 
         Shielded: a client that cancels or times out must not leave its pages
@@ -41,24 +41,31 @@ class PageCopier:
         small = len(effects) * self.block_bytes <= INLINE_EFFECT_BYTES and \
             not any(isinstance(e, SwapIn) for e in effects)
         if small and self._busy.keys().isdisjoint(pages):
-            run_effects(self.memory, self.swap, effects)
-            return
+            return run_effects(self.memory, self.swap, effects)
         self._busy.update(pages)
         job = asyncio.get_running_loop().run_in_executor(self._effects, run_effects, self.memory, self.swap,
                                                          effects)
         job.add_done_callback(lambda _job: self._unbusy(pages))
-        await asyncio.shield(job)
+        return await asyncio.shield(job)
 
     async def queued_effects_done(self) -> None:
         """Returns once every effect queued so far has landed (the queue is FIFO: a no-op waits behind them)."""
         await asyncio.get_running_loop().run_in_executor(self._effects, lambda: None)
 
-    async def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy (page, slot) pairs to the swap tier; pages with effects queued are copied once those landed."""
+    async def swap_out(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Copy (page, slot) pairs to the swap tier; returns the slots' checksums for the swap-in to check.
+
+        Pages with effects queued are copied once those landed.
+        """
         assert self.swap is not None
+        swap = self.swap
         if not self._busy.keys().isdisjoint(page for page, _ in pairs):
             await self.queued_effects_done()     # a swap-in or a fork's copy: copy what the pages will hold
-        await asyncio.get_running_loop().run_in_executor(self._swap_outs, self.swap.copy_out, pairs)
+
+        def copy() -> list[int]:
+            swap.copy_out(pairs)
+            return swap.checksums([slot for _, slot in pairs])
+        return await asyncio.get_running_loop().run_in_executor(self._swap_outs, copy)
 
     def _unbusy(self, pages: list[int]) -> None:
         busy = self._busy

@@ -9,6 +9,7 @@ copy a swapped-out page back in. They are done before the worker hears back
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,10 +35,11 @@ class Copy:
 
 @dataclass(frozen=True, slots=True)
 class SwapIn:
-    """A swapped-out page back from its swap slot into a pool page."""
+    """A swapped-out page back from its swap slot into a pool page, checked against `checksum` (0: unknown)."""
 
     slot: int
     page: int
+    checksum: int = 0
 
 
 PageEffect = Zero | Copy | SwapIn
@@ -48,16 +50,26 @@ def pages_touched(effects: list[PageEffect]) -> list[int]:
     return [page for e in effects for page in ((e.src, e.page) if isinstance(e, Copy) else (e.page,))]
 
 
-def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageEffect]) -> None:
-    """The effects in order: zeroing and copies on the pool, runs of swap-ins from the swap tier."""
-    start = 0
+def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageEffect]) -> list[int]:
+    """The effects in order: zeroing and copies on the pool, runs of swap-ins from the swap tier.
+
+    Returns the pages a swap-in brought back with other bytes than the swap-out wrote (their checksum).
+    """
+    start, bad = 0, []
     for i in range(1, len(effects) + 1):
         if i == len(effects) or isinstance(effects[i], SwapIn) != isinstance(effects[start], SwapIn):
             run = effects[start:i]
             if isinstance(run[0], SwapIn):
                 assert swap is not None
                 swap.copy_in([(e.slot, e.page) for e in run])          # type: ignore[union-attr]
+                bad += [e.page for e in run if e.checksum and memory.checksum(e.page) != e.checksum]  # type: ignore
             else:
                 memory.apply(run)                                       # type: ignore[arg-type]
             start = i
+    return bad
+
+
+def page_checksum(data: memoryview | bytes) -> int:
+    """A page's checksum: CRC-32 (zlib's, with hardware help), never 0 (which means "unknown")."""
+    return zlib.crc32(data) or 1
 

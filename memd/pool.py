@@ -241,10 +241,12 @@ class BlockPool:
 class SwapSlots:
     """Which slots are free: a stack, so a swap-out of k blocks mostly gets k consecutive slots."""
 
-    __slots__ = ("_free", "in_copy", "num_slots")
+    __slots__ = ("_free", "checksum", "in_copy", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
+        # What each slot's last swap-out wrote (0: unknown): a swap-in checks the page it brings back.
+        self.checksum = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         # Owned by a copy, by no sequence: a swap-out's target, or a swap-in's source until read.
         self.in_copy: set[int] = set()

@@ -28,6 +28,7 @@ from memd.journal import (
     OWNER_PID,
     PENDING,
     SESSION,
+    SLOT_SUMS,
     SLOTS,
     STATE,
     TOKENS,
@@ -47,6 +48,7 @@ class Restored:
     by_state: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)       # reason -> sequences that came back DROPPED
     discarded: int = 0                                          # records that made no sense
+    slot_checksums: dict[int, int] = field(default_factory=dict)   # swap slot -> what its swap-out wrote
 
 
 def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: int, num_slots: int) -> Restored:
@@ -95,7 +97,7 @@ class _Recovery:
         elif seq.state is SeqState.PARKED:
             self._check_pages(seq)
         elif seq.state is SeqState.SWAPPED:
-            self._check_slots(seq)
+            self._check_slots(seq, record)
         elif seq.state is SeqState.DROPPED:
             seq.block_ids, seq.slots, seq.num_committed = [], [], 0
         if seq.session_id:
@@ -132,8 +134,11 @@ class _Recovery:
                 self.full_blocks.update(full)
                 self.writable_blocks.update(tail)
 
-    def _check_slots(self, seq: Sequence) -> None:
-        """A SWAPPED sequence's slots must fit the reopened swap tier, each claimed once."""
+    def _check_slots(self, seq: Sequence, record: list) -> None:
+        """A SWAPPED sequence's slots must fit the reopened swap tier, each claimed once.
+
+        Their checksums come back too (older journals have none): a swap-in checks the pages against them.
+        """
         needed = blocks_for(seq.num_committed, seq.block_size)
         if not self.swap_kept:
             self._drop(seq, "swap tier not reopened")
@@ -142,6 +147,9 @@ class _Recovery:
             self._drop(seq, "swap slots do not fit the swap tier")
         else:
             self.slots_taken.update(seq.slots)
+            sums = record[SLOT_SUMS] if len(record) > SLOT_SUMS else []
+            if isinstance(sums, list) and len(sums) == len(seq.slots) and all(isinstance(c, int) for c in sums):
+                self.out.slot_checksums.update(zip(seq.slots, sums, strict=True))
 
     def _drop(self, seq: Sequence, reason: str) -> None:
         seq.state, seq.block_ids, seq.slots, seq.num_committed = SeqState.DROPPED, [], [], 0

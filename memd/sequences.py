@@ -114,6 +114,7 @@ class SwapOut:
     slots: list[int]
     reason: EvictionReason | None      # None for a worker's own preemption
     blocks_freed: int = 0              # set when the copy is done and the pages are released
+    checksums: list[int] = field(default_factory=list)   # of the slots, once the copy is done
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

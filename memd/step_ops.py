@@ -296,10 +296,10 @@ class StepOps:
                 if not self.pool.num_free:
                     raise PoolExhausted(len(seq.slots) - i, 0)
                 block, _ = self.pool.allocate()
-                txn.outcome.effects.append(SwapIn(slot, block))
+                assert self.swap is not None
+                txn.outcome.effects.append(SwapIn(slot, block, self.swap.checksum[slot]))
                 txn.outcome.filling.add(seq.seq_id)
-                if chunk is not None:
-                    txn.outcome.swapped_in.append(SwappedInBlock(seq, i, block))
+                txn.outcome.swapped_in.append(SwappedInBlock(seq, i, block))
                 copies += 1
             seq.block_ids.append(block)
         txn.outcome.read_slots += seq.slots

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class SwappedInBlock:
-    """A full block copied back from swap: it may serve prefix hits once the copy has landed, not before."""
+    """A page copied back from swap: checked once the copy has landed; a full block then serves prefix hits."""
 
     seq: Sequence
     index: int

@@ -109,9 +109,8 @@ class StepRunner:
             # this is the retry): the copier is FIFO, so waiting for the queue waits for those copies.
             await self.copier.queued_effects_done()
         try:
-            if outcome.effects:
-                await self.copier.apply(outcome.effects)
-            m.effects_landed(outcome)
+            corrupt = await self.copier.apply(outcome.effects) if outcome.effects else []
+            m.effects_landed(outcome, corrupt)
         finally:
             m.release_slots(outcome.read_slots)
             self.persist()
@@ -147,7 +146,7 @@ class StepRunner:
 
     async def _swap_out(self, job: SwapOut) -> bool:
         try:
-            await self.copier.swap_out(list(zip(job.blocks, job.slots, strict=True)))
+            job.checksums = await self.copier.swap_out(list(zip(job.blocks, job.slots, strict=True)))
         except Exception:
             log.exception("swap-out failed; the sequence stays parked", seq=job.seq.seq_id)
             self.manager.evictions.abort_swap_out(job)

@@ -39,6 +39,7 @@ from memd.memory import (
     open_backing_file,
     require_host_memory,
 )
+from memd.page_effects import page_checksum
 from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
@@ -67,6 +68,7 @@ class SwapMemory(Protocol):
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None: ...    # (block, slot)
     def copy_in(self, pairs: list[tuple[int, int]]) -> None: ...     # (slot, block)
+    def checksums(self, slots: list[int]) -> list[int]: ...          # what a swap-in must find (0: unknown)
     def close(self) -> None: ...
 
 
@@ -153,6 +155,14 @@ class HostSwap:
     def view(self) -> memoryview:
         """The raw bytes, for tests and benchmarks."""
         return memoryview(self._map)
+
+    def checksums(self, slots: list[int]) -> list[int]:
+        """Of the bytes a swap-out left in these slots: a swap-in checks the page it brings back against them."""
+        size, data = self.block_bytes, memoryview(self._map)
+        try:
+            return [page_checksum(data[slot * size:(slot + 1) * size]) for slot in slots]
+        finally:
+            data.release()
 
     def close(self) -> None:
         if self._threads is not None:
@@ -250,6 +260,10 @@ class PinnedSwap:
                     staging[row:row + count].copy_(self.slots[slot:slot + count], non_blocking=True)
                 blocks = torch.tensor([block for _, block in chunk], device=self.pages.device)
                 self.pages.index_copy_(0, blocks, staging[:n])
+
+    def checksums(self, slots: list[int]) -> list[int]:
+        """Not on the GPU path yet: 0, unknown (a device-side reduction is to come)."""
+        return [0] * len(slots)
 
     def close(self) -> None:
         """Freed with the process."""

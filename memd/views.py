@@ -22,6 +22,7 @@ from shared.sizes import format_size
 SNAPSHOT_COLUMNS = ["block_id", "ref_count", "last_access", "seq_id", "state", "heat", "owner"]
 STATE_ORDER = [state.value for state in SeqState]
 PRESSURE_COUNTERS = ("swap_outs", "swap_ins", "drops", "preemptions")
+INTEGRITY_COUNTERS = ("integrity_failures", "pages_verified")
 
 
 def stats_dict(reply: pb.StatsReply) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def stats_dict(reply: pb.StatsReply) -> dict[str, Any]:
     data["sequences"] = {k: int(v) for k, v in sorted(data["sequences"].items(), key=lambda kv: order.get(kv[0], 99))}
     data["rpcs"] = {k: int(v) for k, v in sorted(data["rpcs"].items())}
     counters = {k: int(v) for k, v in sorted(data["counters"].items())}
-    for key in PRESSURE_COUNTERS:
+    for key in (*PRESSURE_COUNTERS, *INTEGRITY_COUNTERS):
         counters.setdefault(key, 0)
     counters["evictions"] = {reason.value: counters.pop(reason.counter, 0) for reason in EvictionReason}
     data["counters"] = counters

@@ -64,7 +64,7 @@ def recovered(state: StateDir) -> KvManager:
     restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
     assert restored.discarded == 0 and restored.dropped.keys() <= {"pages being filled when memd stopped"}
     fresh = new_manager()
-    fresh.adopt(restored.sequences, found.max_seq_id + 1, restored.fences)
+    fresh.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums)
     return fresh
 
 
@@ -218,3 +218,16 @@ def test_a_state_directory_too_small_for_the_pool_is_refused_in_one_line(tmp_pat
     with pytest.raises(StartupError, match=r"has 97\.7 MiB free; the pool and swap tier need 128\.0 MiB"):
         check_room(StateDir(tmp_path), 128 << 20)
     check_room(StateDir(tmp_path), 1 << 10)                   # what fits goes through
+
+
+def test_a_swapped_sequences_slot_checksums_survive_a_restart(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open(list(range(10)), session_id="s")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=10)])
+    seq = manager.seqs[opened.seq_id]
+    job, = manager.evictions.evict(seq, "swap", None).jobs
+    job.checksums = [1000 + i for i in range(len(job.slots))]     # what the swap-out copy found in its slots
+    assert manager.evictions.finish_swap_out(job)
+    wal.flush(manager)
+    fresh = recovered(state)
+    assert [fresh.swap.checksum[slot] for slot in fresh.seqs[seq.seq_id].slots] == job.checksums

@@ -304,3 +304,33 @@ async def test_a_preempted_turn_whose_resume_memd_refuses_waits_and_resumes_late
         task.cancel()
         await hog.close()
         await client.close()
+
+
+async def test_a_swapped_page_that_rotted_is_recomputed_not_reused(local_memd_factory, checkpoint, judge):
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=64,
+                                                          memd_args=("--swap-ratio", "0.5"))
+    prompt = [5 + i for i in range(30)]
+    first = Request(prompt, greedy(6), session_id="chat")
+    scheduler.submit(first)
+    answer1, _, _ = await collect(first)
+    async with memd.admin() as admin:
+        await admin.evict(session_id="chat", mode="swap")
+    seq = memd.manager.seqs[memd.manager.sessions["chat"]]
+    assert seq.state.value == "swapped"
+    # Its full blocks are still cached in the pool and come back from there; the partly written last one
+    # can only come from its slot, which rots in place.
+    page, last, kept = memd.manager.geometry.block_bytes, seq.slots[-1], len(seq.slots) - 1
+    swap = memd.swap.view()
+    swap[last * page:last * page + 64] = b"\xff" * 64
+    swap.release()
+    second = Request([7, 8, 9], greedy(6), session_id="chat")
+    scheduler.submit(second)
+    answer2, _, final = await collect(second)
+    judge.assert_greedy(prompt + answer1 + [7, 8, 9], answer2, 6, "after the rotten page")
+    assert final.usage["cached_tokens"] == kept * BS                          # the blocks before it, no more
+    async with memd.admin() as admin:
+        counters = (await admin.stats()).counters
+    assert counters["integrity_failures"] == 1 and counters["pages_verified"] == 1
+    await assert_clean(memd, parked=1)
+    task.cancel()
+    await client.close()
