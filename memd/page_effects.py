@@ -9,9 +9,10 @@ copy a swapped-out page back in. They are done before the worker hears back
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import xxhash
 
 if TYPE_CHECKING:
     from memd.memory import PoolMemory
@@ -70,6 +71,10 @@ def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageE
 
 
 def page_checksum(data: memoryview | bytes) -> int:
-    """A page's checksum: CRC-32 (zlib's, with hardware help), never 0 (which means "unknown")."""
-    return zlib.crc32(data) or 1
+    """A page's checksum, never 0 (which means "unknown").
+
+    XXH3-64: ~17 GiB/s on one core here, where zlib's CRC-32 managed 3.8 and
+    would have cost a swap-in several times its copy.
+    """
+    return xxhash.xxh3_64_intdigest(data) or 1
 
