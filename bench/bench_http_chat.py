@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ import openai
 from tables import table
 
 from inferd.tiny import CORPUS, make_tiny_model
-from shared.launch import spawn_ready
+from shared.launch import free_port, spawn_ready
 
 FULL = {"users": 8, "turns": 4, "think_s": 1.0, "max_tokens": 32, "corpus": 4,
         "model": {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seed": 0}}
@@ -65,12 +64,6 @@ class Run:
     prompt_later: int = 0
     cached_later: int = 0
     wall_s: float = 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def user(client: openai.AsyncOpenAI, model: str, number: int, run: Run, shape: dict[str, Any]) -> None:

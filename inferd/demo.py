@@ -15,7 +15,6 @@ are word salad; the mechanics are real.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 import openai
 
 from inferd.tiny import CORPUS, make_tiny_model
-from shared.launch import LaunchError, spawn_ready
+from shared.launch import LaunchError, free_port, spawn_ready
 
 SYSTEM = "You are a helpful assistant for a serving team.\n" + CORPUS * 2
 TURNS = [
@@ -61,12 +60,6 @@ def chat(base_url: str) -> None:
         cached = usage.prompt_tokens_details.cached_tokens
         print(f"\n  prompt {usage.prompt_tokens} tokens (the whole conversation), of which {cached} reused from "
               f"memd ({usage.prompt_tokens - cached} computed); first token after {first * 1000:.1f} ms")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def main() -> int:

@@ -64,28 +64,26 @@ def address(value: str) -> str:
     return _utf8(value)
 
 
+def _int_in(value: str, low: int, high: int, note: str = "") -> int:
+    n = int(value)
+    if not low <= n <= high:
+        raise BadInput(f"must be an integer in [{low}, {high}]{note}: {value}")
+    return n
+
+
 def max_tokens(value: str) -> int:
     """In [1, 2**32-1]: 0 on the wire means inferd's default (64), and the field is a uint32."""
-    n = int(value)
-    if not 1 <= n <= UINT32_MAX:
-        raise BadInput(f"must be an integer in [1, {UINT32_MAX}]: {value}")
-    return n
+    return _int_in(value, 1, UINT32_MAX)
 
 
 def top_k(value: str) -> int:
     """In [0, 2**32-1] (0: no limit): the field is a uint32."""
-    n = int(value)
-    if not 0 <= n <= UINT32_MAX:
-        raise BadInput(f"must be an integer in [0, {UINT32_MAX}] (0: no limit): {value}")
-    return n
+    return _int_in(value, 0, UINT32_MAX, " (0: no limit)")
 
 
 def seed(value: str) -> int:
     """In [0, 2**63-1]: the field is a uint64, and inferd's generators take a signed 64-bit seed."""
-    n = int(value)
-    if not 0 <= n <= MAX_SEED:
-        raise BadInput(f"must be an integer in [0, {MAX_SEED}]: {value}")
-    return n
+    return _int_in(value, 0, MAX_SEED)
 
 
 def temperature(value: str) -> float:

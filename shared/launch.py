@@ -13,6 +13,13 @@ import sys
 from pathlib import Path
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a daemon's --http or --metrics-port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class LaunchError(RuntimeError):
     """The daemon exited or stayed silent instead of becoming ready."""
 

@@ -20,15 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared import tokens
 from shared.client import MemdClient
+from shared.launch import free_port
 from shared.ops import Extend, Open, Park
 
 BS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:
