@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from inferd.page_sums import PageSums
 from inferd.requests import Event, GenerationError, Request, RequestStatus
 from shared.client import MemdError
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
@@ -72,6 +73,7 @@ class Admit(PendingOp):
         request.status = RequestStatus.RUNNING
         request.seq_id = result.seq_id
         request.table = list(result.block_ids)
+        scheduler.page_sums.admitted(request, result.num_committed)
         if resumed:
             request.tokens = list(result.token_ids) if result.token_ids else request.tokens
             request.num_computed = result.num_committed          # the rest is recomputed
@@ -144,6 +146,7 @@ class Grow(PendingOp):
 
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
         self.request.num_known_to_memd -= len(self.op.append)    # memd did not take them
+        PageSums.unsent(self.request, self.op.sums_from, self.op.page_sums)
         if err.code.name == "RESOURCE_EXHAUSTED":
             step.stalled.add(self.request)
         else:
@@ -159,6 +162,7 @@ class CommitForFork(PendingOp):
 
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
         """No prompt to fork from: its children's Forks leave the Step and the children fail."""
+        PageSums.unsent(self.parent, self.op.sums_from, self.op.page_sums)
         dropped = [p for p in step.ops if isinstance(p, ForkChild) and p.request in self.parent.children]
         step.ops[:] = [p for p in step.ops if p not in dropped]
         for fork in dropped:
@@ -179,6 +183,7 @@ class ForkChild(PendingOp):
         request.status = RequestStatus.RUNNING
         request.seq_id, request.table = result.seq_id, list(result.block_ids)
         request.num_computed = request.num_known_to_memd = result.num_committed
+        scheduler.page_sums.admitted(request, result.num_committed)
 
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
         if err.code.name == "RESOURCE_EXHAUSTED":

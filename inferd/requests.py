@@ -63,6 +63,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)    # the whole history: memd's, the prompt, the generated
     num_computed: int = 0                              # tokens whose K/V are in the pool
     num_known_to_memd: int = 0                         # history length memd knows
+    num_summed: int = 0                                # leading pages memd has (or had) a checksum for
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
     stops_from: int = 0                                # min_tokens: no stop string may end at or before this

@@ -41,6 +41,7 @@ import torch
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import Admit, CommitForFork, End, ForkChild, Grow, PendingOp, Preempt, ResetSession, StepAttempt
 from inferd.model import PagedDecoder, build_batch
+from inferd.page_sums import PageSums
 from inferd.requests import Event, GenerationError, Request, RequestStatus, TokenLogprob
 from inferd.sampling import SamplingParams, hold_eos, sample, token_logprobs
 from shared.client import MemdClient, MemdError
@@ -83,6 +84,7 @@ class Scheduler:
         self.carried: list[Request] = []                 # unstarted when memd failed: for the next attachment
         client.on_revoke = self._on_revoke
         self.audit = KvAudit(model.kv) if audit_kv else None     # --audit-kv
+        self.page_sums = PageSums(client.pool.pages if client.pool is not None else None, self.block_size)
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
@@ -244,7 +246,8 @@ class Scheduler:
             needed = len(request.tokens)                    # positions this pass writes up to
             if needed > len(request.table) * self.block_size:
                 extend = Extend(request.seq_id, append=request.tokens[request.num_known_to_memd:],
-                                commit_to=request.num_computed, reserve=self._reserve(request))
+                                commit_to=request.num_computed, reserve=self._reserve(request),
+                                **self.page_sums.commit(request, request.num_computed))
                 ops.append(Grow(request, extend))
                 request.num_known_to_memd = len(request.tokens)   # undone in Grow.refused if memd says no
                 growing += math.ceil((needed + extend.reserve) / self.block_size) - len(request.table)
@@ -293,7 +296,8 @@ class Scheduler:
         request.preemptions += 1
         self.preemptions += 1
         park = Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
-                    commit_to=request.num_computed, preempt=True)
+                    commit_to=request.num_computed, preempt=True,
+                    **self.page_sums.commit(request, request.num_computed, parks=True))
         self._preempting.append(Preempt(request, park))
         request.num_known_to_memd = len(request.tokens)
         log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq_id,
@@ -524,7 +528,7 @@ class Scheduler:
             self._emit(child, child.generated[0], logprob)
         # memd forks what it knows: the prompt, committed, and none of the parent's own sampled tokens.
         commit = Extend(parent.seq_id, append=parent.tokens[parent.num_known_to_memd:],
-                        commit_to=parent.num_computed)
+                        commit_to=parent.num_computed, **self.page_sums.commit(parent, parent.num_computed))
         parent.num_known_to_memd = parent.num_computed
         self._forks.append((parent, commit, parent.children))
 
@@ -571,9 +575,10 @@ class Scheduler:
             keep = request.session_id is not None and (error is None or keep)
             progress = {"append": request.tokens[request.num_known_to_memd:], "commit_to": request.num_computed}
             if keep:
-                op: Park | Free = Park(request.seq_id, **progress)
+                op: Park | Free = Park(request.seq_id, **progress,
+                                       **self.page_sums.commit(request, request.num_computed, parks=True))
             elif error is None:               # its full blocks stay in the prefix cache for the next same prompt
-                op = Free(request.seq_id, **progress)
+                op = Free(request.seq_id, **progress, **self.page_sums.commit(request, request.num_computed))
             else:                             # an error: what it computed is not offered to anyone
                 op = Free(request.seq_id)
             self._ending.append(End(request, final, op))   # the final event waits for memd: then nothing is RUNNING

@@ -32,6 +32,7 @@ from memd.manager import KvManager
 from memd.memory import PoolMemory, PoolMemoryError, allocate_pool, available_host_memory, resolve_device
 from memd.metrics import MemdMetrics
 from memd.recovery import restore
+from memd.scrub import Scrubber
 from memd.service import MemdService
 from memd.state import TMPFS, Layout, StateDir, StateError, boot_id
 from memd.swap import SwapMemory, allocate_swap
@@ -133,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "socket, none on TCP)")
     p.add_argument("--journal-fsync", default="never", choices=["never", "always"],
                    help="fsync the journal after every change: only worth it on a disk, not on tmpfs (default: never)")
+    p.add_argument("--scrub-interval", type=non_negative, default=0.0,
+                   help="check every parked, cached and swapped page against its checksum this often, in "
+                        "seconds, as memctl scrub does; 0 = only when asked (default: 0)")
+    p.add_argument("--scrub-rate", type=positive, default=200.0,
+                   help="MB/s a periodic scrub hashes at most (default: 200)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
@@ -294,6 +300,9 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         fd_server = await start_fd_server(memory, startup.sock_path, stack)
         parts = wire(manager, policy, memory, swap, wal, fd_server)
         stack.push_async_callback(parts.runner.close)       # queued copies land before the pool goes
+        stack.callback(parts.scrubber.close)
+        if found is not None and getattr(memory, "reopened", False):
+            check_reopened(parts.scrubber)
         stack.callback(parts.fences.close)
         if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
             metrics = MemdMetrics(parts.service, asyncio.get_running_loop())
@@ -304,6 +313,9 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         parts.fences.watch()                            # pages the workers of the memd before may still write
         tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
                  asyncio.create_task(parts.runner.police(), name="eviction-policy")]
+        if args.scrub_interval:
+            tasks.append(asyncio.create_task(scrub_every(parts.scrubber, args.scrub_interval, args.scrub_rate),
+                                             name="scrub"))
         if (interval := watchdog_interval()) is not None:
             tasks.append(asyncio.create_task(keep_watchdog(interval, lambda: pool_status(manager)), name="watchdog"))
         stack.push_async_callback(_cancel, tasks)
@@ -325,6 +337,21 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         log.info("memd stopping")
         notify("STOPPING=1")
         await health_servicer.enter_graceful_shutdown()
+
+
+def check_reopened(scrubber: Scrubber) -> None:
+    """Pages reopened from the state directory are checked before anyone may resume them."""
+    report = scrubber.check_reopened()
+    if report.pages:
+        log.info("checked the reopened pages", pages=report.pages, failed=len(report.failures),
+                 seconds=round(report.seconds, 3))
+
+
+async def scrub_every(scrubber: Scrubber, interval_s: float, rate_mb_s: float) -> None:
+    """--scrub-interval: a scrub pass every `interval_s` seconds, at `rate_mb_s`."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await scrubber.scrub(rate_mb_s * 1e6)
 
 
 def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: StateDir | None,
@@ -357,7 +384,8 @@ def open_journal(args: argparse.Namespace, state: StateDir | None, layout: Layou
         restored = restore(found, pool_kept=getattr(memory, "reopened", False),
                            swap_kept=getattr(swap, "reopened", False), num_blocks=layout.num_blocks,
                            num_slots=layout.swap_slots)
-        manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums)
+        manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums,
+                      restored.block_checksums)
         log.info("recovered the sequences of the memd before", state_dir=str(state.path),
                  sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
                  fenced={pid: len(b) for pid, b in restored.fences.items()},

@@ -3,7 +3,7 @@
 Every Memd call presents a token (shared.tokens). The worker token, readable
 by memd's group, admits workers and read-only tools; the admin token, readable
 by memd's user only, also admits the calls that change or reveal other
-tenants' state: Snapshot, Evict, Drain. A refused call reaches no handler, so
+tenants' state: Snapshot, Evict, Drain, Scrub. A refused call reaches no handler, so
 it changes nothing. Health checks and reflection stay open: probes and
 grpcurl need no secret, and they reveal none.
 
@@ -29,7 +29,7 @@ from shared.tokens import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_KEY, TokenError, read
 
 log = structlog.get_logger("memd")
 
-ADMIN_METHODS = frozenset({"Snapshot", "Evict", "Drain"})
+ADMIN_METHODS = frozenset({"Snapshot", "Evict", "Drain", "Scrub"})
 STREAMING_METHODS = frozenset({"Session"})
 
 

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from memd import integrity
 from memd.errors import InvalidArgument, NotFound
+from memd.integrity import Where
 from memd.sequences import SeqState, Sequence, SwapOut
 
 if TYPE_CHECKING:
@@ -172,11 +174,17 @@ class Evictor:
         m.swap.assign(job.slots)
         for slot, checksum in zip(job.slots, job.checksums, strict=False):
             m.swap.checksum[slot] = checksum
+        # A page that is not what its worker committed rotted while parked: the slot holds the rot too.
+        rotten = next((i for i, (block, got) in enumerate(zip(job.blocks, job.checksums, strict=False))
+                       if got and m.pool.checksum[block] and got != m.pool.checksum[block]), None)
         seq.slots = job.slots
         job.blocks_freed = m.release_blocks(seq.block_ids)
         seq.block_ids = []
         seq.state = SeqState.SWAPPED
         m.mark_changed(seq)
+        if rotten is not None:
+            integrity.slot_failed(m, seq, rotten, Where.SWAP_OUT)
+            integrity.forget_page(m, job.blocks[rotten], Where.SWAP_OUT)     # other parked holders, the cache
         m.counters["swap_outs"] += 1
         m.counters["swap_out_blocks"] += len(job.slots)
         if job.reason:

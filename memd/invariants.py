@@ -69,6 +69,8 @@ def _seq_violations(m: KvManager, seq: Sequence) -> list[str]:
             out.append(f"{name} references block {block}, outside the pool")
         elif m.pool.ref[block] > 1 and index >= seq.num_full_blocks:
             out.append(f"{name} shares block {block}, which it may still write")
+        elif running and index >= seq.num_full_blocks and m.pool.checksum[block]:
+            out.append(f"{name} may still write block {block}, which carries a checksum")
     if seq.session_id is not None and m.sessions.get(seq.session_id) != seq.seq_id:
         out.append(f"{name} names session {seq.session_id!r}, which maps elsewhere")
     return out

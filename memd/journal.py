@@ -84,12 +84,13 @@ def read_journal(path: Path) -> Recovered | None:
 
 # A sequence record: ["S", seq_id, state, model, block_size, session_id, num_committed, block_ids, slots,
 #                     heat, heat_at, last_access, tokens_from, new_token_ids, pending, turn_start, mid_turn]
-#   (then owner_pid: the pid of the worker running it, 0 if none; then turn_id and the checksums of its swap
-#    slots, in slot order (SWAPPED; else empty), each absent from older journals)
+#   (then owner_pid: the pid of the worker running it, 0 if none; then turn_id, the checksums of its swap
+#    slots in slot order (SWAPPED; else empty), and its pages' checksums in table order (0: unknown), each
+#    absent from older journals)
 # A removal: ["D", seq_id]
 # Fenced pages (KvManager.fences): ["F", pid, block_ids], [] once lifted
 SEQ_ID, STATE, MODEL, BLOCK_SIZE, SESSION, COMMITTED, BLOCKS, SLOTS, HEAT, HEAT_AT, LAST_ACCESS, TOKENS_FROM, \
-    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID, TURN_ID, SLOT_SUMS = range(1, 20)
+    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID, TURN_ID, SLOT_SUMS, BLOCK_SUMS = range(1, 21)
 
 
 def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None:
@@ -106,7 +107,7 @@ def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None
         found.records.pop(seq_id, None)
         tokens.pop(seq_id, None)
         return
-    if kind != "S" or len(record) not in (OWNER_PID + 1, TURN_ID + 1, SLOT_SUMS + 1):
+    if kind != "S" or len(record) not in (OWNER_PID + 1, TURN_ID + 1, SLOT_SUMS + 1, BLOCK_SUMS + 1):
         raise ValueError(f"unknown record {kind!r}")
     have = tokens.setdefault(seq_id, [])
     start = int(record[TOKENS_FROM])
@@ -209,7 +210,8 @@ class WriteAheadLog:
                       start, seq.token_ids[start:], manager.filling(seq.seq_id), seq.turn_start,
                       seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
                       _owner_pid(seq, manager), seq.turn_id,
-                      [manager.swap.checksum[slot] for slot in seq.slots] if manager.swap is not None else []])
+                      [manager.swap.checksum[slot] for slot in seq.slots] if manager.swap is not None else [],
+                      [manager.pool.checksum[block] for block in seq.block_ids]])
 
     def close(self) -> None:
         if self._fd is not None:

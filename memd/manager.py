@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from memd import integrity
 from memd.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -251,11 +252,11 @@ class KvManager(StepOps):
         its sequence still holds it: a drop in between may have handed the page on.
         """
         bad = set(corrupt or ())
-        self.counters["pages_verified"] += sum(1 for e in outcome.effects if isinstance(e, SwapIn) and e.checksum)
+        sums = {e.page: e.checksum for e in outcome.effects if isinstance(e, SwapIn) and e.checksum}
+        self.counters["pages_verified"] += len(sums)
         for b in outcome.swapped_in:
             if b.block in bad:
-                self.counters["integrity_failures"] += 1
-                self.counters["integrity_failures_swap_in"] += 1
+                integrity.count(self, integrity.Where.SWAP_IN)
                 if b.index * b.seq.block_size < b.seq.num_committed:
                     self._distrust(outcome, b.seq, b.index)
         for b in outcome.swapped_in:
@@ -264,6 +265,7 @@ class KvManager(StepOps):
                     and self.seqs.get(seq.seq_id) is seq:
                 bs = seq.block_size
                 self._offer(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
+                self.pool.checksum[b.block] = sums.get(b.block, 0)    # a full block: what it holds from now on
         self._filling -= outcome.filling
         self._changed |= outcome.filling
 
@@ -290,7 +292,7 @@ class KvManager(StepOps):
         return changes
 
     def adopt(self, seqs: list[Sequence], next_seq: int, fences: dict[int, list[int]] | None = None,
-              slot_checksums: dict[int, int] | None = None) -> None:
+              slot_checksums: dict[int, int] | None = None, block_checksums: dict[int, int] | None = None) -> None:
         """Take over sequences recovered from an earlier memd's journal (memd.recovery.restore checked them).
 
         Every page's content is unknown now, so all are zeroed before reuse;
@@ -305,6 +307,7 @@ class KvManager(StepOps):
                 self.sessions[seq.session_id] = seq.seq_id
             for block in seq.block_ids:
                 self.pool.incref(block)
+                self.pool.checksum[block] = (block_checksums or {}).get(block, 0)
             if self.swap is not None and seq.slots:
                 self.swap.claim(seq.slots)
                 for slot in seq.slots:

@@ -2,8 +2,8 @@
 
 Exit codes (also in `memctl --help`):
   0  done
-  1  the answer is bad news or was refused: check found violations, drain timed
-     out with sequences still running, memd refused the request
+  1  the answer is bad news or was refused: check found violations, scrub found
+     corrupted pages, drain timed out with sequences still running, memd refused
   2  memd cannot be reached, a file cannot be read, or the command line is wrong
   130 interrupted
 """
@@ -25,7 +25,7 @@ from shared.tokens import TokenError
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 EXIT_CODES = """exit codes:
   0    done
-  1    bad news or refused: check found violations, a drain timed out, memd refused
+  1    bad news or refused: check found violations, scrub corrupted pages, a drain timed out, memd refused
   2    memd unreachable, a file unreadable, or a wrong command line
   130  interrupted"""
 
@@ -41,6 +41,16 @@ def seconds(text: str) -> float:
     value = float(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds from 0: {text}")
+    return value
+
+
+def mb_per_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of MB/s from 0 (0: no limit): {text}")
     return value
 
 
@@ -92,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="wait this long for running sequences to end (default: 300; 0: do not wait)")
     drain.add_argument("--undo", action="store_true", help="end the drain: admit requests again")
     sub.add_parser("check", parents=[as_json], help="verify the invariants; exit 1 listing violations")
+    scrub = sub.add_parser("scrub", parents=[as_json],
+                           help="check every parked, cached and swapped page against its checksum; exit 1 if any "
+                                "was corrupted",
+                           description="Runs in memd beside the Steps (a thread of its own). A corrupted page "
+                                       "is never reused: its sequences keep their tokens and recompute from "
+                                       "before it. Exit 0 all intact, 1 corrupted pages found (each listed), "
+                                       "2 memd unreachable.")
+    scrub.add_argument("--rate", type=mb_per_s, default=0.0, metavar="MB/s",
+                       help="hash at most this many MB per second (default: 0, as fast as one thread goes)")
     top = sub.add_parser("top", help="a live view: pool, swap, sequences, workers, hot and cold sequences, RPC rate")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
@@ -146,6 +165,11 @@ async def run(args: argparse.Namespace) -> int:
                  "check: ok" if reply.ok else "\n".join(reply.violations))
             if not reply.ok:
                 print(f"check: {len(reply.violations)} violation(s)", file=sys.stderr)
+                return 1
+        elif args.command == "scrub":
+            data = views.scrubbed_dict(await admin.scrub(args.rate * 1e6))
+            show(args, data, views.render_scrubbed(data))
+            if data["failures"]:
                 return 1
         elif args.command == "top":
             from memd.top import top

@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from memd.page_effects import Copy, Zero, page_checksum
+from memd.page_effects import Copy, Zero
+from shared.page_checksum import buffer_checksums, word_sums
 from shared.sizes import format_size
 
 
@@ -31,7 +32,7 @@ class PoolMemory(Protocol):
 
     def export(self) -> dict[str, Any]: ...
     def apply(self, effects: list[Zero | Copy]) -> None: ...
-    def checksum(self, page: int) -> int: ...
+    def checksums(self, pages: list[int]) -> list[int]: ...
     def close(self) -> None: ...
 
 
@@ -133,8 +134,9 @@ class ShmMemory:
     def export(self) -> dict[str, Any]:
         return {"backend": "shm", "size": self.size}
 
-    def checksum(self, page: int) -> int:
-        return page_checksum(memoryview(self._map)[page * self.block_bytes:(page + 1) * self.block_bytes])
+    def checksums(self, pages: list[int]) -> list[int]:
+        """Of these pages as they are now (shared.page_checksum); off the event loop for many pages."""
+        return buffer_checksums(self._map, self.block_bytes, pages)
 
     def apply(self, effects: list[Zero | Copy]) -> None:
         base, size = self._base, self.block_bytes
@@ -221,9 +223,12 @@ class CudaMemory:
     def export(self) -> dict[str, Any]:
         return dict(self._handle)
 
-    def checksum(self, page: int) -> int:
-        """Not checked on the GPU yet: 0, unknown (a device-side reduction is to come)."""
-        return 0
+    def checksums(self, pages: list[int]) -> list[int]:
+        """Of these pages as they are now: a reduction on the device (shared.page_checksum), 8 bytes back per page."""
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            return word_sums(self.pages, pages)
 
     def apply(self, effects: list[Zero | Copy]) -> None:
         """Zero and copy pages in Step order, batching runs of zeros into one kernel.

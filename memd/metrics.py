@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from memd.eviction import EvictionReason
+from memd.integrity import Where
 from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ COUNTERS = (
     ("reclaims", "reclaims", "workers whose lease ended and whose sequences memd took back"),
     ("pages_verified", "pages_verified", "pages checked against their checksum where K/V crossed a boundary"),
 )
-INTEGRITY_CHECKS = ("swap_in",)     # where pages are checked: counters integrity_failures_<where>
 
 
 class MemdMetrics(Collector):
@@ -104,8 +104,8 @@ class MemdMetrics(Collector):
         failures = CounterMetricFamily("kvpool_memd_integrity_failures",
                                        "pages whose bytes were not what was written, by where they were checked",
                                        labels=["where"])
-        for where in INTEGRITY_CHECKS:
-            failures.add_metric([where], counters.get(f"integrity_failures_{where}", 0))
+        for where in Where:
+            failures.add_metric([where.value], counters.get(where.counter, 0))
         yield failures
         rpcs = CounterMetricFamily("kvpool_memd_rpcs", "gRPC calls received, by method", labels=["method"])
         for method, count in sorted(r["rpcs"].items()):

@@ -53,8 +53,11 @@ class PageCopier:
         await asyncio.get_running_loop().run_in_executor(self._effects, lambda: None)
 
     async def swap_out(self, pairs: list[tuple[int, int]]) -> list[int]:
-        """Copy (page, slot) pairs to the swap tier; returns the slots' checksums for the swap-in to check.
+        """Copy (page, slot) pairs to the swap tier; returns the pages' checksums, taken once copied.
 
+        The swap-in checks the page it brings back against them (the copy out,
+        the slot while it waits and the copy in, all at once); memd checks them
+        against what the worker sent when it committed the page (rot while parked).
         Pages with effects queued are copied once those landed.
         """
         assert self.swap is not None
@@ -64,7 +67,7 @@ class PageCopier:
 
         def copy() -> list[int]:
             swap.copy_out(pairs)
-            return swap.checksums([slot for _, slot in pairs])
+            return self.memory.checksums([page for page, _ in pairs])
         return await asyncio.get_running_loop().run_in_executor(self._swap_outs, copy)
 
     def _unbusy(self, pages: list[int]) -> None:

@@ -121,6 +121,9 @@ class BlockPool:
         # first allocation needs no memset.
         self.dirty = bytearray(num_blocks)
         self.last_access = [0.0] * num_blocks
+        # What the page holds, as its worker committed it (shared.page_checksum; 0: unknown): a full
+        # committed block's until the page is handed out again, a parked partial block's until resumed.
+        self.checksum = [0] * num_blocks
         self.undo: UndoLog | None = None
 
     @property
@@ -146,15 +149,18 @@ class BlockPool:
         self.dirty[block] = 1
         if self.undo is not None:
             self.undo.record(self._undo_allocate, block, links, old_hash, old_tokens, was_dirty,
-                                self.last_access[block])
+                                self.last_access[block], self.checksum[block])
         self.last_access[block] = time.monotonic()
+        self.checksum[block] = 0
         return block, bool(was_dirty)
 
     def _undo_allocate(self, block: int, links: tuple[int, int], old_hash: bytes | None,
-                       old_tokens: tuple[int, ...] | None, was_dirty: int, last_access: float) -> None:
+                       old_tokens: tuple[int, ...] | None, was_dirty: int, last_access: float,
+                       checksum: int) -> None:
         self.ref[block] = 0
         self.dirty[block] = was_dirty
         self.last_access[block] = last_access
+        self.checksum[block] = checksum
         if old_hash is not None:
             self.hash_of[block], self.tokens_of[block] = old_hash, old_tokens
             self.by_hash[old_hash] = block
@@ -205,6 +211,19 @@ class BlockPool:
     def _undo_register(self, block: int, digest: bytes) -> None:
         del self.by_hash[digest]
         self.hash_of[block] = self.tokens_of[block] = None
+
+    def set_checksum(self, block: int, checksum: int) -> None:
+        """What the page holds now (0: unknown, as when it may be written again)."""
+        if self.undo is not None:
+            self.undo.record(self.checksum.__setitem__, block, self.checksum[block])
+        self.checksum[block] = checksum
+
+    def unregister(self, block: int) -> None:
+        """Take a block out of the prefix cache (outside a Step): its page failed a check."""
+        digest = self.hash_of[block]
+        if digest is not None:
+            del self.by_hash[digest]
+            self.hash_of[block] = self.tokens_of[block] = None
 
     def lookup(self, digest: bytes, tokens: tuple[int, ...]) -> int | None:
         """The cached block for a prefix; token ids are compared so a hash collision never hits."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from memd.journal import (
     BLOCK_SIZE,
+    BLOCK_SUMS,
     BLOCKS,
     COMMITTED,
     HEAT,
@@ -49,6 +50,7 @@ class Restored:
     dropped: dict[str, int] = field(default_factory=dict)       # reason -> sequences that came back DROPPED
     discarded: int = 0                                          # records that made no sense
     slot_checksums: dict[int, int] = field(default_factory=dict)   # swap slot -> what its swap-out wrote
+    block_checksums: dict[int, int] = field(default_factory=dict)  # page -> what its worker committed
 
 
 def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: int, num_slots: int) -> Restored:
@@ -95,7 +97,7 @@ class _Recovery:
         if record[PENDING]:
             self._drop(seq, "pages being filled when memd stopped")
         elif seq.state is SeqState.PARKED:
-            self._check_pages(seq)
+            self._check_pages(seq, record)
         elif seq.state is SeqState.SWAPPED:
             self._check_slots(seq, record)
         elif seq.state is SeqState.DROPPED:
@@ -117,8 +119,12 @@ class _Recovery:
             self.late.setdefault(owner_pid, []).extend(seq.block_ids[needed:])
         seq.state, seq.block_ids = SeqState.PARKED, seq.block_ids[:needed]
 
-    def _check_pages(self, seq: Sequence) -> None:
-        """A PARKED table must fit the reopened pool and share only full blocks with others."""
+    def _check_pages(self, seq: Sequence, record: list) -> None:
+        """A PARKED table must fit the reopened pool and share only full blocks with others.
+
+        Its pages' checksums come back too (older journals have none): memd
+        checks the reopened pages against them before it serves.
+        """
         needed = blocks_for(seq.num_committed, seq.block_size)
         if not self.pool_kept:
             self._drop(seq, "pool not reopened")
@@ -133,6 +139,10 @@ class _Recovery:
             else:
                 self.full_blocks.update(full)
                 self.writable_blocks.update(tail)
+                sums = _checksums(record, BLOCK_SUMS, len(seq.block_ids))
+                for block, value in zip(seq.block_ids, sums, strict=False):
+                    if value:
+                        self.out.block_checksums.setdefault(block, value)
 
     def _check_slots(self, seq: Sequence, record: list) -> None:
         """A SWAPPED sequence's slots must fit the reopened swap tier, each claimed once.
@@ -147,9 +157,7 @@ class _Recovery:
             self._drop(seq, "swap slots do not fit the swap tier")
         else:
             self.slots_taken.update(seq.slots)
-            sums = record[SLOT_SUMS] if len(record) > SLOT_SUMS else []
-            if isinstance(sums, list) and len(sums) == len(seq.slots) and all(isinstance(c, int) for c in sums):
-                self.out.slot_checksums.update(zip(seq.slots, sums, strict=True))
+            self.out.slot_checksums.update(zip(seq.slots, _checksums(record, SLOT_SUMS, len(seq.slots)), strict=False))
 
     def _drop(self, seq: Sequence, reason: str) -> None:
         seq.state, seq.block_ids, seq.slots, seq.num_committed = SeqState.DROPPED, [], [], 0
@@ -167,6 +175,14 @@ class _Recovery:
             if fenced:
                 out.fences[pid] = fenced
         return out
+
+
+def _checksums(record: list, field: int, count: int) -> list[int]:
+    """The record's `count` checksums at `field`; none when absent (an older journal) or not what they should be."""
+    sums = record[field] if len(record) > field else []
+    if isinstance(sums, list) and len(sums) == count and all(isinstance(c, int) and 0 <= c < 2**64 for c in sums):
+        return sums
+    return []
 
 
 def _parse(seq_id: int, r: list) -> tuple[Sequence, int] | None:

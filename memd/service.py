@@ -23,6 +23,7 @@ from memd.fences import FenceWatch
 from memd.leases import Leases, Notice, revocation
 from memd.manager import KvManager
 from memd.memory import PoolMemory
+from memd.scrub import Scrubber
 from memd.sequences import SeqState
 from memd.step_outcome import StepOutcome
 from memd.step_runner import StepRunner
@@ -52,8 +53,9 @@ def _down(notice: Notice) -> pb.SessionDown:
 
 class MemdService(pb_grpc.MemdServicer):
     def __init__(self, manager: KvManager, runner: StepRunner, leases: Leases, fences: FenceWatch,
-                 memory: PoolMemory, fd_server: FdServer | None, *, generation: int) -> None:
+                 memory: PoolMemory, fd_server: FdServer | None, scrubber: Scrubber, *, generation: int) -> None:
         self.manager, self.runner, self.leases, self.fences = manager, runner, leases, fences
+        self.scrubber = scrubber
         self.memory = memory
         self.fd_server = fd_server
         self.generation = generation
@@ -258,3 +260,13 @@ class MemdService(pb_grpc.MemdServicer):
         targets = await self.leases.drain(worker_id, undo=request.undo, wait_s=request.wait_s)
         draining = sorted(w for w in m.workers if self.leases.is_draining(w))
         return pb.DrainReply(worker_ids=draining, running=self.leases.running_on(targets))
+
+    async def Scrub(self, request: pb.ScrubRequest, context: grpc.aio.ServicerContext) -> pb.ScrubReply:
+        if not 0 <= request.rate_bytes_s < float("inf"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rate_bytes_s must be a finite number from 0 "
+                                                                  f"(0: no limit), not {request.rate_bytes_s}")
+        log.info("scrub asked", rate_bytes_s=request.rate_bytes_s or "unlimited")
+        report = await self.scrubber.scrub(request.rate_bytes_s)
+        return pb.ScrubReply(pages=report.pages, slots=report.slots, bytes=report.bytes, seconds=report.seconds,
+                             failures=[pb.ScrubFailure(where=f.where, index=f.index, seq_ids=f.seq_ids,
+                                                       sessions=f.sessions) for f in report.failures])

@@ -69,6 +69,7 @@ class StepOps:
     def _extend(self, txn: _Txn, op: Extend) -> OpResult:
         seq = self._own(txn, op.seq_id)
         self._commit(txn, seq, op.append, op.commit_to)
+        self._keep_sums(seq, op.sums_from, op.page_sums)
         first = len(seq.block_ids)
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         return _result(seq, first)
@@ -76,6 +77,7 @@ class StepOps:
     def _park_op(self, txn: _Txn, op: Park) -> OpResult:
         seq = self._own(txn, op.seq_id)
         self._commit(txn, seq, op.append, op.commit_to)
+        self._keep_sums(seq, op.sums_from, op.page_sums, partial=True)
         cut = seq.block_ids[blocks_for(seq.num_committed, seq.block_size):]
         if cut:
             # The whole table, not the cut: a later op of this Step (a Resume) may grow it again.
@@ -123,6 +125,8 @@ class StepOps:
             cached = self._swap_in(txn, seq)
         else:
             cached = seq.num_committed
+        for block in seq.block_ids[seq.num_full_blocks:]:
+            self.pool.set_checksum(block, 0)      # a partly filled last page: written again from now on
         seq.state, seq.owner = SeqState.RUNNING, worker.worker_id
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         txn.counters["resumes"] += 1
@@ -209,6 +213,8 @@ class StepOps:
                                      f"this worker serves {txn.worker.model!r}")
         if op.append or op.commit_to:                  # its last progress: full blocks join the prefix cache
             self._commit(txn, self._own(txn, seq.seq_id), list(op.append), op.commit_to)
+        if op.page_sums:
+            self._keep_sums(self._own(txn, seq.seq_id), op.sums_from, op.page_sums)
         # Not `release`: within a Step the swap-out's cancel is undoable, and the slots are
         # given back only once the Step stands (and its copies are done).
         self._cancel_swap_out(txn, seq)
@@ -282,6 +288,26 @@ class StepOps:
                 start):
             self._offer(seq.block_ids[i], digest, chunk)
             seq.hashes.append(digest)
+
+    def _keep_sums(self, seq: Sequence, first: int, sums: list[int], *, partial: bool = False) -> None:
+        """The worker's checksums of pages it committed: kept with the pages, for whoever checks them later.
+
+        Only committed pages that are written no more: full blocks, and with
+        `partial` (a Park) the partly filled last one. A page that has a
+        checksum already (a shared prefix block) keeps it.
+        """
+        if not sums:
+            return
+        limit = blocks_for(seq.num_committed, seq.block_size) if partial else seq.num_full_blocks
+        if first < 0 or first + len(sums) > limit:
+            raise InvalidArgument(f"page sums for blocks {first} to {first + len(sums) - 1}; sequence "
+                                  f"{seq.seq_id} has {limit} committed {'' if partial else 'full '}blocks")
+        if any(not 0 <= value < 2**64 for value in sums):
+            raise InvalidArgument("a page sum out of the range of 64 bits")
+        checksum = self.pool.checksum
+        for block, value in zip(seq.block_ids[first:first + len(sums)], sums, strict=True):
+            if value and not checksum[block]:
+                self.pool.set_checksum(block, value)
 
     def _swap_in(self, txn: _Txn, seq: Sequence) -> int:
         """Pages for a SWAPPED sequence: still-cached prefix blocks are shared, the rest copied back."""

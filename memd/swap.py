@@ -39,7 +39,7 @@ from memd.memory import (
     open_backing_file,
     require_host_memory,
 )
-from memd.page_effects import page_checksum
+from shared.page_checksum import buffer_checksums, word_sums
 from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
@@ -68,7 +68,7 @@ class SwapMemory(Protocol):
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None: ...    # (block, slot)
     def copy_in(self, pairs: list[tuple[int, int]]) -> None: ...     # (slot, block)
-    def checksums(self, slots: list[int]) -> list[int]: ...          # what a swap-in must find (0: unknown)
+    def checksums(self, slots: list[int]) -> list[int]: ...          # of the slots' bytes now, as the pool's
     def close(self) -> None: ...
 
 
@@ -158,11 +158,7 @@ class HostSwap:
 
     def checksums(self, slots: list[int]) -> list[int]:
         """Of the bytes a swap-out left in these slots: a swap-in checks the page it brings back against them."""
-        size, data = self.block_bytes, memoryview(self._map)
-        try:
-            return [page_checksum(data[slot * size:(slot + 1) * size]) for slot in slots]
-        finally:
-            data.release()
+        return buffer_checksums(self._map, self.block_bytes, slots)
 
     def close(self) -> None:
         if self._threads is not None:
@@ -262,8 +258,8 @@ class PinnedSwap:
                 self.pages.index_copy_(0, blocks, staging[:n])
 
     def checksums(self, slots: list[int]) -> list[int]:
-        """Not on the GPU path yet: 0, unknown (a device-side reduction is to come)."""
-        return [0] * len(slots)
+        """Of the bytes in these slots, by the CUDA pool's checksum (the word sum, computed on the host here)."""
+        return word_sums(self.slots, slots)
 
     def close(self) -> None:
         """Freed with the process."""

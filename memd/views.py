@@ -141,6 +141,25 @@ def render_evicted(data: dict[str, Any]) -> str:
     return f"{'; '.join(parts)}: {data['blocks_freed']} block(s) freed"
 
 
+def scrubbed_dict(reply: pb.ScrubReply) -> dict[str, Any]:
+    return {"pages": reply.pages, "slots": reply.slots, "bytes": reply.bytes, "seconds": reply.seconds,
+            "failures": [{"where": f.where, "index": f.index, "seq_ids": list(f.seq_ids), "sessions": list(f.sessions)}
+                         for f in reply.failures]}
+
+
+def render_scrubbed(data: dict[str, Any]) -> str:
+    checked = (f"scrub: {data['pages']} page(s) and {data['slots']} swap slot(s) checked, "
+               f"{format_size(data['bytes'])} in {data['seconds']:.2f} s")
+    if not data["failures"]:
+        return f"{checked}: all intact"
+    lines = [f"{checked}: {len(data['failures'])} corrupted, dropped (their sequences recompute from before them)"]
+    for f in data["failures"]:
+        whose = ", ".join([f"seq {s}" for s in f["seq_ids"]] + [f"session {s!r}" for s in f["sessions"]])
+        what = "block" if f["where"] == "page" else "swap slot"
+        lines.append(f"  {what} {f['index']}: {whose or 'cached, no sequence'}")
+    return "\n".join(lines)
+
+
 def drained_dict(reply: pb.DrainReply, undo: bool) -> dict[str, Any]:
     return {"draining": list(reply.worker_ids), "running": reply.running, "undone": undo,
             "drained": not undo and reply.running == 0}

@@ -19,6 +19,7 @@ from memd.leases import Leases
 from memd.manager import KvManager
 from memd.memory import PoolMemory
 from memd.page_copier import PageCopier
+from memd.scrub import Scrubber
 from memd.service import MemdService
 from memd.step_runner import StepRunner
 from memd.swap import SwapMemory
@@ -54,6 +55,7 @@ class Parts:
     fences: FenceWatch
     leases: Leases
     service: MemdService
+    scrubber: Scrubber
 
 
 def new_manager(geometry: PoolGeometry, policy: Policy) -> KvManager:
@@ -68,5 +70,6 @@ def wire(manager: KvManager, policy: Policy, memory: PoolMemory, swap: SwapMemor
     runner = StepRunner(manager, PageCopier(memory, swap, manager.geometry.block_bytes), wal)
     fences = FenceWatch(manager, runner.persist)
     leases = Leases(manager, runner, fences, policy.lease_timeout_s)
-    service = MemdService(manager, runner, leases, fences, memory, fd_server, generation=time.time_ns())
-    return Parts(manager, runner, fences, leases, service)
+    scrubber = Scrubber(manager, memory, swap, runner.persist)
+    service = MemdService(manager, runner, leases, fences, memory, fd_server, scrubber, generation=time.time_ns())
+    return Parts(manager, runner, fences, leases, service, scrubber)

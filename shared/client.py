@@ -296,6 +296,13 @@ class MemdAdmin:
     async def check(self) -> pb.CheckReply:
         return await self._call("Check", pb.CheckRequest())  # type: ignore[return-value]
 
+    async def scrub(self, rate_bytes_s: float = 0.0) -> pb.ScrubReply:
+        """One scrub pass; no deadline past reaching memd, since a big pool at a low rate takes a while."""
+        try:
+            return await self._stub.Scrub(pb.ScrubRequest(rate_bytes_s=rate_bytes_s), metadata=self.metadata)
+        except grpc.aio.AioRpcError as err:
+            raise MemdError.from_rpc(err) from None
+
     async def close(self) -> None:
         await self._channel.close()
 

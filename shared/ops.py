@@ -32,6 +32,9 @@ class Extend:
     append: list[int] = field(default_factory=list)
     commit_to: int = 0
     reserve: int = 0
+    # Checksums of the pages this commit fills, from block `sums_from` on (shared.page_checksum).
+    sums_from: int = 0
+    page_sums: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +49,8 @@ class Park:
     append: list[int] = field(default_factory=list)
     commit_to: int = 0
     preempt: bool = False
+    sums_from: int = 0                       # as Extend's; a Park may include its partly filled last page
+    page_sums: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +71,8 @@ class Free:
     session_id: str | None = None
     append: list[int] = field(default_factory=list)
     commit_to: int = 0
+    sums_from: int = 0                       # as Extend's
+    page_sums: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)

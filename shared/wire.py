@@ -59,18 +59,20 @@ def op_to_proto(op: ops.Op) -> pb.Op:
                                         turn_id=op.turn_id or "", whole_history=op.whole_history))
         case ops.Extend():
             return pb.Op(extend=pb.ExtendOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
-                                            reserve=op.reserve))
+                                            reserve=op.reserve, sums_from=op.sums_from, page_sums=op.page_sums))
         case ops.Park():
             return pb.Op(park=pb.ParkOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
-                                        preempt=op.preempt))
+                                        preempt=op.preempt, sums_from=op.sums_from, page_sums=op.page_sums))
         case ops.Resume():
             if op.session_id:
                 return pb.Op(resume=pb.ResumeOp(session_id=op.session_id, reserve=op.reserve))
             return pb.Op(resume=pb.ResumeOp(seq_id=op.seq_id or 0, reserve=op.reserve))
         case ops.Free():
+            sums = {"sums_from": op.sums_from, "page_sums": op.page_sums}
             if op.session_id:
-                return pb.Op(free=pb.FreeOp(session_id=op.session_id, append=op.append, commit_to=op.commit_to))
-            return pb.Op(free=pb.FreeOp(seq_id=op.seq_id or 0, append=op.append, commit_to=op.commit_to))
+                return pb.Op(free=pb.FreeOp(session_id=op.session_id, append=op.append, commit_to=op.commit_to,
+                                            **sums))
+            return pb.Op(free=pb.FreeOp(seq_id=op.seq_id or 0, append=op.append, commit_to=op.commit_to, **sums))
         case ops.Fork():
             return pb.Op(fork=pb.ForkOp(seq_id=op.seq_id, session_id=op.session_id or ""))
     raise TypeError(f"not a Step operation: {op!r}")
@@ -84,16 +86,17 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
                         m.whole_history)
     if kind == "extend":
         m = msg.extend
-        return ops.Extend(m.seq_id, list(m.append), m.commit_to, m.reserve)
+        return ops.Extend(m.seq_id, list(m.append), m.commit_to, m.reserve, m.sums_from, list(m.page_sums))
     if kind == "park":
         m = msg.park
-        return ops.Park(m.seq_id, list(m.append), m.commit_to, m.preempt)
+        return ops.Park(m.seq_id, list(m.append), m.commit_to, m.preempt, m.sums_from, list(m.page_sums))
     if kind == "resume":
         m = msg.resume
         return ops.Resume(m.seq_id or None, m.session_id or None, m.reserve)
     if kind == "free":
-        return ops.Free(msg.free.seq_id or None, msg.free.session_id or None, list(msg.free.append),
-                        msg.free.commit_to)
+        m = msg.free
+        return ops.Free(m.seq_id or None, m.session_id or None, list(m.append), m.commit_to, m.sums_from,
+                        list(m.page_sums))
     if kind == "fork":
         return ops.Fork(msg.fork.seq_id, msg.fork.session_id or None)
     raise WireError("empty operation: set one of open, extend, park, resume, free, fork")

@@ -73,6 +73,7 @@ class LocalMemd:
         for client in self.clients:
             await client.close()
         self._police.cancel()
+        self.parts.scrubber.close()
         with contextlib.suppress(asyncio.CancelledError):
             await self._police
         await self.parts.runner.close()
@@ -178,6 +179,9 @@ class LocalAdmin:
 
     async def drain(self, worker_id: int = 0, *, undo: bool = False, wait_s: float = 0.0) -> pb.DrainReply:
         return await self.service.Drain(pb.DrainRequest(worker_id=worker_id, undo=undo, wait_s=wait_s), _Context())
+
+    async def scrub(self, rate_bytes_s: float = 0.0) -> pb.ScrubReply:
+        return await self.service.Scrub(pb.ScrubRequest(rate_bytes_s=rate_bytes_s), _Context())
 
     async def __aenter__(self) -> LocalAdmin:
         return self

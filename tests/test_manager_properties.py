@@ -73,6 +73,7 @@ def dump(manager: KvManager) -> dict[str, Any]:
         "tokens_of": list(pool.tokens_of),
         "dirty": bytes(pool.dirty),
         "last_access": list(pool.last_access),
+        "checksum": list(pool.checksum),
     }
 
 
@@ -135,6 +136,15 @@ class KvManagerMachine(RuleBasedStateMachine):
             st.integers(0, known + 2),                             # often invalid: rolls back
         ))
 
+    def sums(self, data: st.DataObject, seq_id: int, commit_to: int) -> dict:
+        """Page checksums with the commit: usually for pages it fills, sometimes past them (refused)."""
+        seq = self.manager.seqs.get(seq_id)
+        full = (max(commit_to, seq.num_committed if seq else 0)) // BLOCK_SIZE + 1
+        first = data.draw(st.integers(0, full))
+        count = data.draw(st.integers(0, full + 1 - first))
+        return {"sums_from": first, "page_sums": data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=count,
+                                                                    max_size=count))}
+
     def draw_op(self, data: st.DataObject, worker: int, extra: int) -> Op:
         kind = data.draw(st.sampled_from(("open", "extend", "park", "resume", "free", "fork", "conversation")))
         if kind == "conversation":            # a stateless client resending a conversation, edited or grown
@@ -152,14 +162,16 @@ class KvManagerMachine(RuleBasedStateMachine):
         if kind == "free":
             if data.draw(st.booleans()):               # its last progress committed as it goes
                 append = data.draw(appended)
-                return Free(seq_id, append=append, commit_to=self.commit_to(data, seq_id, append))
+                commit_to = self.commit_to(data, seq_id, append)
+                return Free(seq_id, append=append, commit_to=commit_to, **self.sums(data, seq_id, commit_to))
             return Free(seq_id)
         if kind == "fork":
             return Fork(seq_id, data.draw(sessions))
         append = data.draw(appended)
+        commit_to = self.commit_to(data, seq_id, append)
         if kind == "park":
-            return Park(seq_id, append, self.commit_to(data, seq_id, append), data.draw(st.booleans()))
-        return Extend(seq_id, append, self.commit_to(data, seq_id, append), data.draw(reserves))
+            return Park(seq_id, append, commit_to, data.draw(st.booleans()), **self.sums(data, seq_id, commit_to))
+        return Extend(seq_id, append, commit_to, data.draw(reserves), **self.sums(data, seq_id, commit_to))
 
     def conversation(self, data: st.DataObject, session: str | None = None) -> list[int]:
         """A session's history cut anywhere, then something else: a new message, an edit, or nothing."""

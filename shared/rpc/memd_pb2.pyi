@@ -117,28 +117,36 @@ class OpenOp(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve: _Optional[int] = ..., continue_session: _Optional[bool] = ..., turn_id: _Optional[str] = ..., whole_history: _Optional[bool] = ...) -> None: ...
 
 class ExtendOp(_message.Message):
-    __slots__ = ("seq_id", "append", "commit_to", "reserve")
+    __slots__ = ("seq_id", "append", "commit_to", "reserve", "sums_from", "page_sums")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FROM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SUMS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     append: _containers.RepeatedScalarFieldContainer[int]
     commit_to: int
     reserve: int
-    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., reserve: _Optional[int] = ...) -> None: ...
+    sums_from: int
+    page_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., reserve: _Optional[int] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ParkOp(_message.Message):
-    __slots__ = ("seq_id", "append", "commit_to", "preempt")
+    __slots__ = ("seq_id", "append", "commit_to", "preempt", "sums_from", "page_sums")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FROM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SUMS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     append: _containers.RepeatedScalarFieldContainer[int]
     commit_to: int
     preempt: bool
-    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., preempt: _Optional[bool] = ...) -> None: ...
+    sums_from: int
+    page_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., preempt: _Optional[bool] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResumeOp(_message.Message):
     __slots__ = ("seq_id", "session_id", "reserve")
@@ -151,16 +159,20 @@ class ResumeOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., reserve: _Optional[int] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("seq_id", "session_id", "append", "commit_to")
+    __slots__ = ("seq_id", "session_id", "append", "commit_to", "sums_from", "page_sums")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FROM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SUMS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: str
     append: _containers.RepeatedScalarFieldContainer[int]
     commit_to: int
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ...) -> None: ...
+    sums_from: int
+    page_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("seq_id", "session_id")
@@ -416,3 +428,35 @@ class DrainReply(_message.Message):
     worker_ids: _containers.RepeatedScalarFieldContainer[int]
     running: int
     def __init__(self, worker_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ...) -> None: ...
+
+class ScrubRequest(_message.Message):
+    __slots__ = ("rate_bytes_s",)
+    RATE_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    rate_bytes_s: float
+    def __init__(self, rate_bytes_s: _Optional[float] = ...) -> None: ...
+
+class ScrubFailure(_message.Message):
+    __slots__ = ("where", "index", "seq_ids", "sessions")
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    where: str
+    index: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    sessions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, where: _Optional[str] = ..., index: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., sessions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScrubReply(_message.Message):
+    __slots__ = ("pages", "slots", "bytes", "seconds", "failures")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    slots: int
+    bytes: int
+    seconds: float
+    failures: _containers.RepeatedCompositeFieldContainer[ScrubFailure]
+    def __init__(self, pages: _Optional[int] = ..., slots: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failures: _Optional[_Iterable[_Union[ScrubFailure, _Mapping]]] = ...) -> None: ...

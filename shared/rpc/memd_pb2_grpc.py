@@ -74,6 +74,11 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.DrainRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Scrub = channel.unary_unary(
+                '/kvpool.memd.v1.Memd/Scrub',
+                request_serializer=shared_dot_rpc_dot_memd__pb2.ScrubRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_memd__pb2.ScrubReply.FromString,
+                _registered_method=True)
 
 
 class MemdServicer:
@@ -131,6 +136,14 @@ class MemdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scrub(self, request, context):
+        """Check every parked, cached and swapped page against its checksum, in the background of Steps;
+        a page that fails is never reused (its sequence is recomputed from before it). Replies when done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +186,11 @@ def add_MemdServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.DrainRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.DrainReply.SerializeToString,
+            ),
+            'Scrub': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scrub,
+                    request_deserializer=shared_dot_rpc_dot_memd__pb2.ScrubRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_memd__pb2.ScrubReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -391,6 +409,33 @@ class Memd:
             '/kvpool.memd.v1.Memd/Drain',
             shared_dot_rpc_dot_memd__pb2.DrainRequest.SerializeToString,
             shared_dot_rpc_dot_memd__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scrub(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.memd.v1.Memd/Scrub',
+            shared_dot_rpc_dot_memd__pb2.ScrubRequest.SerializeToString,
+            shared_dot_rpc_dot_memd__pb2.ScrubReply.FromString,
             options,
             channel_credentials,
             insecure,
