@@ -4,7 +4,9 @@
 
 1. Bandwidth: memd's swap-out and swap-in copies (memd.swap, the code memd
    runs) of a sequence's pages, against one plain `copy_` of the same bytes
-   between the same two buffers. The sequence's pages are scattered over the
+   between the same two buffers; and the swap-in as memd runs it, each page
+   checked against its checksum (memd.page_effects.run_effects), against the
+   unchecked one: the cost of verification. The sequence's pages are scattered over the
    pool (every other page), as they are after a while of serving; contiguous
    pages are reported too. Measured twice, in fresh processes: with glibc's
    defaults, and with the GLIBC_TUNABLES that systemd/memd.service sets.
@@ -36,6 +38,7 @@ import torch
 from tables import table
 
 from memd.memory import ShmMemory
+from memd.page_effects import SwapIn, run_effects
 from memd.swap import NON_TEMPORAL_TUNABLE, HostSwap
 from shared.launch import spawn_ready
 from shared.ops import Free, Open, Park, Resume
@@ -90,10 +93,11 @@ def bench_bandwidth_cuda(device: str, block_bytes: int, moved_bytes: int, repeat
 
     scattered = [(2 * i, i) for i in range(count)]
     back = [(slot, block) for block, slot in scattered]
-    raw_out, swap_out, raw_in, swap_in, contiguous = best_times([
+    checked = swap_ins(pool, back)
+    raw_out, swap_out, raw_in, swap_in, contiguous, swap_in_checked = best_times([
         lambda: raw(raw_swap, raw_pool), lambda: swap.copy_out(scattered),
         lambda: raw(raw_pool, raw_swap), lambda: swap.copy_in(back),
-        lambda: swap.copy_out([(i, i) for i in range(count)])], repeats)
+        lambda: swap.copy_out([(i, i) for i in range(count)]), lambda: run_effects(pool, swap, checked)], repeats)
     # The round trip must be exact: what went out (pages 0, 2, 4, ..., each marked) comes back, each in its place.
     marks = (torch.arange(count, device=pool.pages.device) % 251 + 1).to(torch.uint8)[:, None]
     pool.pages[0::2][:count].copy_(marks.expand(-1, block_bytes))
@@ -107,7 +111,14 @@ def bench_bandwidth_cuda(device: str, block_bytes: int, moved_bytes: int, repeat
             "raw_out_gib_s": gib / raw_out, "raw_in_gib_s": gib / raw_in,
             "swap_out_gib_s": gib / swap_out, "swap_in_gib_s": gib / swap_in,
             "swap_out_contiguous_gib_s": gib / contiguous,
-            "out_ratio": raw_out / swap_out, "in_ratio": raw_in / swap_in}
+            "out_ratio": raw_out / swap_out, "in_ratio": raw_in / swap_in,
+            "swap_in_checked_gib_s": gib / swap_in_checked, "check_cost": 1 - swap_in / swap_in_checked}
+
+
+def swap_ins(pool: object, back: list[tuple[int, int]]) -> list[SwapIn]:
+    """memd's swap-in effects for (slot, block) pairs, each checked against the page's checksum as it is now."""
+    sums = pool.checksums([block for _, block in back])                           # type: ignore[attr-defined]
+    return [SwapIn(slot, block, checksum) for (slot, block), checksum in zip(back, sums, strict=True)]
 
 
 def measure(pool: ShmMemory, swap: HostSwap, count: int, block_bytes: int, repeats: int) -> dict:
@@ -116,16 +127,18 @@ def measure(pool: ShmMemory, swap: HostSwap, count: int, block_bytes: int, repea
     raw_swap = torch.frombuffer(swap.view(), dtype=torch.uint8)[:moved]
     scattered = [(2 * i, i) for i in range(count)]
     back = [(slot, block) for block, slot in scattered]
-    raw_out, swap_out, raw_in, swap_in, contiguous = best_times([
+    checked = swap_ins(pool, back)
+    raw_out, swap_out, raw_in, swap_in, contiguous, swap_in_checked = best_times([
         lambda: raw_swap.copy_(raw_pool), lambda: swap.copy_out(scattered),
         lambda: raw_pool.copy_(raw_swap), lambda: swap.copy_in(back),
-        lambda: swap.copy_out([(i, i) for i in range(count)])], repeats)
+        lambda: swap.copy_out([(i, i) for i in range(count)]), lambda: run_effects(pool, swap, checked)], repeats)
     gib = moved / (1 << 30)
     return {"block_bytes": block_bytes, "moved_bytes": moved, "locked": swap.locked,
             "raw_out_gib_s": gib / raw_out, "raw_in_gib_s": gib / raw_in,
             "swap_out_gib_s": gib / swap_out, "swap_in_gib_s": gib / swap_in,
             "swap_out_contiguous_gib_s": gib / contiguous,
-            "out_ratio": raw_out / swap_out, "in_ratio": raw_in / swap_in}
+            "out_ratio": raw_out / swap_out, "in_ratio": raw_in / swap_in,
+            "swap_in_checked_gib_s": gib / swap_in_checked, "check_cost": 1 - swap_in / swap_in_checked}
 
 
 # ---- 2. Step latency during a swap storm ---------------------------------------
@@ -236,11 +249,12 @@ def bandwidth_runs(moved: int, repeats: int, device: str = "cpu") -> dict[str, l
 def report(res: dict) -> str:
     first = "glibc" if res.get("device", "cpu") == "cpu" else "copies"
     rows = [[first, "page", "raw copy_ out", "memd swap-out", "ratio", "raw copy_ in", "memd swap-in", "ratio",
-             "swap-out (contiguous)"]]
+             "swap-in, checked", "check cost", "swap-out (contiguous)"]]
     for label, b in ((label, b) for label, table_rows in res["bandwidth"].items() for b in table_rows):
         rows.append([label, format_size(b["block_bytes"]), f"{b['raw_out_gib_s']:.2f} GiB/s",
                      f"{b['swap_out_gib_s']:.2f} GiB/s", f"{b['out_ratio']:.0%}", f"{b['raw_in_gib_s']:.2f} GiB/s",
                      f"{b['swap_in_gib_s']:.2f} GiB/s", f"{b['in_ratio']:.0%}",
+                     f"{b['swap_in_checked_gib_s']:.2f} GiB/s", f"{b['check_cost']:.0%}",
                      f"{b['swap_out_contiguous_gib_s']:.2f} GiB/s"])
     s = res["steps"]
     steps = [["probe Steps", "count", "p50", "p99"],

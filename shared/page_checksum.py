@@ -16,7 +16,9 @@ depends only on the kind of pool, never on who computes it:
 
 from __future__ import annotations
 
+import ctypes
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -25,24 +27,49 @@ if TYPE_CHECKING:
     import torch
 
 UNKNOWN = 0
-YIELD_EVERY = 32                               # pages hashed between two lets-go of the GIL
+YIELD_EVERY = 32                               # pages hashed between two lets-go of the GIL, without _XXH3
 _WEIGHTS: dict[tuple[str, int], Any] = {}      # (device, words per page) -> int64 weights
 _CHUNK_BYTES = 64 << 20                        # pages summed per kernel launch, in bytes
 
 
-def buffer_checksums(buffer: Any, page_bytes: int, pages: list[int]) -> list[int]:
-    """XXH3-64 of pages of a buffer (a pool's or swap tier's mapping, an array over one), never 0.
+def _native_xxh3() -> Callable[[int, int], int] | None:
+    """XXH3_64bits from the xxhash package's own extension, called through ctypes, which lets the GIL go.
 
-    xxhash keeps the GIL for a page this small, and a thread that keeps it
-    makes every other thread (memd's event loop) wait out the interpreter's
-    5 ms switch interval: every 32 pages (~150 us) the GIL is let go.
+    Its Python functions keep the GIL for inputs up to 64 KiB, the default
+    page: a thread hashing pages with them makes every other thread (memd's
+    event loop) wait out the interpreter's 5 ms switch interval. None where
+    the extension does not export the symbol, or it disagrees with xxhash.
     """
+    try:
+        import xxhash._xxhash as extension
+
+        fn = ctypes.CDLL(extension.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint64, (ctypes.c_void_p, ctypes.c_size_t)
+    probe = ctypes.create_string_buffer(b"kvpool page checksum probe" * 100)
+    if fn(ctypes.addressof(probe), len(probe)) != xxhash.xxh3_64_intdigest(probe.raw):
+        return None
+    return fn
+
+
+_XXH3 = _native_xxh3()
+
+
+def xxh3_at(address: int, size: int) -> int:
+    """XXH3-64 of `size` bytes at `address` (a shared-memory pool's page), never 0."""
+    if _XXH3 is not None:
+        return _XXH3(address, size) or 1
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(address)) or 1
+
+
+def checksums_at(base: int, page_bytes: int, pages: list[int]) -> list[int]:
+    """XXH3-64 of pages of a mapping at `base` (a pool, a swap tier), never 0; other threads run meanwhile."""
     out = []
-    with memoryview(buffer) as view, view.cast("B") as data:
-        for i, page in enumerate(pages):
-            out.append(xxhash.xxh3_64_intdigest(data[page * page_bytes:(page + 1) * page_bytes]) or 1)
-            if i % YIELD_EVERY == YIELD_EVERY - 1:
-                time.sleep(0)
+    for i, page in enumerate(pages):
+        out.append(xxh3_at(base + page * page_bytes, page_bytes))
+        if _XXH3 is None and i % YIELD_EVERY == YIELD_EVERY - 1:
+            time.sleep(0)           # the fallback keeps the GIL: let the event loop have it now and then
     return out
 
 
@@ -52,7 +79,8 @@ def page_checksums(pages: torch.Tensor, blocks: list[int]) -> list[int]:
         return []
     if pages.is_cuda:
         return word_sums(pages, blocks)
-    return buffer_checksums(pages.numpy(), pages.shape[1], blocks)
+    assert pages.is_contiguous()
+    return checksums_at(pages.data_ptr(), pages.shape[1], blocks)
 
 
 def word_sums(pages: torch.Tensor, blocks: list[int]) -> list[int]:

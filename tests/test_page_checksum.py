@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import struct
 
 import torch
@@ -9,7 +10,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.page_checksum import _weights, buffer_checksums, page_checksums, word_sums
+from shared.page_checksum import _weights, checksums_at, page_checksums, word_sums
 
 PAGE = 4096
 
@@ -22,7 +23,8 @@ def test_a_shared_memory_pool_sums_pages_with_xxh3_whoever_computes_it():
     data = pages(1)
     expected = [xxhash.xxh3_64_intdigest(bytes(data[b].numpy())) for b in (0, 4, 2)]
     assert page_checksums(data, [0, 4, 2]) == expected                      # the worker, over its tensor
-    assert buffer_checksums(bytearray(data.numpy().tobytes()), PAGE, [0, 4, 2]) == expected    # memd, its mapping
+    mapping = ctypes.create_string_buffer(data.numpy().tobytes())
+    assert checksums_at(ctypes.addressof(mapping), PAGE, [0, 4, 2]) == expected          # memd, its mapping
 
 
 def test_the_device_sum_is_the_weighted_word_sum_modulo_2_to_the_64():
@@ -45,3 +47,14 @@ def test_any_change_of_one_word_changes_the_device_sum(word: int, delta: int):
 def test_no_page_sums_to_0_which_means_unknown():
     assert page_checksums(torch.zeros(2, PAGE, dtype=torch.uint8), [0]) != [0]
     assert word_sums(torch.zeros(2, PAGE, dtype=torch.uint8), [0, 1]) == [1, 1]
+
+
+def test_pages_are_hashed_without_the_gil_and_the_fallback_agrees(monkeypatch):
+    """The native call lets memd's event loop run while a thread hashes; without it the numbers are the same."""
+    from shared import page_checksum
+
+    assert page_checksum._XXH3 is not None
+    data = pages(4)
+    native = page_checksums(data, [1, 3])
+    monkeypatch.setattr(page_checksum, "_XXH3", None)
+    assert page_checksums(data, [1, 3]) == native
