@@ -47,3 +47,9 @@ def test_the_http_chat_bench_runs_and_only_its_reuse_runs_reuse():
     assert runs["no reuse"]["cached_share_later"] == 0
     assert runs["prefix cache"]["cached_share_later"] > 0.5 and runs["session"]["cached_share_later"] > 0.5
     assert all(r["output_tok_s"] > 0 for r in runs.values())
+
+
+def test_the_verification_cost_bench_runs():
+    report = quick("bench_verify.py")
+    assert report["on"]["decode_tok_s"] > 0 and report["off"]["decode_tok_s"] > 0
+    assert report["on"]["sum_share"] > report["off"]["sum_share"]     # the switch switched
