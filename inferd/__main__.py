@@ -31,6 +31,16 @@ from shared.notify import keep_watchdog, notify, watchdog_interval
 log = structlog.get_logger("inferd")
 
 
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1: {text}")
+    return value
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The whole command line, and `serve`'s part of it (the settings a config file may hold)."""
     p = argparse.ArgumentParser(prog="inferd", description="kvpool's inference worker.")
@@ -48,6 +58,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                        help="before every pass, check that no one else wrote the K/V a running sequence reads "
                             "(a turn that finds it changed fails, naming the page); slower: for tests and "
                             "investigations")
+    serve.add_argument("--verify-reuse", type=fraction, default=0.0, metavar="FRACTION",
+                       help="recompute this fraction of the prefix-cache hits of requests without a session and "
+                            "compare the K/V memd handed over; a mismatch is logged and counted, and those blocks "
+                            "leave memd's prefix cache (default: 0, off)")
     serve.add_argument("--http", metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                             "/v1/models, /health, /metrics, /tokenize, /detokenize) here (default: off)")
@@ -90,7 +104,8 @@ async def serve(args: argparse.Namespace) -> None:
         import torch
         torch.set_num_threads(args.threads)
     link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv)
+                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv,
+                    verify_reuse=args.verify_reuse)
     target = addr.resolve(args.listen, "inferd")
     sock_path = addr.unix_path(target)
     if sock_path is not None:

@@ -245,3 +245,20 @@ class Preempt(PendingOp):
 
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
         scheduler._end(self.request, error=_error(err, "preemption failed: "))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Distrust(PendingOp):
+    """--verify-reuse found a prefix hit's K/V different: free the sequence, those blocks leave the prefix
+    cache, and the request starts over (it computes them itself this time)."""
+
+    request: Request
+    op: Free
+
+    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+        scheduler._start_over(self.request)
+
+    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+        log.warning("memd refused to take distrusted blocks out of its prefix cache", error=str(err),
+                    request=self.request.request_id)
+        scheduler._start_over(self.request)

@@ -61,11 +61,14 @@ class InferdMetrics(Collector):
 
     async def reading(self) -> dict[str, Any]:
         scheduler = self.link.scheduler
+        check = scheduler.reuse_check if scheduler else None
         return {
             "attached": self.link.attached.is_set(),
             "running": len(scheduler.running) if scheduler else 0,
             "waiting": len(scheduler.waiting) if scheduler else 0,
             "preemptions": self.link.preemptions + (scheduler.preemptions if scheduler else 0),
+            "reuse_checks": self.link.reuse_checks + (check.checks if check else 0),
+            "reuse_mismatches": self.link.reuse_mismatches + (check.mismatches if check else 0),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -78,3 +81,8 @@ class InferdMetrics(Collector):
                                 value=r["waiting"])
         yield CounterMetricFamily("kvpool_inferd_preemptions", "running sequences given up for memory",
                                   value=r["preemptions"])
+        yield CounterMetricFamily("kvpool_inferd_reuse_checks", "prefix hits recomputed and compared (--verify-reuse)",
+                                  value=r["reuse_checks"])
+        yield CounterMetricFamily("kvpool_inferd_reuse_mismatches",
+                                  "prefix hits whose K/V differed from the recompute (--verify-reuse)",
+                                  value=r["reuse_mismatches"])

@@ -118,8 +118,10 @@ class PagedDecoder:
         return weight * (x.float() * torch.rsqrt(var + self.config.rms_norm_eps)).to(x.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch, kv: torch.Tensor | None = None) -> torch.Tensor:
+        """`kv`: pages to write and read instead of the pool's (a recompute that must not touch shared pages)."""
         c = self.config
+        pages = self.kv if kv is None else kv
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -135,7 +137,7 @@ class PagedDecoder:
             v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache = self.kv[:, layer]                                   # [blocks, 2, bs, kv_heads, dim]
+            cache = pages[:, layer]                                     # [blocks, 2, bs, kv_heads, dim]
             cache[batch.slot_blocks, 0, batch.slot_offsets] = k
             cache[batch.slot_blocks, 1, batch.slot_offsets] = v
             attn = self._attend(q, cache, batch, layout)

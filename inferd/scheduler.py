@@ -39,10 +39,22 @@ import structlog
 import torch
 
 from inferd.kv_audit import KvAudit
-from inferd.memd_ops import Admit, CommitForFork, End, ForkChild, Grow, PendingOp, Preempt, ResetSession, StepAttempt
+from inferd.memd_ops import (
+    Admit,
+    CommitForFork,
+    Distrust,
+    End,
+    ForkChild,
+    Grow,
+    PendingOp,
+    Preempt,
+    ResetSession,
+    StepAttempt,
+)
 from inferd.model import PagedDecoder, build_batch
 from inferd.page_sums import PageSums
 from inferd.requests import Event, GenerationError, Request, RequestStatus, TokenLogprob
+from inferd.reuse_check import ReuseCheck
 from inferd.sampling import SamplingParams, hold_eos, sample, token_logprobs
 from shared.client import MemdClient, MemdError
 from shared.ops import Extend, Fork, Free, Open, Park, Resume
@@ -58,7 +70,8 @@ DRAINING = "this worker is draining (memctl drain): send the request to another 
 
 class Scheduler:
     def __init__(self, client: MemdClient, model: PagedDecoder, tokenizer: Any, *, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 512, lookahead_blocks: int = 4, audit_kv: bool = False) -> None:
+                 max_batch_tokens: int = 512, lookahead_blocks: int = 4, audit_kv: bool = False,
+                 verify_reuse: float = 0.0) -> None:
         self.client, self.model, self.tokenizer = client, model, tokenizer
         self.block_size = client.geometry.block_size
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
@@ -85,6 +98,8 @@ class Scheduler:
         client.on_revoke = self._on_revoke
         self.audit = KvAudit(model.kv) if audit_kv else None     # --audit-kv
         self.page_sums = PageSums(client.pool.pages if client.pool is not None else None, self.block_size)
+        self.reuse_check = ReuseCheck(model, verify_reuse) if verify_reuse else None     # --verify-reuse
+        self._distrusts: list[Distrust] = []
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
@@ -145,7 +160,7 @@ class Scheduler:
         await done
 
     def _inflight_requests(self) -> list[Request]:
-        taking = [p.request for p in self._inflight if isinstance(p, Admit | ForkChild | Grow | Preempt)]
+        taking = [p.request for p in self._inflight if isinstance(p, Admit | ForkChild | Grow | Preempt | Distrust)]
         return taking + [p.request for p in self._inflight if isinstance(p, End)]
 
     def _on_revoke(self, seq_id: int, reason: str) -> None:
@@ -156,7 +171,7 @@ class Scheduler:
         """Serve until memd fails as a whole (not one op), or a bug: every request fails, the error rises."""
         while True:
             if not (self.waiting or self.running or self._ending or self._resets or self._preempting
-                    or self._forks or self._revoked):
+                    or self._forks or self._revoked or self._distrusts):
                 self._wake.clear()
                 await self._wake.wait()
             try:
@@ -191,7 +206,7 @@ class Scheduler:
             self.waiting.remove(request)
         pending = [end.request for end in self._ending] + self._inflight_requests()
         pending += [child for _, _, group in self._forks for child in group] + self._unforked
-        pending += [p.request for p in self._preempting]
+        pending += [p.request for p in self._preempting] + [d.request for d in self._distrusts]
         failed: set[int] = set()
         for request in [*self.waiting, *self.running, *pending]:
             if id(request) not in failed:
@@ -208,6 +223,7 @@ class Scheduler:
         self._forks.clear()
         self._unforked.clear()
         self._preempting.clear()
+        self._distrusts.clear()
         self._revoked.clear()
         self._wanted = 0
         self._inflight = []
@@ -240,7 +256,8 @@ class Scheduler:
         ops, forks = self._fork_ops()
         ops += self._ending
         ops += self._resets
-        self._ending, self._resets = [], []
+        ops += self._distrusts
+        self._ending, self._resets, self._distrusts = [], [], []
         growing = 0                                         # running sequences first, then newcomers
         for request in self.running:
             needed = len(request.tokens)                    # positions this pass writes up to
@@ -256,6 +273,8 @@ class Scheduler:
         # A preempted request whose Resume memd refused is back at the head of the queue, still preempted
         # (and still naming its sequence): it runs only once a Resume succeeds.
         self.running += [r for r in admitted + forks if r.status is RequestStatus.RUNNING]
+        if self.reuse_check is not None:
+            await self._check_reuse(admitted)
         unforked = self._refork()
         holding = {id(parent) for parent, _, _ in self._forks}      # a parent decodes once its children forked
         ready = [r for r in self.running if r not in stalled and id(r) not in holding
@@ -265,6 +284,31 @@ class Scheduler:
         if stalled or unforked:
             self._preempt_for([r for r in stalled if r in self.running], extra=unforked)
         return bool(ops or ready or preempted or self._preempting)      # ops: those memd applied
+
+    async def _check_reuse(self, admitted: list[Request]) -> None:
+        """--verify-reuse: recompute the cached prefix of a chosen few new requests and compare it."""
+        check = self.reuse_check
+        assert check is not None
+        for request in admitted:
+            if request not in self.running or request.session_id is not None or request.generated \
+                    or not check.chosen(request.num_cached):
+                continue
+            bad = await asyncio.get_running_loop().run_in_executor(
+                self._compute, check.first_mismatch, request.tokens, request.table, request.num_cached)
+            if bad is None:
+                continue
+            blocks = list(range(bad, request.num_cached // self.block_size))
+            log.error("cached K/V differs from a recompute: it leaves memd's prefix cache and the request starts "
+                      "over", request=request.request_id, seq=request.seq_id,
+                      blocks=[request.table[i] for i in blocks])
+            self.running.remove(request)
+            self._distrusts.append(Distrust(request, Free(request.seq_id, distrusted=blocks)))
+
+    def _start_over(self, request: Request) -> None:
+        """A new request again, in its place in the queue (memd freed its sequence)."""
+        request.status, request.seq_id, request.table, request.tokens = RequestStatus.WAITING, 0, [], []
+        request.num_computed = request.num_cached = request.num_known_to_memd = request.num_summed = 0
+        self._requeue(request)
 
     def _refork(self) -> int:
         """Children memd could not give a page: their Fork goes again in the next Step."""

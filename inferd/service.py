@@ -49,17 +49,19 @@ def checked_request_id(given: str | None) -> str:
 
 class MemdLink:
     def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 512, dtype: str | None = None, audit_kv: bool = False) -> None:
+                 max_batch_tokens: int = 512, dtype: str | None = None, audit_kv: bool = False,
+                 verify_reuse: float = 0.0) -> None:
         self.config = read_config(model_dir, dtype)
         self.weights = load_weights(model_dir, self.config.dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.namespace = model_fingerprint(model_dir, self.config, block_size)
         self.memd_address = memd_address
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
-        self.audit_kv = audit_kv
+        self.audit_kv, self.verify_reuse = audit_kv, verify_reuse
         self.scheduler: Scheduler | None = None
         self.attached = asyncio.Event()
         self.preemptions = 0                      # of schedulers gone with an earlier attachment
+        self.reuse_checks = self.reuse_mismatches = 0     # likewise (--verify-reuse)
         # Health follows whether requests can be served: attached to memd and not draining.
         self.on_serving: Callable[[bool], Awaitable[None]] | None = None
         self._health: asyncio.Future[None] | None = None      # the health update a drain started
@@ -92,7 +94,8 @@ class MemdLink:
         kv = client.pool.view(self.config.dtype, self.config.page_shape(self.block_size))
         model = PagedDecoder(self.config, self.weights, kv, device=client.pool.pages.device)
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
-                              max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv)
+                              max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv,
+                              verify_reuse=self.verify_reuse)
         scheduler.adopt(self._carried)
         self._carried = []
         self.scheduler = scheduler
@@ -111,6 +114,9 @@ class MemdLink:
             self.attached.clear()
             self.scheduler = None
             self.preemptions += scheduler.preemptions
+            if scheduler.reuse_check is not None:
+                self.reuse_checks += scheduler.reuse_check.checks
+                self.reuse_mismatches += scheduler.reuse_check.mismatches
             if self.on_serving is not None:
                 await self.on_serving(False)
             running.cancel()

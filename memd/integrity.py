@@ -35,6 +35,7 @@ class Where(Enum):
     SWAP_OUT = "swap_out"        # a parked page on its way to the swap tier
     RESTART = "restart"          # a page reopened from the state directory by a new memd
     SCRUB = "scrub"              # a parked, swapped or cached page, checked by `memctl scrub`
+    SPOT_CHECK = "spot_check"    # cached K/V a worker recomputed and found different (--verify-reuse)
 
     @property
     def counter(self) -> str:

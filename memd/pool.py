@@ -219,11 +219,17 @@ class BlockPool:
         self.checksum[block] = checksum
 
     def unregister(self, block: int) -> None:
-        """Take a block out of the prefix cache (outside a Step): its page failed a check."""
-        digest = self.hash_of[block]
+        """Take a block out of the prefix cache: its page failed a check."""
+        digest, tokens = self.hash_of[block], self.tokens_of[block]
         if digest is not None:
             del self.by_hash[digest]
             self.hash_of[block] = self.tokens_of[block] = None
+            if self.undo is not None:
+                self.undo.record(self._undo_unregister, block, digest, tokens)
+
+    def _undo_unregister(self, block: int, digest: bytes, tokens: tuple[int, ...]) -> None:
+        self.hash_of[block], self.tokens_of[block] = digest, tokens
+        self.by_hash[digest] = block
 
     def lookup(self, digest: bytes, tokens: tuple[int, ...]) -> int | None:
         """The cached block for a prefix; token ids are compared so a hash collision never hits."""

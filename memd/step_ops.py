@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import structlog
+
 from memd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PoolExhausted
 from memd.eviction import Eviction, EvictionReason
+from memd.integrity import Where
 from memd.page_effects import Copy, SwapIn, Zero
 from memd.sequences import SeqState, Sequence, blocks_for
 from memd.step_outcome import SwappedInBlock
@@ -20,6 +23,8 @@ from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
 if TYPE_CHECKING:
     from memd.manager import Worker, _Txn
+
+log = structlog.get_logger("memd")
 
 MAX_NAME = 256                  # characters of a session id, model or worker name
 
@@ -215,6 +220,8 @@ class StepOps:
             self._commit(txn, self._own(txn, seq.seq_id), list(op.append), op.commit_to)
         if op.page_sums:
             self._keep_sums(self._own(txn, seq.seq_id), op.sums_from, op.page_sums)
+        if op.distrusted:
+            self._distrusted(txn, self._own(txn, seq.seq_id), op.distrusted)
         # Not `release`: within a Step the swap-out's cancel is undoable, and the slots are
         # given back only once the Step stands (and its copies are done).
         self._cancel_swap_out(txn, seq)
@@ -308,6 +315,18 @@ class StepOps:
         for block, value in zip(seq.block_ids[first:first + len(sums)], sums, strict=True):
             if value and not checksum[block]:
                 self.pool.set_checksum(block, value)
+
+    def _distrusted(self, txn: _Txn, seq: Sequence, indices: list[int]) -> None:
+        """The worker recomputed these full blocks and got other K/V: no one is handed them again."""
+        if any(not 0 <= i < seq.num_full_blocks for i in indices):
+            raise InvalidArgument(f"distrusted blocks {indices}: sequence {seq.seq_id} has "
+                                  f"{seq.num_full_blocks} full blocks")
+        for i in indices:
+            self.pool.unregister(seq.block_ids[i])
+        txn.counters["integrity_failures"] += 1
+        txn.counters[Where.SPOT_CHECK.counter] += 1
+        log.error("a worker recomputed cached K/V and found it different: those blocks leave the prefix cache",
+                  seq=seq.seq_id, worker=txn.worker.worker_id, blocks=[seq.block_ids[i] for i in indices])
 
     def _swap_in(self, txn: _Txn, seq: Sequence) -> int:
         """Pages for a SWAPPED sequence: still-cached prefix blocks are shared, the rest copied back."""

@@ -73,6 +73,8 @@ class Free:
     commit_to: int = 0
     sums_from: int = 0                       # as Extend's
     page_sums: list[int] = field(default_factory=list)
+    # Full blocks (table indices) whose K/V a recompute found different: out of the prefix cache.
+    distrusted: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)

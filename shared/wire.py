@@ -68,7 +68,7 @@ def op_to_proto(op: ops.Op) -> pb.Op:
                 return pb.Op(resume=pb.ResumeOp(session_id=op.session_id, reserve=op.reserve))
             return pb.Op(resume=pb.ResumeOp(seq_id=op.seq_id or 0, reserve=op.reserve))
         case ops.Free():
-            sums = {"sums_from": op.sums_from, "page_sums": op.page_sums}
+            sums = {"sums_from": op.sums_from, "page_sums": op.page_sums, "distrusted": op.distrusted}
             if op.session_id:
                 return pb.Op(free=pb.FreeOp(session_id=op.session_id, append=op.append, commit_to=op.commit_to,
                                             **sums))
@@ -96,7 +96,7 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
     if kind == "free":
         m = msg.free
         return ops.Free(m.seq_id or None, m.session_id or None, list(m.append), m.commit_to, m.sums_from,
-                        list(m.page_sums))
+                        list(m.page_sums), list(m.distrusted))
     if kind == "fork":
         return ops.Fork(msg.fork.seq_id, msg.fork.session_id or None)
     raise WireError("empty operation: set one of open, extend, park, resume, free, fork")

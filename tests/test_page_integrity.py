@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from scheduling import BS, assert_clean, collect, greedy, start_scheduler
 
 from inferd.scheduler import Request
@@ -141,6 +142,36 @@ async def test_a_cached_page_that_rotted_leaves_the_prefix_cache(local_memd_fact
     await client.close()
 
 
+async def test_verify_reuse_recomputes_prefix_hits_and_drops_cached_kv_that_differs(
+        local_memd_factory, checkpoint, judge):
+    """K/V that is wrong but whose checksum matches (a bad kernel's, not a rotten page): only a recompute sees it."""
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=64,
+                                                          verify_reuse=1.0)
+
+    async def ask() -> dict:
+        request = Request(PROMPT, greedy(6))
+        scheduler.submit(request)
+        got, _, final = await collect(request)
+        judge.assert_greedy(PROMPT, got, 6, "a prompt whose prefix was cached")
+        return final.usage
+
+    await ask()
+    assert (await ask())["cached_tokens"] == 7 * BS                      # a clean hit: checked, and kept
+    check = scheduler.reuse_check
+    assert (check.checks, check.mismatches) == (1, 0)
+    pool = memd.manager.pool
+    third = next(b for b in range(pool.num_blocks) if pool.tokens_of[b] == tuple(PROMPT[2 * BS:3 * BS]))
+    scheduler.model.kv[third] += 0.5
+    pool.checksum[third] = memd.memory.checksums([third])[0]
+    assert (await ask())["cached_tokens"] == 2 * BS                      # started over without the bad block
+    assert check.mismatches == 1 and pool.hash_of[third] is None
+    got = await counters(memd)
+    assert got["integrity_failures"] == 1 and got["integrity_failures_spot_check"] == 1
+    await assert_clean(memd)
+    task.cancel()
+    await client.close()
+
+
 # ---- real memd and inferd processes ---------------------------------------------------------------
 
 TEXT, OTHER, QUESTION = "Tell me a story about a cat who learned to sail.", "Name three rivers.", "And then?"
@@ -236,3 +267,19 @@ async def test_memctl_scrub_exits_1_on_rotten_pages_then_0_and_the_next_turns_ar
         second = await turn(inferd, session, QUESTION, 10)
         assert_next_turn(model_judge, prompt, first[session], second, f"{session}, after its page rotted")
         assert second["usage"]["cached_tokens"] == 16, session      # one page kept before the rotten one
+
+
+def test_bad_verification_flags_are_refused_in_one_line(capsys):
+    from inferd.__main__ import build_parser as inferd_parser
+    from memd.__main__ import build_parser as memd_parser
+    from memd.memctl import build_parser as memctl_parser
+
+    serve = ["serve", "--model", "m", "--verify-reuse", "1.5"]
+    for parser, argv, flag in ((inferd_parser()[0], serve, "--verify-reuse"),
+                               (memctl_parser(), ["scrub", "--rate", "-1"], "--rate"),
+                               (memctl_parser(), ["scrub", "--rate", "nan"], "--rate"),
+                               (memd_parser(), ["--scrub-interval", "-1"], "--scrub-interval")):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and flag in err.splitlines()[-1], err

@@ -159,20 +159,22 @@ class ResumeOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., reserve: _Optional[int] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("seq_id", "session_id", "append", "commit_to", "sums_from", "page_sums")
+    __slots__ = ("seq_id", "session_id", "append", "commit_to", "sums_from", "page_sums", "distrusted")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
     SUMS_FROM_FIELD_NUMBER: _ClassVar[int]
     PAGE_SUMS_FIELD_NUMBER: _ClassVar[int]
+    DISTRUSTED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: str
     append: _containers.RepeatedScalarFieldContainer[int]
     commit_to: int
     sums_from: int
     page_sums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ...) -> None: ...
+    distrusted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ..., distrusted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("seq_id", "session_id")
