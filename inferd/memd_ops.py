@@ -261,4 +261,7 @@ class Distrust(PendingOp):
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
         log.warning("memd refused to take distrusted blocks out of its prefix cache", error=str(err),
                     request=self.request.request_id)
-        scheduler._start_over(self.request)
+        if self.op.distrusted:               # free the sequence all the same, then start over
+            scheduler._distrusts.append(Distrust(self.request, Free(self.op.seq_id)))
+        else:                                # memd holds no such sequence (anymore)
+            scheduler._start_over(self.request)

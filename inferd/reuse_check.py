@@ -29,10 +29,12 @@ TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 class ReuseCheck:
     """Which prefix hits to recompute, and the comparison."""
 
-    def __init__(self, model: PagedDecoder, fraction: float, seed: int | None = None) -> None:
+    def __init__(self, model: PagedDecoder, fraction: float, *, chunk_tokens: int = 512,
+                 seed: int | None = None) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"--verify-reuse is a fraction from 0 to 1, not {fraction}")
         self.model, self.fraction = model, fraction
+        self.chunk_tokens = max(chunk_tokens, 1)      # per forward pass, as the scheduler's (--max-batch-tokens)
         self.rng = random.Random(seed)
         self.checks = self.mismatches = 0
 
@@ -48,7 +50,9 @@ class ReuseCheck:
         model, bs = self.model, self.model.block_size
         blocks = num_cached // bs
         scratch = torch.zeros((blocks, *model.kv.shape[1:]), dtype=model.kv.dtype, device=model.kv.device)
-        model.forward(build_batch([(tokens[:blocks * bs], 0, list(range(blocks)))], bs, model.device), kv=scratch)
+        for start in range(0, blocks * bs, self.chunk_tokens):
+            take = tokens[start:min(start + self.chunk_tokens, blocks * bs)]
+            model.forward(build_batch([(take, start, list(range(blocks)))], bs, model.device), kv=scratch)
         cached = model.kv[torch.tensor(table[:blocks], device=model.kv.device)].float()
         fresh = scratch.float()
         worst = (cached - fresh).abs().flatten(1).amax(dim=1)

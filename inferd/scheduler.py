@@ -98,7 +98,8 @@ class Scheduler:
         client.on_revoke = self._on_revoke
         self.audit = KvAudit(model.kv) if audit_kv else None     # --audit-kv
         self.page_sums = PageSums(client.pool.pages if client.pool is not None else None, self.block_size)
-        self.reuse_check = ReuseCheck(model, verify_reuse) if verify_reuse else None     # --verify-reuse
+        self.reuse_check = ReuseCheck(model, verify_reuse, chunk_tokens=max_batch_tokens) \
+            if verify_reuse else None                                                     # --verify-reuse
         self._distrusts: list[Distrust] = []
         # One thread for every forward pass: torch's OpenMP team stays warm in it, and
         # the event loop stays free for gRPC and memd heartbeats meanwhile.
@@ -293,8 +294,13 @@ class Scheduler:
             if request not in self.running or request.session_id is not None or request.generated \
                     or not check.chosen(request.num_cached):
                 continue
-            bad = await asyncio.get_running_loop().run_in_executor(
-                self._compute, check.first_mismatch, request.tokens, request.table, request.num_cached)
+            try:
+                bad = await asyncio.get_running_loop().run_in_executor(
+                    self._compute, check.first_mismatch, request.tokens, request.table, request.num_cached)
+            except Exception as exc:          # a check that cannot run (out of memory, say) fails no request
+                log.warning("could not recompute a prefix hit to check it", request=request.request_id,
+                            error=str(exc))
+                continue
             if bad is None:
                 continue
             blocks = list(range(bad, request.num_cached // self.block_size))

@@ -351,7 +351,10 @@ async def scrub_every(scrubber: Scrubber, interval_s: float, rate_mb_s: float) -
     """--scrub-interval: a scrub pass every `interval_s` seconds, at `rate_mb_s`."""
     while True:
         await asyncio.sleep(interval_s)
-        await scrubber.scrub(rate_mb_s * 1e6)
+        try:
+            await scrubber.scrub(rate_mb_s * 1e6)
+        except Exception:                   # one failed pass must not end the periodic scrubbing
+            log.exception("a periodic scrub failed; the next one runs on time")
 
 
 def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: StateDir | None,

@@ -175,16 +175,17 @@ class Evictor:
         for slot, checksum in zip(job.slots, job.checksums, strict=False):
             m.swap.checksum[slot] = checksum
         # A page that is not what its worker committed rotted while parked: the slot holds the rot too.
-        rotten = next((i for i, (block, got) in enumerate(zip(job.blocks, job.checksums, strict=False))
-                       if got and m.pool.checksum[block] and got != m.pool.checksum[block]), None)
+        rotten = [i for i, (block, got) in enumerate(zip(job.blocks, job.checksums, strict=False))
+                  if got and m.pool.checksum[block] and got != m.pool.checksum[block]]
         seq.slots = job.slots
         job.blocks_freed = m.release_blocks(seq.block_ids)
         seq.block_ids = []
         seq.state = SeqState.SWAPPED
         m.mark_changed(seq)
-        if rotten is not None:
-            integrity.slot_failed(m, seq, rotten, Where.SWAP_OUT)
-            integrity.forget_page(m, job.blocks[rotten], Where.SWAP_OUT)     # other parked holders, the cache
+        if rotten:
+            integrity.slot_failed(m, seq, rotten[0], Where.SWAP_OUT)
+            for i in rotten:                                 # other parked holders, the cache
+                integrity.forget_page(m, job.blocks[i], Where.SWAP_OUT)
         m.counters["swap_outs"] += 1
         m.counters["swap_out_blocks"] += len(job.slots)
         if job.reason:

@@ -270,16 +270,26 @@ class KvManager(StepOps):
         self._changed |= outcome.filling
 
     def _distrust(self, outcome: StepOutcome, seq: Sequence, index: int) -> None:
-        """Block `index` of a running sequence failed its check: its K/V from there on is recomputed."""
+        """Block `index` of a running sequence failed its check: its K/V from there on is recomputed.
+
+        The table is cut there too: pages past it may be prefix-cache hits the
+        swap-in shared (other sequences read them, they carry checksums), and
+        the worker is about to write those positions. It asks for fresh pages
+        for them, as for any growth (the results it is about to get say so).
+        """
+        log.error("a swapped-in page is not what was swapped out: its K/V is recomputed", seq=seq.seq_id,
+                  session=seq.session_id, block=seq.block_ids[index], index=index)
         seq.num_committed = index * seq.block_size
         del seq.hashes[index:]
+        self.release_blocks(seq.block_ids[index:])
+        del seq.block_ids[index:]
         self._changed.add(seq.seq_id)
         for result in outcome.results:
             if result.seq_id == seq.seq_id:
                 result.num_committed = min(result.num_committed, seq.num_committed)
                 result.num_cached = min(result.num_cached, seq.num_committed)
-        log.error("a swapped-in page is not what was swapped out: its K/V is recomputed", seq=seq.seq_id,
-                  session=seq.session_id, block=seq.block_ids[index], index=index)
+                del result.block_ids[max(0, index - result.first_block):]
+                result.num_blocks = len(seq.block_ids)
 
     def filling(self, seq_id: int) -> bool:
         """Whether a Step's effects are still filling this sequence's pages."""

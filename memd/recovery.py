@@ -86,6 +86,8 @@ class _Recovery:
             self.out.discarded += 1
             return
         seq, owner_pid = parsed
+        # Taken before a running sequence's table is cut back to what it committed.
+        sums = dict(zip(seq.block_ids, _checksums(record, BLOCK_SUMS, len(seq.block_ids)), strict=False))
         if seq.interrupted and seq.session_id is None:
             if owner_pid > 0 and self.pool_kept:   # only its worker knew it; what that worker may still write
                 self.late.setdefault(owner_pid, []).extend(seq.block_ids[seq.num_full_blocks:])
@@ -97,7 +99,7 @@ class _Recovery:
         if record[PENDING]:
             self._drop(seq, "pages being filled when memd stopped")
         elif seq.state is SeqState.PARKED:
-            self._check_pages(seq, record)
+            self._check_pages(seq, sums)
         elif seq.state is SeqState.SWAPPED:
             self._check_slots(seq, record)
         elif seq.state is SeqState.DROPPED:
@@ -119,7 +121,7 @@ class _Recovery:
             self.late.setdefault(owner_pid, []).extend(seq.block_ids[needed:])
         seq.state, seq.block_ids = SeqState.PARKED, seq.block_ids[:needed]
 
-    def _check_pages(self, seq: Sequence, record: list) -> None:
+    def _check_pages(self, seq: Sequence, sums: dict[int, int]) -> None:
         """A PARKED table must fit the reopened pool and share only full blocks with others.
 
         Its pages' checksums come back too (older journals have none): memd
@@ -139,10 +141,9 @@ class _Recovery:
             else:
                 self.full_blocks.update(full)
                 self.writable_blocks.update(tail)
-                sums = _checksums(record, BLOCK_SUMS, len(seq.block_ids))
-                for block, value in zip(seq.block_ids, sums, strict=False):
-                    if value:
-                        self.out.block_checksums.setdefault(block, value)
+                for block in seq.block_ids:
+                    if sums.get(block):
+                        self.out.block_checksums.setdefault(block, sums[block])
 
     def _check_slots(self, seq: Sequence, record: list) -> None:
         """A SWAPPED sequence's slots must fit the reopened swap tier, each claimed once.

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 UNKNOWN = 0
 YIELD_EVERY = 32                               # pages hashed between two lets-go of the GIL, without _XXH3
 _WEIGHTS: dict[tuple[str, int], Any] = {}      # (device, words per page) -> int64 weights
-_CHUNK_BYTES = 64 << 20                        # pages summed per kernel launch, in bytes
+_CHUNK_BYTES = 16 << 20                        # pages summed per kernel launch (twice this on the GPU)
 
 
 def _native_xxh3() -> Callable[[int, int], int] | None:

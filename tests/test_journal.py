@@ -24,7 +24,7 @@ from memd.manager import KvManager
 from memd.recovery import restore
 from memd.sequences import SeqState, blocks_for
 from memd.state import Layout, StateDir, StateError
-from shared.ops import Open, Park, Resume
+from shared.ops import Extend, Open, Park, Resume
 from tests.test_manager_properties import NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
 
 LAYOUT = Layout("shm", NUM_BLOCKS, 4096, SWAP_SLOTS)
@@ -64,7 +64,8 @@ def recovered(state: StateDir) -> KvManager:
     restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
     assert restored.discarded == 0 and restored.dropped.keys() <= {"pages being filled when memd stopped"}
     fresh = new_manager()
-    fresh.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums)
+    fresh.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums,
+                restored.block_checksums)
     return fresh
 
 
@@ -85,6 +86,9 @@ class JournaledMachine(KvManagerMachine):
         got = {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
                           s.token_ids, s.turn_start, s.interrupted, s.turn_id) for s in fresh.seqs.values()}
         assert got == expected_after_restart(self.manager)
+        for seq in fresh.seqs.values():       # a page's checksum comes back, or none (never another)
+            for block in seq.block_ids:
+                assert fresh.pool.checksum[block] in (0, self.manager.pool.checksum[block])
         assert {b for blocks in fresh.fences.values() for b in blocks} == expected_fences(self.manager)
         assert fresh.violations() == []
         # The restarted manager works: a new sequence gets an id never used before.
@@ -231,3 +235,14 @@ def test_a_swapped_sequences_slot_checksums_survive_a_restart(tmp_path):
     wal.flush(manager)
     fresh = recovered(state)
     assert [fresh.swap.checksum[slot] for slot in fresh.seqs[seq.seq_id].slots] == job.checksums
+
+
+def test_the_page_checksums_of_a_sequence_running_when_memd_died_come_back(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open(list(range(10)), reserve=4, session_id="s")]).results
+    manager.step(worker, [Extend(opened.seq_id, commit_to=9, sums_from=0, page_sums=[71, 72])])
+    wal.flush(manager)                                             # memd dies with the turn running
+    fresh = recovered(state)
+    seq = fresh.seqs[opened.seq_id]
+    assert seq.state is SeqState.PARKED and len(seq.block_ids) == 2
+    assert [fresh.pool.checksum[b] for b in seq.block_ids] == [71, 72]

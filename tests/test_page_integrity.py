@@ -17,6 +17,11 @@ import pytest
 from scheduling import BS, assert_clean, collect, greedy, start_scheduler
 
 from inferd.scheduler import Request
+from memd.eviction import Evicted
+from memd.manager import KvManager
+from memd.page_effects import SwapIn
+from shared.geometry import PoolGeometry
+from shared.ops import Extend, Fork, Free, Open, Park, Resume
 from tests.test_inferd_service import inferctl, memctl
 
 PROMPT = [5 + i for i in range(30)]
@@ -170,6 +175,44 @@ async def test_verify_reuse_recomputes_prefix_hits_and_drops_cached_kv_that_diff
     await assert_clean(memd)
     task.cancel()
     await client.close()
+
+
+def test_a_rotten_page_shared_by_two_sequences_swapping_out_together_cuts_both_cleanly():
+    m = KvManager(PoolGeometry(32, 4096, 4), hash_key=b"k" * 32, swap_slots=16)
+    worker = m.attach("w", 1000, "m", 4, 0).worker_id
+    a = m.step(worker, [Open(list(range(1, 14)), reserve=1, session_id="a")]).results[0].seq_id
+    m.step(worker, [Extend(a, commit_to=12, sums_from=0, page_sums=[11, 12, 13])])
+    b = m.step(worker, [Fork(a, session_id="b")]).results[0].seq_id
+    m.step(worker, [Park(a, commit_to=12), Park(b)])
+    jobs = [m.evictions.begin_swap_out(m.seqs[s], None, Evicted()) for s in (a, b)]
+    for job in jobs:
+        job.checksums = [11, 99, 13]                  # what the copies found: the shared second page rotted
+    assert m.evictions.finish_swap_out(jobs[0])
+    assert not m.evictions.finish_swap_out(jobs[1])   # cut while it copied: it no longer counts
+    assert (m.seqs[a].state.value, len(m.seqs[a].slots), m.seqs[b].num_committed) == ("swapped", 1, 4)
+    assert m.counters["integrity_failures_swap_out"] == 1 and m.violations() == []
+
+
+def test_a_failed_swap_in_gives_back_the_shared_pages_after_it_rather_than_let_the_worker_write_them():
+    m = KvManager(PoolGeometry(12, 4096, 4), hash_key=b"k" * 32, swap_slots=16)
+    worker = m.attach("w", 1000, "m", 4, 0).worker_id
+    x = m.step(worker, [Open(list(range(1, 18)), session_id="x")]).results[0].seq_id
+    m.step(worker, [Park(x, commit_to=16, sums_from=0, page_sums=[10, 11, 12, 13])])
+    seq = m.seqs[x]
+    job = m.evictions.begin_swap_out(seq, None, Evicted())
+    job.checksums = [10, 11, 12, 13]
+    m.evictions.finish_swap_out(job)
+    # Another request takes the pages that held x's first two blocks: those come back by copy, the rest
+    # are still cached in the pool and are shared.
+    uncached = sum(1 for block in m.pool.free if m.pool.hash_of[block] is None)
+    y = m.step(worker, [Open([99] * ((uncached + 2) * 4))]).results[0].seq_id
+    out = m.step(worker, [Free(y), Resume(session_id="x", reserve=1)])
+    copied = [e.page for e in out.effects if isinstance(e, SwapIn)]
+    assert len(copied) == 2 and len(seq.block_ids) == 5
+    m.effects_landed(out, [copied[1]])                # the second page came back rotten
+    result, = [r for r in out.results if r.seq_id == x]
+    assert seq.num_committed == result.num_committed == 4 and result.block_ids == seq.block_ids
+    assert len(seq.block_ids) == 1 and m.violations() == []
 
 
 # ---- real memd and inferd processes ---------------------------------------------------------------
