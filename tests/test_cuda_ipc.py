@@ -253,3 +253,23 @@ async def test_a_gpu_memd_killed_gives_its_chats_back_dropped_and_they_answer_th
     assert out2 == expected
     print(f"after the restart: cached_tokens {usage2.cached_tokens} of {usage2.prompt_tokens} (recomputed)")
     await assert_settled(again, parked=1)
+
+
+def test_gpu_page_checksums_are_the_hosts_and_catch_a_rotten_swap_slot():
+    """The device reduction is the same number the host computes, and a swap-in checks what it copied."""
+    from memd.memory import CudaMemory
+    from memd.page_effects import SwapIn, run_effects
+    from memd.swap import PinnedSwap
+    from shared.page_checksum import word_sums
+
+    pool = CudaMemory(DEVICE, 64, 64 << 10)
+    swap = PinnedSwap(pool, 16, 64 << 10)
+    pool.pages.copy_(torch.randint(0, 256, pool.pages.shape, dtype=torch.uint8, device=DEVICE))
+    pages = [3, 9, 40, 63]
+    sums = pool.checksums(pages)
+    assert sums == word_sums(pool.pages.cpu(), pages) and all(sums)
+    swap.copy_out([(page, slot) for slot, page in enumerate(pages)])
+    swap.slots[2, 1000] ^= 0xFF                                      # the third slot rots
+    back = [SwapIn(slot, 50 + slot, checksum) for slot, checksum in enumerate(sums)]
+    assert run_effects(pool, swap, back) == [52]
+    assert pool.checksums([50, 51, 53]) == [sums[0], sums[1], sums[3]]
