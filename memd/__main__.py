@@ -25,18 +25,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
+from memd.cluster import ClusterTier
+from memd.cluster_store import ClusterConfig, ClusterError, ClusterStore
 from memd.fdpass import FdServer
 from memd.interceptors import MEMD_SERVICE, RpcCounter
 from memd.journal import Recovered, WriteAheadLog
 from memd.manager import KvManager
-from memd.memory import PoolMemory, PoolMemoryError, allocate_pool, available_host_memory, resolve_device
+from memd.memory import (
+    PoolMemory,
+    PoolMemoryError,
+    ShmMemory,
+    allocate_pool,
+    available_host_memory,
+    resolve_device,
+)
 from memd.metrics import MemdMetrics
 from memd.recovery import restore
 from memd.scrub import Scrubber
 from memd.service import MemdService
 from memd.state import TMPFS, Layout, StateDir, StateError, boot_id
 from memd.swap import SwapMemory, allocate_swap
-from memd.wiring import Policy, new_manager, wire
+from memd.wiring import Parts, Policy, new_manager, wire
 from shared import address as addr
 from shared.config import Layers, add_config_flags
 from shared.decoding import RequestDecoder
@@ -139,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds, as memctl scrub does; 0 = only when asked (default: 0)")
     p.add_argument("--scrub-rate", type=positive, default=200.0,
                    help="MB/s a periodic scrub hashes at most (default: 200)")
+    cluster = p.add_argument_group("cluster tier (Mooncake Store; needs kvpool[cluster])")
+    cluster.add_argument("--cluster-master", metavar="HOST:PORT",
+                         help="join the Mooncake store whose mooncake_master listens here: parked sessions are "
+                              "published to it (default: off, this host only)")
+    cluster.add_argument("--cluster-metadata", metavar="URL",
+                         help="the store's HTTP metadata server, e.g. http://HOST:8080/metadata (required with "
+                              "--cluster-master)")
+    cluster.add_argument("--cluster-host", default="",
+                         help="this host's name or address for the store's transfer engine (default: the host name)")
+    cluster.add_argument("--cluster-segment", type=size_arg, default=parse_size("256MiB"),
+                         help="memory this memd contributes to the store (default: 256MiB)")
+    cluster.add_argument("--cluster-replicas", type=int, default=2,
+                         help="copies of each object, on different hosts' segments (default: 2)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
@@ -303,6 +325,8 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         stack.callback(parts.scrubber.close)
         if found is not None and getattr(memory, "reopened", False):
             check_reopened(parts.scrubber)
+        if args.cluster_master:
+            await join_cluster(args, memory, parts, stack)
         stack.callback(parts.fences.close)
         if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
             metrics = MemdMetrics(parts.service, asyncio.get_running_loop())
@@ -337,6 +361,30 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         log.info("memd stopping")
         notify("STOPPING=1")
         await health_servicer.enter_graceful_shutdown()
+
+
+async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Parts,
+                       stack: contextlib.AsyncExitStack) -> None:
+    """--cluster-master: join the Mooncake store; parked sessions are published to it from now on."""
+    if not args.cluster_metadata:
+        raise StartupError("--cluster-master needs --cluster-metadata (the store's HTTP metadata server URL)")
+    if args.cluster_replicas < 1:
+        raise StartupError(f"--cluster-replicas must be at least 1, not {args.cluster_replicas}")
+    if not isinstance(memory, ShmMemory):
+        raise StartupError("the cluster tier serves CPU (shared-memory) pools for now; use --device cpu")
+    config = ClusterConfig(args.cluster_master, args.cluster_metadata, args.cluster_host, args.cluster_segment,
+                           args.cluster_replicas)
+    store = ClusterStore(config, memory.base, memory.size)
+    try:
+        await store.start()
+    except ClusterError as exc:
+        store.close()
+        raise StartupError(str(exc)) from None
+    tier = ClusterTier(parts.manager, store)
+    parts.runner.after_step.append(tier.after_step)
+    stack.push_async_callback(tier.close)
+    log.info("joined the cluster store", master=config.master, metadata=config.metadata,
+             segment=format_size(config.segment_bytes), replicas=config.replicas)
 
 
 def check_reopened(scrubber: Scrubber) -> None:

@@ -45,6 +45,8 @@ class StepRunner:
         self._pressure = asyncio.Event()
         # Called whenever sequences changed state (a drain waits for that).
         self.on_change: Callable[[], None] = lambda: None
+        # Called with every committed Step once its pages are filled (the cluster tier publishes parks).
+        self.after_step: list[Callable[[StepOutcome], None]] = []
 
     async def run(self, worker_id: int, ops: list[Op], lease: bytes | None = None,
                   wanted_blocks: int = 0) -> StepOutcome:
@@ -59,6 +61,8 @@ class StepRunner:
         # The Step is committed: what follows must finish even if the caller is cancelled.
         await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))
         self.on_change()
+        for observer in self.after_step:
+            observer(outcome)
         wanted = min(wanted_blocks, m.pool.num_blocks) - m.pool.num_free
         if wanted > 0:
             self.start(m.evictions.make_room(wanted, reason=EvictionReason.PRESSURE))

@@ -48,6 +48,13 @@ def test_the_units_verify_without_a_single_warning(tmp_path):
 
 
 @pytest.mark.processes
+def test_the_cluster_store_unit_verifies_where_kvpool_cluster_is_installed(tmp_path):
+    if not (Path(sys.executable).parent / "mooncake_master").exists():
+        pytest.skip("kvpool[cluster] is not installed: no mooncake_master to run")
+    assert verify(installed(tmp_path), "kvpool-store.service") == ""
+
+
+@pytest.mark.processes
 def test_a_typo_in_a_unit_is_caught(tmp_path):
     # The check above is only worth something if a warning-level mistake fails it.
     assert "Unknown key" in verify(installed(tmp_path, "ProtectSytem=strict"), "memd.service")

@@ -1,0 +1,146 @@
+"""The cluster tier: a parked session's K/V published to Mooncake Store, where any host's memd can find it.
+
+When a session's turn ends (its sequence parks), memd publishes it in the
+background, without delaying any Step: its full blocks under content keys
+(an unkeyed BLAKE2b chain over the model fingerprint and the token ids, the
+same on every host, so a system prompt a thousand sessions share is stored
+once), then a record of the session: its token ids, block keys and the
+blocks' checksums (the worker's, so a host that fetches them checks what it
+got). A session reset or freed removes its record; blocks age out by the
+store's own eviction. A store that is slow or down costs only the publish:
+the session stays here, and a line in the log says so.
+
+Publishing reads the pool pages while Steps go on. A page with a checksum is
+not written until memd hands it out again, which clears the checksum on the
+event loop; a page whose checksum changed by the time its put returned is
+taken out of the store again, never left there torn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from array import array
+
+import msgpack
+import structlog
+
+from memd.cluster_store import ClusterStore
+from memd.manager import KvManager
+from memd.sequences import SeqState
+from memd.step_outcome import StepOutcome
+
+log = structlog.get_logger("memd.cluster")
+
+KEY_PREFIX = "kvpool/v1"
+RECORD_VERSION = 1
+
+
+def block_keys(model: str, token_ids: list[int], block_size: int, count: int) -> list[str]:
+    """Store keys of the first `count` full blocks: the same tokens under the same model, the same key anywhere."""
+    keys, parent = [], b""
+    for i in range(count):
+        h = hashlib.blake2b(digest_size=20)
+        h.update(parent)
+        h.update(model.encode())
+        h.update(b"\0")
+        h.update(array("I", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        parent = h.digest()
+        keys.append(f"{KEY_PREFIX}/block/{parent.hex()}")
+    return keys
+
+
+def session_key(session_id: str) -> str:
+    return f"{KEY_PREFIX}/session/{session_id}"
+
+
+class ClusterTier:
+    """Publishes parked sessions (one publish at a time per session) and forgets reset ones."""
+
+    def __init__(self, manager: KvManager, store: ClusterStore) -> None:
+        self.manager, self.store = manager, store
+        self.block_bytes = manager.geometry.block_bytes
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()                 # parked again while its publish ran
+        self._published: dict[int, str] = {}          # seq id -> its session, once a record exists
+
+    def after_step(self, outcome: StepOutcome) -> None:
+        """Called with every committed Step: parked sessions are published, freed ones forgotten."""
+        m = self.manager
+        for result in outcome.results:
+            if result.state == SeqState.PARKED.value:
+                seq = m.seqs.get(result.seq_id)
+                if seq is not None and seq.session_id:
+                    self._soon(seq.session_id, self._publish)
+            elif result.state == "freed" and result.seq_id in self._published:
+                self._soon(self._published.pop(result.seq_id), self._forget)
+
+    def _soon(self, session: str, job: object) -> None:
+        if session in self._tasks:
+            self._again.add(session)
+            return
+        self._tasks[session] = asyncio.create_task(self._run(session, job), name=f"cluster:{session}")
+
+    async def _run(self, session: str, job: object) -> None:
+        try:
+            while True:
+                await job(session)                                         # type: ignore[operator]
+                if session not in self._again:
+                    break
+                self._again.discard(session)
+                job = self._publish if session in self.manager.sessions else self._forget
+        except Exception as exc:           # the store is slow or down: the session stays local, nothing fails
+            self.manager.counters["cluster_errors"] += 1
+            log.warning("could not publish to the cluster store; the session stays on this host",
+                        session=session, error=str(exc) or type(exc).__name__)
+        finally:
+            self._tasks.pop(session, None)
+
+    async def _publish(self, session: str) -> None:
+        m = self.manager
+        seq = m.seqs.get(m.sessions.get(session, 0))
+        if seq is None or seq.state is not SeqState.PARKED:
+            return
+        bs, pages = seq.block_size, list(seq.block_ids[:seq.num_full_blocks])
+        sums = [m.pool.checksum[p] for p in pages]
+        if 0 in sums:
+            pages, sums = pages[:sums.index(0)], sums[:sums.index(0)]    # only what can be checked on arrival
+        keys = block_keys(seq.model, seq.token_ids, bs, len(pages))
+        present = await self.store.exists(keys)
+        todo = [i for i, there in enumerate(present) if not there]
+        codes = await self.store.put_pages([keys[i] for i in todo], [pages[i] for i in todo], self.block_bytes)
+        stored = failed = 0
+        for i, code in zip(todo, codes, strict=True):
+            if code != 0:
+                failed += 1
+            elif m.pool.checksum[pages[i]] != sums[i]:         # handed out while it was read: never leave it
+                await self.store.remove(keys[i])
+                code = -1
+            else:
+                stored += 1
+            present[i] = code == 0
+        m.counters["cluster_puts"] += stored
+        m.counters["cluster_bytes_out"] += stored * self.block_bytes
+        m.counters["cluster_errors"] += failed
+        upto = present.index(False) if False in present else len(present)
+        record = {"v": RECORD_VERSION, "model": seq.model, "block_size": bs, "tokens": list(seq.token_ids),
+                  "keys": keys[:upto], "checksums": sums[:upto]}
+        if await self.store.put(session_key(session), msgpack.packb(record)) != 0:
+            raise RuntimeError("the store refused the session record")
+        self._published[seq.seq_id] = session
+        log.info("published a session to the cluster store", session=session, blocks=upto, new_blocks=stored,
+                 tokens=len(seq.token_ids))
+
+    async def _forget(self, session: str) -> None:
+        await self.store.remove(session_key(session))
+        log.info("removed a session from the cluster store", session=session)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.store.close()

@@ -1,0 +1,142 @@
+"""Mooncake Store, as memd uses it: a thread of its own, so no call ever blocks memd's event loop.
+
+The store (Mooncake's `mooncake_master` and its HTTP metadata server, run by
+the operator) keeps objects replicated over the memory segments its clients
+contribute. memd is one such client (`memd --cluster-master ...`): it puts
+the pages of parked sessions from its pool straight into the store (the pool
+is registered with the transfer engine, so nothing is copied through Python)
+and keeps small records beside them. The client needs `kvpool[cluster]`
+(`mooncake-transfer-engine-non-cuda` on CPU machines) and, even over TCP,
+the libibverbs1, libnuma1 and librdmacm1 system libraries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("memd.cluster")
+
+INSTALL_HINT = ("pip install 'kvpool[cluster]' (mooncake-transfer-engine-non-cuda; on Debian also "
+                "apt install libibverbs1 libnuma1 librdmacm1)")
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+class ClusterError(RuntimeError):
+    """The store cannot be used as configured: memd refuses to start, in one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """memd's --cluster-* flags."""
+
+    master: str                       # HOST:PORT of mooncake_master's RPC server
+    metadata: str                     # URL of its HTTP metadata server, e.g. http://HOST:8080/metadata
+    host: str = ""                    # this host's name for the transfer engine (default: the host name)
+    segment_bytes: int = 256 << 20    # memory this memd contributes to the store
+    replicas: int = 2                 # copies of each object, on different clients' segments
+
+
+class ClusterStore:
+    """The Mooncake client; every call runs on one thread of its own and returns its result to the loop."""
+
+    def __init__(self, config: ClusterConfig, pool_base: int, pool_bytes: int) -> None:
+        self.config = config
+        self._pool = (pool_base, pool_bytes)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-cluster")
+        self._store: Any = None
+        self._replicate: Any = None
+
+    async def start(self) -> None:
+        """Join the store: set the client up, contribute the segment, register the pool for zero-copy puts."""
+        await self._call(self._setup)
+
+    def _setup(self) -> None:
+        os.environ.setdefault("GLOG_minloglevel", "1")        # Mooncake's own INFO lines flood memd's log
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise ClusterError(f"--cluster-master needs Mooncake Store's client ({exc}): {INSTALL_HINT}") from None
+        c = self.config
+        _probe(c.master, c.metadata)
+        store = MooncakeDistributedStore()
+        rc = store.setup(c.host or socket.gethostname(), c.metadata, c.segment_bytes, 16 << 20, "tcp", "",
+                         c.master)
+        if rc != 0:
+            raise ClusterError(f"cannot join the Mooncake store at {c.master} (metadata {c.metadata}): "
+                               f"setup returned {rc}; is mooncake_master running there?")
+        base, size = self._pool
+        if store.register_buffer(base, size) != 0:
+            raise ClusterError("cannot register memd's pool with Mooncake's transfer engine")
+        replicate = ReplicateConfig()
+        replicate.replica_num = c.replicas
+        self._store, self._replicate = store, replicate
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def exists(self, keys: list[str]) -> list[bool]:
+        """One batched existence check; an error reads as absent."""
+        if not keys:
+            return []
+        found = await self._call(self._store.batch_is_exist, keys)
+        return [rc == 1 for rc in found]
+
+    async def put_pages(self, keys: list[str], pages: list[int], page_bytes: int) -> list[int]:
+        """Put pool pages under `keys` straight from the pool; one return code per key (0: stored)."""
+        base = self._pool[0]
+        return await self._call(self._store.batch_put_from, keys, [base + p * page_bytes for p in pages],
+                                [page_bytes] * len(pages), self._replicate)
+
+    async def put(self, key: str, value: bytes) -> int:
+        """A small object (a record), replacing what the key held."""
+        return await self._call(self._store.upsert, key, value, self._replicate)
+
+    async def get(self, key: str) -> bytes | None:
+        data = await self._call(self._store.get, key)
+        return bytes(data) if data else None
+
+    async def remove(self, key: str) -> int:
+        """Gone now, whatever lease a reader holds on it (a reset session, a torn page)."""
+        return await self._call(self._store.remove, key, True)
+
+    async def healthy(self) -> bool:
+        try:
+            return await self._call(self._store.health_check) == 0
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        if self._store is not None:
+            try:
+                self._thread.submit(self._store.close).result(timeout=10)
+            except Exception as exc:
+                log.warning("could not leave the Mooncake store cleanly", error=str(exc))
+        self._thread.shutdown(wait=True)
+
+
+def _probe(master: str, metadata: str) -> None:
+    """Fail in a second, in one line, where Mooncake's client would retry for a minute and a half."""
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except (OSError, ValueError) as exc:
+        raise ClusterError(f"cannot join the Mooncake store: no mooncake_master at {master} "
+                           f"({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        urllib.request.urlopen(f"{metadata}?key=kvpool-probe", timeout=PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        pass                              # it answered: a metadata server that has no such key
+    except (OSError, ValueError) as exc:
+        raise ClusterError(f"cannot join the Mooncake store: its metadata server {metadata} does not answer "
+                           f"({getattr(exc, 'reason', None) or exc})") from None

@@ -1,0 +1,127 @@
+"""The cluster tier on a real Mooncake Store: mooncake_master (from the kvpool[cluster] wheel), memd and inferd.
+
+Skipped where kvpool[cluster] is not installed (`.ci/run` installs it, and the
+system libraries its import needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from memd.cluster import block_keys, session_key
+from shared.launch import free_port
+from tests.test_inferd_service import inferctl
+
+pytest.importorskip("mooncake.store", reason="needs kvpool[cluster] (Mooncake Store's client)")
+MASTER = Path(sys.executable).parent / "mooncake_master"
+PROMPT = "Tell me a story about a cat who learned to sail."
+
+
+class Store:
+    """A mooncake_master with its HTTP metadata server, and a client of it for the test's own looks."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, master: str, metadata: str) -> None:
+        self.proc, self.master, self.metadata = proc, master, metadata
+
+    def flags(self, *extra: str) -> tuple[str, ...]:
+        return ("--cluster-master", self.master, "--cluster-metadata", self.metadata, "--cluster-host", "127.0.0.1",
+                "--cluster-segment", "32MiB", *extra)
+
+    def look(self, keys: list[str], record: str | None = None) -> tuple[list[bool], dict | None]:
+        """Which keys the store holds, and a record decoded: as another host's client sees them."""
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", self.metadata, 0, 16 << 20, "tcp", "", self.master) == 0
+        try:
+            present = [rc == 1 for rc in client.batch_is_exist(keys)] if keys else []
+            data = client.get(record) if record else None
+            return present, msgpack.unpackb(bytes(data)) if data else None
+        finally:
+            client.close()
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[Store]:
+    if not MASTER.exists():
+        pytest.skip(f"{MASTER} is missing: kvpool[cluster] installs it")
+    rpc, meta, admin = free_port(), free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(MASTER), f"-rpc_port={rpc}", "-enable_http_metadata_server=true", f"-http_metadata_server_port={meta}",
+        f"-metrics_port={admin}", "-default_kv_lease_ttl=100", stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL)
+    assert proc.stderr is not None
+    seen = []
+    while b"Master admin server started" not in (line := await asyncio.wait_for(proc.stderr.readline(), 30)):
+        assert line, "mooncake_master exited: " + b"".join(seen).decode(errors="replace")[-2000:]
+        seen.append(line)
+    drain = asyncio.create_task(_drain(proc.stderr))
+    yield Store(proc, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta}/metadata")
+    proc.kill()
+    await proc.wait()
+    drain.cancel()
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
+def memd_flags(model_dir) -> tuple[str, ...]:
+    return ("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir), "--block-size", "16")
+
+
+async def turn(inferd, session: str, prompt: str, max_tokens: int) -> dict:
+    rc, out, err = await inferctl(inferd.address, "generate", prompt, "--session", session, "--max-tokens",
+                                  str(max_tokens), "--ignore-eos", "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+async def test_a_parked_session_is_published_once_per_block_and_a_reset_takes_it_back(
+        store, memd_factory, inferd_factory, model_dir):
+    memd = await memd_factory(*memd_flags(model_dir), *store.flags())
+    await memd.log.wait_for("joined the cluster store")
+    inferd = await inferd_factory(model_dir, memd.address)
+    first = await turn(inferd, "chat", PROMPT, 14)
+    published = await memd.log.wait_for("published a session to the cluster store", session="chat")
+    history = first["usage"]["prompt_tokens"] + 14
+    assert published["tokens"] == history and published["blocks"] == (history - 1) // 16
+    assert published["new_blocks"] == published["blocks"] >= 2
+
+    async with memd.admin() as admin:
+        model = (await admin.snapshot(blocks=False)).sequences[0].model
+    _, record = await asyncio.to_thread(store.look, [], session_key("chat"))
+    keys = block_keys(model, record["tokens"], 16, published["blocks"])
+    assert record["keys"] == keys and len(record["tokens"]) == history and all(record["checksums"])
+    assert (await asyncio.to_thread(store.look, keys))[0] == [True] * len(keys)
+
+    # Another session with the same prompt: its leading blocks are in the store already, stored once.
+    await turn(inferd, "other", PROMPT, 14)
+    again = await memd.log.wait_for("published a session to the cluster store", session="other")
+    assert again["new_blocks"] < again["blocks"]
+    async with memd.admin() as admin:
+        counters = (await admin.stats()).counters
+    assert counters["cluster_puts"] == published["blocks"] + again["new_blocks"]
+    assert counters["cluster_bytes_out"] > 0 and counters.get("cluster_errors", 0) == 0
+
+    rc, _, err = await inferctl(inferd.address, "reset", "chat")
+    assert rc == 0, err
+    await memd.log.wait_for("removed a session from the cluster store", session="chat")
+    assert (await asyncio.to_thread(store.look, [], session_key("chat")))[1] is None
+
+
+async def test_memd_refuses_a_store_it_cannot_join_in_one_line(memd_factory, model_dir, tmp_path):
+    from tests.conftest import start_memd
+    with pytest.raises(Exception) as failed:
+        await start_memd(tmp_path, *memd_flags(model_dir), "--cluster-master", f"127.0.0.1:{free_port()}",
+                         "--cluster-metadata", f"http://127.0.0.1:{free_port()}/metadata",
+                         "--cluster-host", "127.0.0.1")
+    assert "cannot join the Mooncake store" in str(failed.value)
