@@ -7,7 +7,6 @@ system libraries its import needs).
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from memd.cluster import block_keys, session_key
 from shared.launch import free_port
 from tests.test_inferd_service import inferctl
+from tests.test_memd_restart import memd_flags, turn
 
 pytest.importorskip("mooncake.store", reason="needs kvpool[cluster] (Mooncake Store's client)")
 MASTER = Path(sys.executable).parent / "mooncake_master"
@@ -72,17 +72,6 @@ async def store() -> AsyncIterator[Store]:
 async def _drain(stream: asyncio.StreamReader) -> None:
     while await stream.readline():
         pass
-
-
-def memd_flags(model_dir) -> tuple[str, ...]:
-    return ("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir), "--block-size", "16")
-
-
-async def turn(inferd, session: str, prompt: str, max_tokens: int) -> dict:
-    rc, out, err = await inferctl(inferd.address, "generate", prompt, "--session", session, "--max-tokens",
-                                  str(max_tokens), "--ignore-eos", "--json")
-    assert rc == 0, err
-    return json.loads(out)
 
 
 async def test_a_parked_session_is_published_once_per_block_and_a_reset_takes_it_back(

@@ -22,7 +22,8 @@ from memd.manager import KvManager
 from memd.page_effects import SwapIn
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Open, Park, Resume
-from tests.test_inferd_service import inferctl, memctl
+from tests.test_inferd_service import memctl
+from tests.test_memd_restart import turn
 
 PROMPT = [5 + i for i in range(30)]
 
@@ -223,13 +224,6 @@ TEXT, OTHER, QUESTION = "Tell me a story about a cat who learned to sail.", "Nam
 def memd_flags(model_dir, state) -> tuple[str, ...]:
     return ("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir), "--block-size", "16",
             "--state-dir", str(state))
-
-
-async def turn(inferd, session: str, prompt: str, max_tokens: int) -> dict:
-    rc, out, err = await inferctl(inferd.address, "generate", prompt, "--session", session, "--max-tokens",
-                                  str(max_tokens), "--ignore-eos", "--json")
-    assert rc == 0, err
-    return json.loads(out)
 
 
 def rot_file(path, index: int, block_bytes: int) -> None:
