@@ -374,7 +374,7 @@ async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Part
         raise StartupError("the cluster tier serves CPU (shared-memory) pools for now; use --device cpu")
     config = ClusterConfig(args.cluster_master, args.cluster_metadata, args.cluster_host, args.cluster_segment,
                            args.cluster_replicas)
-    store = ClusterStore(config, memory.base, memory.size)
+    store = ClusterStore(config, memory.base, memory.size, parts.manager.geometry.block_bytes)
     try:
         await store.start()
     except ClusterError as exc:
@@ -382,6 +382,8 @@ async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Part
         raise StartupError(str(exc)) from None
     tier = ClusterTier(parts.manager, store)
     parts.runner.after_step.append(tier.after_step)
+    parts.runner.before_step.append(tier.records_for)
+    parts.runner.copier.remote = store
     stack.push_async_callback(tier.close)
     log.info("joined the cluster store", master=config.master, metadata=config.metadata,
              segment=format_size(config.segment_bytes), replicas=config.replicas)

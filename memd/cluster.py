@@ -1,4 +1,4 @@
-"""The cluster tier: a parked session's K/V published to Mooncake Store, where any host's memd can find it.
+"""The cluster tier: a parked session's K/V published to Mooncake Store, where any host's memd finds it.
 
 When a session's turn ends (its sequence parks), memd publishes it in the
 background, without delaying any Step: its full blocks under content keys
@@ -9,6 +9,14 @@ blocks' checksums (the worker's, so a host that fetches them checks what it
 got). A session reset or freed removes its record; blocks age out by the
 store's own eviction. A store that is slow or down costs only the publish:
 the session stays here, and a line in the log says so.
+
+A Step that continues a session this memd does not hold (its host was lost,
+or a balancer sent the turn elsewhere) first looks its record up in the
+store (`records_for`); the Step then makes it PARKED here with fresh pages
+that its effects fill straight from the store (`Fetch`, run by the page
+copier like a swap-in, off the event loop) and check against the record's
+checksums before the worker hears back. A page that is gone or not intact
+cuts the session there; the worker computes the rest.
 
 Publishing reads the pool pages while Steps go on. A page with a checksum is
 not written until memd hands it out again, which clears the checksum on the
@@ -28,13 +36,15 @@ import structlog
 
 from memd.cluster_store import ClusterStore
 from memd.manager import KvManager
-from memd.sequences import SeqState
+from memd.sequences import RemoteSession, SeqState
 from memd.step_outcome import StepOutcome
+from shared.ops import Op, Open
 
 log = structlog.get_logger("memd.cluster")
 
 KEY_PREFIX = "kvpool/v1"
 RECORD_VERSION = 1
+LOOKUP_TIMEOUT_S = 2.0         # a session record's read, before a Step; past it the session is computed here
 
 
 def block_keys(model: str, token_ids: list[int], block_size: int, count: int) -> list[str]:
@@ -55,6 +65,21 @@ def session_key(session_id: str) -> str:
     return f"{KEY_PREFIX}/session/{session_id}"
 
 
+def _parse_record(data: bytes) -> RemoteSession | None:
+    """A session record, checked field by field; None for anything else (never trusted as it is)."""
+    try:
+        r = msgpack.unpackb(data, raw=False)
+        remote = RemoteSession(str(r["model"]), int(r["block_size"]), [int(t) for t in r["tokens"]],
+                               [str(k) for k in r["keys"]], [int(c) for c in r["checksums"]])
+    except Exception:
+        return None
+    if r.get("v") != RECORD_VERSION or remote.block_size <= 0 or len(remote.keys) != len(remote.checksums) \
+            or len(remote.keys) * remote.block_size > len(remote.token_ids) \
+            or any(not 0 <= t < 2**32 for t in remote.token_ids) or not all(0 < c < 2**64 for c in remote.checksums):
+        return None
+    return remote
+
+
 class ClusterTier:
     """Publishes parked sessions (one publish at a time per session) and forgets reset ones."""
 
@@ -64,6 +89,33 @@ class ClusterTier:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()                 # parked again while its publish ran
         self._published: dict[int, str] = {}          # seq id -> its session, once a record exists
+
+    async def records_for(self, worker_id: int, ops: list[Op]) -> None:
+        """Before a Step: the records of sessions it continues that this memd does not hold, from the store.
+
+        One small read per such session (a new session's first turn finds
+        none). A store that is slow or down degrades to a recompute, with a
+        line in the log, never an error to the worker.
+        """
+        m = self.manager
+        worker = m.workers.get(worker_id)
+        wanted = {op.session_id for op in ops if isinstance(op, Open) and op.continue_session and op.session_id
+                  and op.session_id not in m.sessions}
+        for session in sorted(wanted):
+            try:
+                data = await asyncio.wait_for(self.store.get(session_key(session)), LOOKUP_TIMEOUT_S)
+            except Exception as exc:
+                m.counters["cluster_errors"] += 1
+                log.warning("cannot look the session up in the cluster store; it is computed here",
+                            session=session, error=str(exc) or type(exc).__name__)
+                continue
+            remote = _parse_record(data) if data else None
+            if remote is None or worker is None or (remote.model, remote.block_size) != (worker.model,
+                                                                                         worker.block_size):
+                continue
+            m.remote_records[session] = remote
+            log.info("fetching a session another host published", session=session, blocks=len(remote.keys),
+                     tokens=len(remote.token_ids))
 
     def after_step(self, outcome: StepOutcome) -> None:
         """Called with every committed Step: parked sessions are published, freed ones forgotten."""
@@ -109,7 +161,7 @@ class ClusterTier:
         keys = block_keys(seq.model, seq.token_ids, bs, len(pages))
         present = await self.store.exists(keys)
         todo = [i for i, there in enumerate(present) if not there]
-        codes = await self.store.put_pages([keys[i] for i in todo], [pages[i] for i in todo], self.block_bytes)
+        codes = await self.store.put_pages([keys[i] for i in todo], [pages[i] for i in todo])
         stored = failed = 0
         for i, code in zip(todo, codes, strict=True):
             if code != 0:

@@ -1,11 +1,12 @@
-"""Mooncake Store, as memd uses it: a thread of its own, so no call ever blocks memd's event loop.
+"""Mooncake Store, as memd uses it: threads of its own, so no call ever blocks memd's event loop.
 
 The store (Mooncake's `mooncake_master` and its HTTP metadata server, run by
 the operator) keeps objects replicated over the memory segments its clients
 contribute. memd is one such client (`memd --cluster-master ...`): it puts
-the pages of parked sessions from its pool straight into the store (the pool
-is registered with the transfer engine, so nothing is copied through Python)
-and keeps small records beside them. The client needs `kvpool[cluster]`
+the pages of parked sessions from its pool straight into the store, and
+fetches pages other hosts published straight into pool pages (the pool is
+registered with the transfer engine, so nothing is copied through Python);
+small records of the sessions live beside them. The client needs `kvpool[cluster]`
 (`mooncake-transfer-engine-non-cuda` on CPU machines) and, even over TCP,
 the libibverbs1, libnuma1 and librdmacm1 system libraries.
 """
@@ -48,12 +49,13 @@ class ClusterConfig:
 
 
 class ClusterStore:
-    """The Mooncake client; every call runs on one thread of its own and returns its result to the loop."""
+    """The Mooncake client; every call runs on threads of its own and returns its result to the loop."""
 
-    def __init__(self, config: ClusterConfig, pool_base: int, pool_bytes: int) -> None:
+    def __init__(self, config: ClusterConfig, pool_base: int, pool_bytes: int, page_bytes: int) -> None:
         self.config = config
-        self._pool = (pool_base, pool_bytes)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-cluster")
+        self._pool, self._page_bytes = (pool_base, pool_bytes), page_bytes
+        # A few threads: a lookup before a Step must not queue behind a large publish.
+        self._thread = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memd-cluster")
         self._store: Any = None
         self._replicate: Any = None
 
@@ -92,11 +94,18 @@ class ClusterStore:
         found = await self._call(self._store.batch_is_exist, keys)
         return [rc == 1 for rc in found]
 
-    async def put_pages(self, keys: list[str], pages: list[int], page_bytes: int) -> list[int]:
+    async def put_pages(self, keys: list[str], pages: list[int]) -> list[int]:
         """Put pool pages under `keys` straight from the pool; one return code per key (0: stored)."""
-        base = self._pool[0]
-        return await self._call(self._store.batch_put_from, keys, [base + p * page_bytes for p in pages],
-                                [page_bytes] * len(pages), self._replicate)
+        base, size = self._pool[0], self._page_bytes
+        return await self._call(self._store.batch_put_from, keys, [base + p * size for p in pages],
+                                [size] * len(pages), self._replicate)
+
+    def get_pages(self, keys: list[str], pages: list[int]) -> list[bool]:
+        """Fetch objects straight into pool pages (called from the page copier's thread); whole or not, per key."""
+        base, size = self._pool[0], self._page_bytes
+        got = self._thread.submit(self._store.batch_get_into, keys, [base + p * size for p in pages],
+                                  [size] * len(pages)).result()
+        return [n == size for n in got]
 
     async def put(self, key: str, value: bytes) -> int:
         """A small object (a record), replacing what the key held."""

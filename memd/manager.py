@@ -39,9 +39,9 @@ from memd.errors import (
 )
 from memd.eviction import Evictor
 from memd.invariants import violations
-from memd.page_effects import SwapIn
+from memd.page_effects import Fetch, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog
-from memd.sequences import PrefixHasher, SeqState, Sequence, SwapOut, blocks_for
+from memd.sequences import PrefixHasher, RemoteSession, SeqState, Sequence, SwapOut, blocks_for
 from memd.step_ops import StepOps, _check_name
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
@@ -127,6 +127,8 @@ class KvManager(StepOps):
         # from reuse by the pid of that worker until it exits or attaches again (memd.fences watches).
         self.fences: dict[int, list[int]] = {}
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
+        # Sessions another host published, looked up for the Step about to run (memd.cluster); cleared after it.
+        self.remote_records: dict[str, RemoteSession] = {}
 
     # ---- workers -------------------------------------------------------
 
@@ -252,13 +254,20 @@ class KvManager(StepOps):
         its sequence still holds it: a drop in between may have handed the page on.
         """
         bad = set(corrupt or ())
-        sums = {e.page: e.checksum for e in outcome.effects if isinstance(e, SwapIn) and e.checksum}
+        sums = {e.page: e.checksum for e in outcome.effects if isinstance(e, SwapIn | Fetch) and e.checksum}
+        fetched = {e.page for e in outcome.effects if isinstance(e, Fetch)}
         self.counters["pages_verified"] += len(sums)
-        for b in outcome.swapped_in:
-            if b.block in bad:
+        self.counters["cluster_hits"] += len(fetched - bad)
+        self.counters["cluster_bytes_in"] += len(fetched - bad) * self.geometry.block_bytes
+        for b in sorted(outcome.swapped_in, key=lambda b: b.index):
+            if b.block not in bad:
+                continue
+            if b.block in fetched:            # gone from the store, or not what its worker committed
+                self.counters["cluster_misses"] += 1
+            else:
                 integrity.count(self, integrity.Where.SWAP_IN)
-                if b.index * b.seq.block_size < b.seq.num_committed:
-                    self._distrust(outcome, b.seq, b.index)
+            if b.index * b.seq.block_size < b.seq.num_committed:
+                self._distrust(outcome, b.seq, b.index)
         for b in outcome.swapped_in:
             seq = b.seq
             if b.index < len(seq.block_ids) and seq.block_ids[b.index] == b.block and b.index < len(seq.hashes) \

@@ -14,7 +14,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from memd.memory import PoolMemory
-from memd.page_effects import PageEffect, SwapIn, pages_touched, run_effects
+from memd.page_effects import Fetch, PageEffect, RemotePages, SwapIn, pages_touched, run_effects
 from memd.swap import SwapMemory
 
 # Effects larger than this run off the event loop, so other workers' Steps
@@ -30,6 +30,7 @@ class PageCopier:
         self._effects = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-pages")
         self._swap_outs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap")
         self._busy: Counter[int] = Counter()      # pages that queued effects still touch
+        self.remote: RemotePages | None = None    # the cluster store, for Fetch effects (memd.cluster)
 
     async def apply(self, effects: list[PageEffect]) -> list[int]:
         """Zero, copy and swap in pages before the reply; the Step's state change is already made.
@@ -39,12 +40,12 @@ class PageCopier:
         """
         pages = pages_touched(effects)
         small = len(effects) * self.block_bytes <= INLINE_EFFECT_BYTES and \
-            not any(isinstance(e, SwapIn) for e in effects)
+            not any(isinstance(e, SwapIn | Fetch) for e in effects)
         if small and self._busy.keys().isdisjoint(pages):
             return run_effects(self.memory, self.swap, effects)
         self._busy.update(pages)
         job = asyncio.get_running_loop().run_in_executor(self._effects, run_effects, self.memory, self.swap,
-                                                         effects)
+                                                         effects, self.remote)
         job.add_done_callback(lambda _job: self._unbusy(pages))
         return await asyncio.shield(job)
 

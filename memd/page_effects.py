@@ -10,7 +10,7 @@ copy a swapped-out page back in. They are done before the worker hears back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from memd.memory import PoolMemory
@@ -41,7 +41,21 @@ class SwapIn:
     checksum: int = 0
 
 
-PageEffect = Zero | Copy | SwapIn
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """A page of a session another host published, fetched from the cluster store into a pool page and
+    checked against the checksum its worker sent (memd.cluster)."""
+
+    key: str
+    page: int
+    checksum: int
+
+
+PageEffect = Zero | Copy | SwapIn | Fetch
+
+
+class RemotePages(Protocol):
+    def get_pages(self, keys: list[str], pages: list[int]) -> list[bool]: ...   # fetched whole, key by key
 
 
 def pages_touched(effects: list[PageEffect]) -> list[int]:
@@ -49,16 +63,20 @@ def pages_touched(effects: list[PageEffect]) -> list[int]:
     return [page for e in effects for page in ((e.src, e.page) if isinstance(e, Copy) else (e.page,))]
 
 
-def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageEffect]) -> list[int]:
-    """The effects in order: zeroing and copies on the pool, runs of swap-ins from the swap tier.
+def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageEffect],
+                remote: RemotePages | None = None) -> list[int]:
+    """The effects in order: zeroing and copies on the pool, runs of swap-ins from the swap tier, fetches.
 
-    Returns the pages a swap-in brought back with other bytes than the swap-out wrote (their checksum).
+    Returns the pages a swap-in or a fetch brought back with other bytes than
+    their checksum says (or, a fetch, not at all).
     """
     start, bad = 0, []
     for i in range(1, len(effects) + 1):
-        if i == len(effects) or isinstance(effects[i], SwapIn) != isinstance(effects[start], SwapIn):
+        if i == len(effects) or _kind(effects[i]) != _kind(effects[start]):
             run = effects[start:i]
-            if isinstance(run[0], SwapIn):
+            if isinstance(run[0], Fetch):
+                bad += _fetch(memory, remote, run)                              # type: ignore[arg-type]
+            elif isinstance(run[0], SwapIn):
                 assert swap is not None
                 pairs = [(e.slot, e.page) for e in run]                         # type: ignore[union-attr]
                 if any(e.checksum for e in run):                                # type: ignore[union-attr]
@@ -72,3 +90,14 @@ def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageE
             start = i
     return bad
 
+
+def _kind(effect: PageEffect) -> type:
+    """Effects run together: zeroing and copies on the pool, swap-ins, fetches."""
+    return type(effect) if isinstance(effect, SwapIn | Fetch) else Zero
+
+
+def _fetch(memory: PoolMemory, remote: RemotePages | None, run: list[Fetch]) -> list[int]:
+    pages = [e.page for e in run]
+    arrived = remote.get_pages([e.key for e in run], pages) if remote is not None else [False] * len(run)
+    found = memory.checksums(pages)
+    return [e.page for e, ok, got in zip(run, arrived, found, strict=True) if not ok or got != e.checksum]

@@ -158,3 +158,14 @@ class PrefixHasher:
             parent = self.block_hash(parent, model, tokens)
             out.append((parent, tokens))
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSession:
+    """A session another host's memd published to the cluster store (memd.cluster): what to fetch."""
+
+    model: str
+    block_size: int
+    token_ids: list[int]
+    keys: list[str]               # store keys of its leading full blocks
+    checksums: list[int]          # their workers' checksums

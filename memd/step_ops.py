@@ -16,8 +16,8 @@ import structlog
 from memd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PoolExhausted
 from memd.eviction import Eviction, EvictionReason
 from memd.integrity import Where
-from memd.page_effects import Copy, SwapIn, Zero
-from memd.sequences import SeqState, Sequence, blocks_for
+from memd.page_effects import Copy, Fetch, SwapIn, Zero
+from memd.sequences import RemoteSession, SeqState, Sequence, blocks_for
 from memd.step_outcome import SwappedInBlock
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
@@ -54,6 +54,10 @@ class StepOps:
         if op.whole_history and not (op.continue_session and op.session_id and op.token_ids):
             raise InvalidArgument("whole_history names a session's whole conversation: give session_id, "
                                   "continue_session and its token ids")
+        if op.continue_session and op.session_id and op.session_id not in self.sessions \
+                and (remote := self.remote_records.get(op.session_id)) is not None \
+                and (remote.model, remote.block_size) == (worker.model, worker.block_size):
+            self._fetch_session(txn, op.session_id, remote)
         if op.continue_session and op.session_id in self.sessions:
             held = self.seqs[self.sessions[op.session_id]]
             if held.preempted_by is not None:         # a turn in flight, waiting for pages: not a new turn's
@@ -70,6 +74,32 @@ class StepOps:
         cached = self._match_prefix(txn, seq)
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         return _result(seq, 0, cached, history=op.continue_session)
+
+    def _fetch_session(self, txn: _Txn, session: str, remote: RemoteSession) -> None:
+        """A session another host published: PARKED here, its blocks fetched into fresh pages once the Step stands.
+
+        The pages are checked against their workers' checksums when they land
+        (`effects_landed`); one that did not arrive intact cuts the session
+        there, and the worker computes the rest.
+        """
+        _check_name("session id", session)
+        bs, count = remote.block_size, len(remote.keys)
+        self._check_fits(len(remote.token_ids), bs)
+        if count > self.pool.num_free:
+            raise PoolExhausted(count, self.pool.num_free)
+        seq = Sequence(self._next_seq, remote.model, bs, None, SeqState.PARKED, [], count * bs,
+                       list(remote.token_ids), session_id=session)
+        self._next_seq += 1
+        self._create(txn, seq)
+        for index, (key, checksum) in enumerate(zip(remote.keys, remote.checksums, strict=True)):
+            block, _ = self.pool.allocate()
+            seq.block_ids.append(block)
+            txn.outcome.effects.append(Fetch(key, block, checksum))
+            txn.outcome.swapped_in.append(SwappedInBlock(seq, index, block))
+        seq.hashes = [digest for digest, _ in self.hasher.chain(seq.model, seq.token_ids, bs, 0, b"", count)]
+        txn.outcome.filling.add(seq.seq_id)
+        txn.counters["cluster_sessions_fetched"] += 1
+        txn.counters["blocks_allocated"] += count
 
     def _extend(self, txn: _Txn, op: Extend) -> OpResult:
         seq = self._own(txn, op.seq_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -47,16 +47,22 @@ class StepRunner:
         self.on_change: Callable[[], None] = lambda: None
         # Called with every committed Step once its pages are filled (the cluster tier publishes parks).
         self.after_step: list[Callable[[StepOutcome], None]] = []
+        # Awaited before a Step runs, with its worker and ops (the cluster tier looks up unknown sessions).
+        self.before_step: list[Callable[[int, list[Op]], Awaitable[None]]] = []
 
     async def run(self, worker_id: int, ops: list[Op], lease: bytes | None = None,
                   wanted_blocks: int = 0) -> StepOutcome:
         """The Step, committed and done; KvError (journaled, counted) when it is refused."""
         m = self.manager
         try:
+            for prepare in self.before_step:
+                await prepare(worker_id, ops)
             outcome = await self._run_making_room(worker_id, ops, lease)
         except KvError:
             self.refused()
             raise
+        finally:
+            m.remote_records.clear()
         self.persist()              # write-ahead: journaled before the worker may write a page it was given
         # The Step is committed: what follows must finish even if the caller is cancelled.
         await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))

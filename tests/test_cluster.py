@@ -114,3 +114,26 @@ async def test_memd_refuses_a_store_it_cannot_join_in_one_line(memd_factory, mod
                          "--cluster-metadata", f"http://127.0.0.1:{free_port()}/metadata",
                          "--cluster-host", "127.0.0.1")
     assert "cannot join the Mooncake store" in str(failed.value)
+
+
+async def test_a_host_lost_after_a_turn_costs_no_recompute_on_another(
+        store, memd_factory, inferd_factory, model_dir, model_judge):
+    hosts = []
+    for name in ("a", "b"):                   # two hosts: a memd each (own pool), both in the one store
+        memd = await memd_factory(*memd_flags(model_dir), *store.flags(), name=f"memd-{name}")
+        hosts.append((memd, await inferd_factory(model_dir, memd.address, name=f"inferd-{name}")))
+    (memd_a, inferd_a), (memd_b, inferd_b) = hosts
+    first = await turn(inferd_a, "chat", PROMPT, 14)
+    published = await memd_a.log.wait_for("published a session to the cluster store", session="chat")
+
+    await inferd_a.kill()                                     # host a is lost, worker and memd
+    await memd_a.kill()
+    second = await turn(inferd_b, "chat", "And then?", 10)
+    model_judge.assert_greedy(model_judge.encode(PROMPT) + first["token_ids"] + model_judge.encode("And then?"),
+                              second["token_ids"], 10, "the turn after its host was lost")
+    assert second["usage"]["cached_tokens"] == published["blocks"] * 16      # fetched, not recomputed
+    async with memd_b.admin() as admin:
+        counters = (await admin.stats()).counters
+        assert (await admin.check()).ok
+    assert counters["cluster_sessions_fetched"] == 1 and counters["cluster_hits"] == published["blocks"]
+    assert counters.get("cluster_misses", 0) == 0 and counters["pages_verified"] >= published["blocks"]
