@@ -7,9 +7,11 @@ system libraries its import needs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -30,22 +32,32 @@ class Store:
     def __init__(self, proc: asyncio.subprocess.Process, master: str, metadata: str) -> None:
         self.proc, self.master, self.metadata = proc, master, metadata
 
+    @contextlib.contextmanager
+    def client(self) -> Iterator[Any]:
+        """A client of the store that contributes no memory, as another host's would be."""
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", self.metadata, 0, 16 << 20, "tcp", "", self.master) == 0
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def remove(self, key: str) -> None:
+        with self.client() as client:
+            assert client.remove(key, True) == 0
+
     def flags(self, *extra: str) -> tuple[str, ...]:
         return ("--cluster-master", self.master, "--cluster-metadata", self.metadata, "--cluster-host", "127.0.0.1",
                 "--cluster-segment", "32MiB", *extra)
 
     def look(self, keys: list[str], record: str | None = None) -> tuple[list[bool], dict | None]:
         """Which keys the store holds, and a record decoded: as another host's client sees them."""
-        from mooncake.store import MooncakeDistributedStore
-
-        client = MooncakeDistributedStore()
-        assert client.setup("127.0.0.1", self.metadata, 0, 16 << 20, "tcp", "", self.master) == 0
-        try:
+        with self.client() as client:
             present = [rc == 1 for rc in client.batch_is_exist(keys)] if keys else []
             data = client.get(record) if record else None
             return present, msgpack.unpackb(bytes(data)) if data else None
-        finally:
-            client.close()
 
 
 @pytest.fixture
@@ -137,3 +149,24 @@ async def test_a_host_lost_after_a_turn_costs_no_recompute_on_another(
         assert (await admin.check()).ok
     assert counters["cluster_sessions_fetched"] == 1 and counters["cluster_hits"] == published["blocks"]
     assert counters.get("cluster_misses", 0) == 0 and counters["pages_verified"] >= published["blocks"]
+
+
+async def test_a_block_gone_from_the_store_is_recomputed_from_there(
+        store, memd_factory, inferd_factory, model_dir, model_judge):
+    memd_a = await memd_factory(*memd_flags(model_dir), *store.flags(), name="memd-a")
+    inferd_a = await inferd_factory(model_dir, memd_a.address, name="inferd-a")
+    first = await turn(inferd_a, "chat", PROMPT, 14)
+    await memd_a.log.wait_for("published a session to the cluster store", session="chat")
+    _, record = await asyncio.to_thread(store.look, [], session_key("chat"))
+    await asyncio.to_thread(store.remove, record["keys"][1])            # evicted, say
+
+    memd_b = await memd_factory(*memd_flags(model_dir), *store.flags(), name="memd-b")
+    inferd_b = await inferd_factory(model_dir, memd_b.address, name="inferd-b")
+    second = await turn(inferd_b, "chat", "And then?", 10)
+    model_judge.assert_greedy(model_judge.encode(PROMPT) + first["token_ids"] + model_judge.encode("And then?"),
+                              second["token_ids"], 10, "the turn after a block left the store")
+    assert second["usage"]["cached_tokens"] == 16                         # the block before the missing one
+    async with memd_b.admin() as admin:
+        counters = (await admin.stats()).counters
+        assert (await admin.check()).ok
+    assert counters["cluster_misses"] == 1 and counters["cluster_hits"] == 1
