@@ -384,6 +384,7 @@ async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Part
     parts.runner.after_step.append(tier.after_step)
     parts.runner.before_step.append(tier.records_for)
     parts.runner.copier.remote = store
+    parts.service.cluster_status = tier.status
     stack.push_async_callback(tier.close)
     log.info("joined the cluster store", master=config.master, metadata=config.metadata,
              segment=format_size(config.segment_bytes), replicas=config.replicas)

@@ -44,6 +44,7 @@ log = structlog.get_logger("memd.cluster")
 
 KEY_PREFIX = "kvpool/v1"
 RECORD_VERSION = 1
+HEALTH = {1: "the client is closed", 2: "mooncake_master does not answer"}
 LOOKUP_TIMEOUT_S = 2.0         # a session record's read, before a Step; past it the session is computed here
 
 
@@ -89,6 +90,14 @@ class ClusterTier:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()                 # parked again while its publish ran
         self._published: dict[int, str] = {}          # seq id -> its session, once a record exists
+
+    async def status(self) -> str:
+        """For `memctl stats`: whether the store answers now."""
+        try:
+            code = await asyncio.wait_for(self.store.health(), LOOKUP_TIMEOUT_S)
+        except TimeoutError:
+            return f"unreachable: the store did not answer in {LOOKUP_TIMEOUT_S:g} s"
+        return "reachable" if code == 0 else f"unreachable: {HEALTH.get(code, f'health check returned {code}')}"
 
     async def records_for(self, worker_id: int, ops: list[Op]) -> None:
         """Before a Step: the records of sessions it continues that this memd does not hold, from the store.

@@ -119,11 +119,9 @@ class ClusterStore:
         """Gone now, whatever lease a reader holds on it (a reset session, a torn page)."""
         return await self._call(self._store.remove, key, True)
 
-    async def healthy(self) -> bool:
-        try:
-            return await self._call(self._store.health_check) == 0
-        except Exception:
-            return False
+    async def health(self) -> int:
+        """Mooncake's health check: 0 healthy, 1 client closed, 2 master unreachable."""
+        return await self._call(self._store.health_check)
 
     def close(self) -> None:
         if self._store is not None:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
@@ -56,6 +57,7 @@ class MemdService(pb_grpc.MemdServicer):
                  memory: PoolMemory, fd_server: FdServer | None, scrubber: Scrubber, *, generation: int) -> None:
         self.manager, self.runner, self.leases, self.fences = manager, runner, leases, fences
         self.scrubber = scrubber
+        self.cluster_status: Callable[[], Awaitable[str]] | None = None    # set when memd joined a store
         self.memory = memory
         self.fd_server = fd_server
         self.generation = generation
@@ -182,7 +184,8 @@ class MemdService(pb_grpc.MemdServicer):
             workers=len(m.workers), sequences=m.state_counts(), counters=dict(m.counters),
             backend=self.memory.backend, device=self.memory.device, generation=self.generation,
             uptime_s=time.monotonic() - self.started, bytes_per_token=g.bytes_per_token,
-            block_size=g.block_size, rpcs=dict(self.rpcs), draining=self.leases.drain_all)
+            block_size=g.block_size, rpcs=dict(self.rpcs), draining=self.leases.drain_all,
+            cluster=await self.cluster_status() if self.cluster_status is not None else "off")
 
     async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotReply:
         log.debug("rpc", method="Snapshot")

@@ -57,6 +57,10 @@ def render_stats(data: dict[str, Any]) -> str:
                      f"sequences, {data['swap_free_blocks']} free")
     else:
         lines.append("swap      off")
+    if data.get("cluster", "off") != "off":
+        lines.append(f"cluster   store {data['cluster']}; blocks out {c.get('cluster_puts', 0)}, in "
+                     f"{c.get('cluster_hits', 0)}, missed {c.get('cluster_misses', 0)}, "
+                     f"errors {c.get('cluster_errors', 0)}")
     lines.append(f"pressure  swap-outs {c['swap_outs']}, swap-ins {c['swap_ins']}, drops {c['drops']}, "
                  f"preemptions {c['preemptions']}; evictions " +
                  ", ".join(f"{reason} {n}" for reason, n in c["evictions"].items()))

@@ -18,7 +18,7 @@ import pytest
 
 from memd.cluster import block_keys, session_key
 from shared.launch import free_port
-from tests.test_inferd_service import inferctl
+from tests.test_inferd_service import inferctl, memctl
 from tests.test_memd_restart import memd_flags, turn
 
 pytest.importorskip("mooncake.store", reason="needs kvpool[cluster] (Mooncake Store's client)")
@@ -108,8 +108,12 @@ async def test_a_parked_session_is_published_once_per_block_and_a_reset_takes_it
     await turn(inferd, "other", PROMPT, 14)
     again = await memd.log.wait_for("published a session to the cluster store", session="other")
     assert again["new_blocks"] < again["blocks"]
+    rc, out, _ = await memctl(memd.address, "stats")
+    assert rc == 0 and "cluster   store reachable; blocks out" in out
     async with memd.admin() as admin:
-        counters = (await admin.stats()).counters
+        stats = await admin.stats()
+    counters = stats.counters
+    assert stats.cluster == "reachable"
     assert counters["cluster_puts"] == published["blocks"] + again["new_blocks"]
     assert counters["cluster_bytes_out"] > 0 and counters.get("cluster_errors", 0) == 0
 
