@@ -44,6 +44,13 @@ COUNTERS = (
     ("forks", "forks", "sequences forked"),
     ("reclaims", "reclaims", "workers whose lease ended and whose sequences memd took back"),
     ("pages_verified", "pages_verified", "pages checked against their checksum where K/V crossed a boundary"),
+    ("cluster_puts", "cluster_puts", "blocks published to the cluster store"),
+    ("cluster_hits", "cluster_hits", "blocks fetched intact from the cluster store"),
+    ("cluster_misses", "cluster_misses", "blocks a fetch did not get intact (gone from the store, or corrupt)"),
+    ("cluster_errors", "cluster_errors", "cluster store calls that failed (the session stayed local)"),
+    ("cluster_sessions_fetched", "cluster_sessions_fetched", "sessions another host published, taken over"),
+    ("cluster_bytes_out", "cluster_bytes_out", "bytes published to the cluster store"),
+    ("cluster_bytes_in", "cluster_bytes_in", "bytes fetched from the cluster store"),
 )
 
 
