@@ -36,7 +36,7 @@ import structlog
 
 from memd.cluster_store import ClusterStore
 from memd.manager import KvManager
-from memd.sequences import RemoteSession, SeqState
+from memd.sequences import RemotePrefix, RemoteSession, SeqState
 from memd.step_outcome import StepOutcome
 from shared.ops import Op, Open
 
@@ -64,6 +64,11 @@ def block_keys(model: str, token_ids: list[int], block_size: int, count: int) ->
 
 def session_key(session_id: str) -> str:
     return f"{KEY_PREFIX}/session/{session_id}"
+
+
+def sum_key(block_key: str) -> str:
+    """Where a published block's checksum lives (8 bytes): a prefix fetch checks the page against it."""
+    return block_key.replace("/block/", "/sum/", 1)
 
 
 def _parse_record(data: bytes) -> RemoteSession | None:
@@ -108,6 +113,8 @@ class ClusterTier:
         """
         m = self.manager
         worker = m.workers.get(worker_id)
+        if worker is None:
+            return
         wanted = {op.session_id for op in ops if isinstance(op, Open) and op.continue_session and op.session_id
                   and op.session_id not in m.sessions}
         for session in sorted(wanted):
@@ -119,12 +126,47 @@ class ClusterTier:
                             session=session, error=str(exc) or type(exc).__name__)
                 continue
             remote = _parse_record(data) if data else None
-            if remote is None or worker is None or (remote.model, remote.block_size) != (worker.model,
-                                                                                         worker.block_size):
+            if remote is None or (remote.model, remote.block_size) != (worker.model, worker.block_size):
                 continue
             m.remote_records[session] = remote
             log.info("fetching a session another host published", session=session, blocks=len(remote.keys),
                      tokens=len(remote.token_ids))
+        for op in ops:
+            if isinstance(op, Open) and not (op.continue_session and op.session_id in m.remote_records):
+                await self._prefix_for(op, worker.model, worker.block_size)
+
+    async def _prefix_for(self, op: Open, model: str, bs: int) -> None:
+        """The published blocks that extend a new sequence's local prefix hits: their checksums, one batched read.
+
+        As the prefix cache, the last token is left to compute. A session's
+        later turn (held here) needs none of this.
+        """
+        m = self.manager
+        if op.continue_session and op.session_id in m.sessions:
+            return
+        tokens, limit = op.token_ids, (len(op.token_ids) - 1) // bs if op.token_ids else 0
+        local = 0
+        for digest, chunk in m.hasher.chain(model, tokens, bs, 0, b"", limit):
+            if m.pool.lookup(digest, chunk) is None:
+                break
+            local += 1
+        if local >= limit:
+            return
+        keys = block_keys(model, tokens, bs, limit)[local:]
+        try:
+            found = await asyncio.wait_for(self.store.get_many([sum_key(k) for k in keys]), LOOKUP_TIMEOUT_S)
+        except Exception as exc:
+            m.counters["cluster_errors"] += 1
+            log.warning("cannot look a prefix up in the cluster store; it is computed here",
+                        error=str(exc) or type(exc).__name__)
+            return
+        sums = []
+        for value in found:
+            if len(value) != 8 or not int.from_bytes(value, "little"):
+                break
+            sums.append(int.from_bytes(value, "little"))
+        if sums:
+            m.remote_prefixes[id(op)] = RemotePrefix(local, keys[:len(sums)], sums)
 
     def after_step(self, outcome: StepOutcome) -> None:
         """Called with every committed Step: parked sessions are published, freed ones forgotten."""
@@ -181,6 +223,10 @@ class ClusterTier:
             else:
                 stored += 1
             present[i] = code == 0
+        new_sums = [i for i, code in zip(todo, codes, strict=True) if code == 0 and present[i]]
+        if await self.store.put_many([sum_key(keys[i]) for i in new_sums],
+                                     [sums[i].to_bytes(8, "little") for i in new_sums]) != 0:
+            m.counters["cluster_errors"] += 1
         m.counters["cluster_puts"] += stored
         m.counters["cluster_bytes_out"] += stored * self.block_bytes
         m.counters["cluster_errors"] += failed

@@ -111,6 +111,14 @@ class ClusterStore:
         """A small object (a record), replacing what the key held."""
         return await self._call(self._store.upsert, key, value, self._replicate)
 
+    async def put_many(self, keys: list[str], values: list[bytes]) -> int:
+        """Small objects (block checksums), replacing what the keys held; 0 when all were stored."""
+        return await self._call(self._store.upsert_batch, keys, values, self._replicate) if keys else 0
+
+    async def get_many(self, keys: list[str]) -> list[bytes]:
+        """Small objects; b"" for a key the store does not hold."""
+        return [bytes(v) if v else b"" for v in await self._call(self._store.get_batch, keys)] if keys else []
+
     async def get(self, key: str) -> bytes | None:
         data = await self._call(self._store.get, key)
         return bytes(data) if data else None

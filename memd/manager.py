@@ -41,7 +41,7 @@ from memd.eviction import Evictor
 from memd.invariants import violations
 from memd.page_effects import Fetch, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog
-from memd.sequences import PrefixHasher, RemoteSession, SeqState, Sequence, SwapOut, blocks_for
+from memd.sequences import PrefixHasher, RemotePrefix, RemoteSession, SeqState, Sequence, SwapOut, blocks_for
 from memd.step_ops import StepOps, _check_name
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
@@ -129,6 +129,7 @@ class KvManager(StepOps):
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
         # Sessions another host published, looked up for the Step about to run (memd.cluster); cleared after it.
         self.remote_records: dict[str, RemoteSession] = {}
+        self.remote_prefixes: dict[int, RemotePrefix] = {}      # by id() of the Step's Open op, likewise
 
     # ---- workers -------------------------------------------------------
 

@@ -169,3 +169,12 @@ class RemoteSession:
     token_ids: list[int]
     keys: list[str]               # store keys of its leading full blocks
     checksums: list[int]          # their workers' checksums
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefix:
+    """Full blocks of a new sequence's prompt that other hosts published, from block `start` on (memd.cluster)."""
+
+    start: int
+    keys: list[str]
+    checksums: list[int]

@@ -17,7 +17,7 @@ from memd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, P
 from memd.eviction import Eviction, EvictionReason
 from memd.integrity import Where
 from memd.page_effects import Copy, Fetch, SwapIn, Zero
-from memd.sequences import RemoteSession, SeqState, Sequence, blocks_for
+from memd.sequences import RemotePrefix, RemoteSession, SeqState, Sequence, blocks_for
 from memd.step_outcome import SwappedInBlock
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
@@ -72,6 +72,8 @@ class StepOps:
         self._next_seq += 1
         self._create(txn, seq)
         cached = self._match_prefix(txn, seq)
+        if (remote := self.remote_prefixes.get(id(op))) is not None:
+            cached = self._fetch_prefix(txn, seq, remote)
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         return _result(seq, 0, cached, history=op.continue_session)
 
@@ -100,6 +102,30 @@ class StepOps:
         txn.outcome.filling.add(seq.seq_id)
         txn.counters["cluster_sessions_fetched"] += 1
         txn.counters["blocks_allocated"] += count
+
+    def _fetch_prefix(self, txn: _Txn, seq: Sequence, remote: RemotePrefix) -> int:
+        """Past the local prefix hits, the blocks other hosts published: fetched into fresh pages once the
+        Step stands, checked against their checksums (as `_fetch_session`'s). Returns tokens reused."""
+        bs, have = seq.block_size, len(seq.block_ids)
+        if have < remote.start:
+            return seq.num_committed        # the local cache lost blocks since the lookup: compute the rest
+        parent = seq.hashes[-1] if seq.hashes else b""
+        todo = list(zip(remote.keys, remote.checksums, strict=True))[have - remote.start:]
+        if len(todo) > self.pool.num_free:
+            raise PoolExhausted(len(todo), self.pool.num_free)
+        for index, (key, checksum) in enumerate(todo, have):
+            block, _ = self.pool.allocate()
+            parent = self.hasher.block_hash(parent, seq.model, tuple(seq.token_ids[index * bs:(index + 1) * bs]))
+            seq.block_ids.append(block)
+            seq.hashes.append(parent)
+            txn.outcome.effects.append(Fetch(key, block, checksum))
+            txn.outcome.swapped_in.append(SwappedInBlock(seq, index, block))
+        if todo:
+            txn.outcome.filling.add(seq.seq_id)
+            txn.counters["cluster_prefix_blocks"] += len(todo)
+            txn.counters["blocks_allocated"] += len(todo)
+        seq.num_committed = len(seq.block_ids) * bs
+        return seq.num_committed
 
     def _extend(self, txn: _Txn, op: Extend) -> OpResult:
         seq = self._own(txn, op.seq_id)

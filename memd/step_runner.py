@@ -63,6 +63,7 @@ class StepRunner:
             raise
         finally:
             m.remote_records.clear()
+            m.remote_prefixes.clear()
         self.persist()              # write-ahead: journaled before the worker may write a page it was given
         # The Step is committed: what follows must finish even if the caller is cancelled.
         await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))

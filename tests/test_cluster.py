@@ -174,3 +174,22 @@ async def test_a_block_gone_from_the_store_is_recomputed_from_there(
         counters = (await admin.stats()).counters
         assert (await admin.check()).ok
     assert counters["cluster_misses"] == 1 and counters["cluster_hits"] == 1
+
+
+async def test_a_new_session_fetches_the_prefix_another_host_published(
+        store, memd_factory, inferd_factory, model_dir, model_judge):
+    memd_a = await memd_factory(*memd_flags(model_dir), *store.flags(), name="memd-a")
+    inferd_a = await inferd_factory(model_dir, memd_a.address, name="inferd-a")
+    await turn(inferd_a, "chat", PROMPT, 14)
+    await memd_a.log.wait_for("published a session to the cluster store", session="chat")
+
+    memd_b = await memd_factory(*memd_flags(model_dir), *store.flags(), name="memd-b")
+    inferd_b = await inferd_factory(model_dir, memd_b.address, name="inferd-b")
+    other = await turn(inferd_b, "other", PROMPT, 10)                # a new session, the same prompt
+    prompt = model_judge.encode(PROMPT)
+    model_judge.assert_greedy(prompt, other["token_ids"], 10, "a prompt whose prefix came from another host")
+    reused = (len(prompt) - 1) // 16 * 16                             # as the prefix cache: the last token computed
+    assert other["usage"]["cached_tokens"] == reused > 0
+    async with memd_b.admin() as admin:
+        counters = (await admin.stats()).counters
+    assert counters["cluster_prefix_blocks"] == counters["cluster_hits"] == reused // 16
