@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
 from memd.cluster import ClusterTier
+from memd.cluster_lookup import Lookups
 from memd.cluster_store import ClusterConfig, ClusterError, ClusterStore
 from memd.fdpass import FdServer
 from memd.interceptors import MEMD_SERVICE, RpcCounter
@@ -321,12 +322,12 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         wal = open_journal(args, state, layout, manager, memory, swap, found, stack)
         fd_server = await start_fd_server(memory, startup.sock_path, stack)
         parts = wire(manager, policy, memory, swap, wal, fd_server)
+        if args.cluster_master:
+            await join_cluster(args, memory, parts, stack)   # left after the copier's fetches are done
         stack.push_async_callback(parts.runner.close)       # queued copies land before the pool goes
         stack.callback(parts.scrubber.close)
         if found is not None and getattr(memory, "reopened", False):
             check_reopened(parts.scrubber)
-        if args.cluster_master:
-            await join_cluster(args, memory, parts, stack)
         stack.callback(parts.fences.close)
         if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
             metrics = MemdMetrics(parts.service, asyncio.get_running_loop())
@@ -382,7 +383,7 @@ async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Part
         raise StartupError(str(exc)) from None
     tier = ClusterTier(parts.manager, store)
     parts.runner.after_step.append(tier.after_step)
-    parts.runner.before_step.append(tier.records_for)
+    parts.runner.lookups = Lookups(parts.manager, store)
     parts.runner.copier.remote = store
     parts.service.cluster_status = tier.status
     stack.push_async_callback(tier.close)

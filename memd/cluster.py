@@ -36,9 +36,8 @@ import structlog
 
 from memd.cluster_store import ClusterStore
 from memd.manager import KvManager
-from memd.sequences import RemotePrefix, RemoteSession, SeqState
+from memd.sequences import RemoteSession, SeqState
 from memd.step_outcome import StepOutcome
-from shared.ops import Op, Open
 
 log = structlog.get_logger("memd.cluster")
 
@@ -71,7 +70,7 @@ def sum_key(block_key: str) -> str:
     return block_key.replace("/block/", "/sum/", 1)
 
 
-def _parse_record(data: bytes) -> RemoteSession | None:
+def parse_record(data: bytes) -> RemoteSession | None:
     """A session record, checked field by field; None for anything else (never trusted as it is)."""
     try:
         r = msgpack.unpackb(data, raw=False)
@@ -83,6 +82,9 @@ def _parse_record(data: bytes) -> RemoteSession | None:
             or len(remote.keys) * remote.block_size > len(remote.token_ids) \
             or any(not 0 <= t < 2**32 for t in remote.token_ids) or not all(0 < c < 2**64 for c in remote.checksums):
         return None
+    # The keys must be those of these tokens: K/V is never taken for tokens it was not computed for.
+    if remote.keys != block_keys(remote.model, remote.token_ids, remote.block_size, len(remote.keys)):
+        return None
     return remote
 
 
@@ -93,8 +95,7 @@ class ClusterTier:
         self.manager, self.store = manager, store
         self.block_bytes = manager.geometry.block_bytes
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._again: set[str] = set()                 # parked again while its publish ran
-        self._published: dict[int, str] = {}          # seq id -> its session, once a record exists
+        self._again: set[str] = set()                 # parked again (or freed) while its last job ran
 
     async def status(self) -> str:
         """For `memctl stats`: whether the store answers now."""
@@ -104,99 +105,37 @@ class ClusterTier:
             return f"unreachable: the store did not answer in {LOOKUP_TIMEOUT_S:g} s"
         return "reachable" if code == 0 else f"unreachable: {HEALTH.get(code, f'health check returned {code}')}"
 
-    async def records_for(self, worker_id: int, ops: list[Op]) -> None:
-        """Before a Step: the records of sessions it continues that this memd does not hold, from the store.
-
-        One small read per such session (a new session's first turn finds
-        none). A store that is slow or down degrades to a recompute, with a
-        line in the log, never an error to the worker.
-        """
-        m = self.manager
-        worker = m.workers.get(worker_id)
-        if worker is None:
-            return
-        wanted = {op.session_id for op in ops if isinstance(op, Open) and op.continue_session and op.session_id
-                  and op.session_id not in m.sessions}
-        for session in sorted(wanted):
-            try:
-                data = await asyncio.wait_for(self.store.get(session_key(session)), LOOKUP_TIMEOUT_S)
-            except Exception as exc:
-                m.counters["cluster_errors"] += 1
-                log.warning("cannot look the session up in the cluster store; it is computed here",
-                            session=session, error=str(exc) or type(exc).__name__)
-                continue
-            remote = _parse_record(data) if data else None
-            if remote is None or (remote.model, remote.block_size) != (worker.model, worker.block_size):
-                continue
-            m.remote_records[session] = remote
-            log.info("fetching a session another host published", session=session, blocks=len(remote.keys),
-                     tokens=len(remote.token_ids))
-        for op in ops:
-            if isinstance(op, Open) and not (op.continue_session and op.session_id in m.remote_records):
-                await self._prefix_for(op, worker.model, worker.block_size)
-
-    async def _prefix_for(self, op: Open, model: str, bs: int) -> None:
-        """The published blocks that extend a new sequence's local prefix hits: their checksums, one batched read.
-
-        As the prefix cache, the last token is left to compute. A session's
-        later turn (held here) needs none of this.
-        """
-        m = self.manager
-        if op.continue_session and op.session_id in m.sessions:
-            return
-        tokens, limit = op.token_ids, (len(op.token_ids) - 1) // bs if op.token_ids else 0
-        local = 0
-        for digest, chunk in m.hasher.chain(model, tokens, bs, 0, b"", limit):
-            if m.pool.lookup(digest, chunk) is None:
-                break
-            local += 1
-        if local >= limit:
-            return
-        keys = block_keys(model, tokens, bs, limit)[local:]
-        try:
-            found = await asyncio.wait_for(self.store.get_many([sum_key(k) for k in keys]), LOOKUP_TIMEOUT_S)
-        except Exception as exc:
-            m.counters["cluster_errors"] += 1
-            log.warning("cannot look a prefix up in the cluster store; it is computed here",
-                        error=str(exc) or type(exc).__name__)
-            return
-        sums = []
-        for value in found:
-            if len(value) != 8 or not int.from_bytes(value, "little"):
-                break
-            sums.append(int.from_bytes(value, "little"))
-        if sums:
-            m.remote_prefixes[id(op)] = RemotePrefix(local, keys[:len(sums)], sums)
-
     def after_step(self, outcome: StepOutcome) -> None:
-        """Called with every committed Step: parked sessions are published, freed ones forgotten."""
+        """Called with every committed Step: parked sessions are published, freed ones taken back."""
         m = self.manager
         for result in outcome.results:
             if result.state == SeqState.PARKED.value:
                 seq = m.seqs.get(result.seq_id)
                 if seq is not None and seq.session_id:
-                    self._soon(seq.session_id, self._publish)
-            elif result.state == "freed" and result.seq_id in self._published:
-                self._soon(self._published.pop(result.seq_id), self._forget)
+                    self._soon(seq.session_id)
+        for session in outcome.freed_sessions:
+            self._soon(session)
 
-    def _soon(self, session: str, job: object) -> None:
+    def _soon(self, session: str) -> None:
+        """One job at a time per session; what it does is decided when it runs (publish if held, else forget)."""
         if session in self._tasks:
             self._again.add(session)
             return
-        self._tasks[session] = asyncio.create_task(self._run(session, job), name=f"cluster:{session}")
+        self._tasks[session] = asyncio.create_task(self._run(session), name=f"cluster:{session}")
 
-    async def _run(self, session: str, job: object) -> None:
+    async def _run(self, session: str) -> None:
         try:
             while True:
-                await job(session)                                         # type: ignore[operator]
+                held = session in self.manager.sessions
+                try:
+                    await (self._publish(session) if held else self._forget(session))
+                except Exception as exc:   # the store is slow or down: the session stays local, nothing fails
+                    self.manager.counters["cluster_errors"] += 1
+                    log.warning("the cluster store did not take a change; the session stays on this host",
+                                session=session, publish=held, error=str(exc) or type(exc).__name__)
                 if session not in self._again:
                     break
                 self._again.discard(session)
-                job = self._publish if session in self.manager.sessions else self._forget
-        except Exception as exc:           # the store is slow or down: the session stays local, nothing fails
-            self.manager.counters["cluster_errors"] += 1
-            log.warning("could not publish to the cluster store; the session stays on this host",
-                        session=session, error=str(exc) or type(exc).__name__)
         finally:
             self._tasks.pop(session, None)
 
@@ -205,11 +144,13 @@ class ClusterTier:
         seq = m.seqs.get(m.sessions.get(session, 0))
         if seq is None or seq.state is not SeqState.PARKED:
             return
-        bs, pages = seq.block_size, list(seq.block_ids[:seq.num_full_blocks])
+        # All of it taken now: the session may be resumed, rewound or freed while the store is busy.
+        bs, model, tokens = seq.block_size, seq.model, list(seq.token_ids)
+        pages = list(seq.block_ids[:seq.num_full_blocks])
         sums = [m.pool.checksum[p] for p in pages]
         if 0 in sums:
             pages, sums = pages[:sums.index(0)], sums[:sums.index(0)]    # only what can be checked on arrival
-        keys = block_keys(seq.model, seq.token_ids, bs, len(pages))
+        keys = block_keys(model, tokens, bs, len(pages))
         present = await self.store.exists(keys)
         todo = [i for i, there in enumerate(present) if not there]
         codes = await self.store.put_pages([keys[i] for i in todo], [pages[i] for i in todo])
@@ -231,13 +172,12 @@ class ClusterTier:
         m.counters["cluster_bytes_out"] += stored * self.block_bytes
         m.counters["cluster_errors"] += failed
         upto = present.index(False) if False in present else len(present)
-        record = {"v": RECORD_VERSION, "model": seq.model, "block_size": bs, "tokens": list(seq.token_ids),
+        record = {"v": RECORD_VERSION, "model": model, "block_size": bs, "tokens": tokens,
                   "keys": keys[:upto], "checksums": sums[:upto]}
         if await self.store.put(session_key(session), msgpack.packb(record)) != 0:
             raise RuntimeError("the store refused the session record")
-        self._published[seq.seq_id] = session
         log.info("published a session to the cluster store", session=session, blocks=upto, new_blocks=stored,
-                 tokens=len(seq.token_ids))
+                 tokens=len(tokens))
 
     async def _forget(self, session: str) -> None:
         await self.store.remove(session_key(session))

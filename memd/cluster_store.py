@@ -31,6 +31,7 @@ INSTALL_HINT = ("pip install 'kvpool[cluster]' (mooncake-transfer-engine-non-cud
 
 
 PROBE_TIMEOUT_S = 3.0
+FETCH_TIMEOUT_S = 10.0
 
 
 class ClusterError(RuntimeError):
@@ -54,14 +55,17 @@ class ClusterStore:
     def __init__(self, config: ClusterConfig, pool_base: int, pool_bytes: int, page_bytes: int) -> None:
         self.config = config
         self._pool, self._page_bytes = (pool_base, pool_bytes), page_bytes
-        # A few threads: a lookup before a Step must not queue behind a large publish.
-        self._thread = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memd-cluster")
+        # Threads of their own for each kind of call: a lookup before a Step must not queue behind a large
+        # publish, nor a fetch a Step's reply waits for behind either (a store that is down holds a call ~4 s).
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="memd-cluster-lookup")
+        self._publishes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="memd-cluster-publish")
+        self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-cluster-fetch")
         self._store: Any = None
         self._replicate: Any = None
 
     async def start(self) -> None:
         """Join the store: set the client up, contribute the segment, register the pool for zero-copy puts."""
-        await self._call(self._setup)
+        await self._call(self._lookups, self._setup)
 
     def _setup(self) -> None:
         os.environ.setdefault("GLOG_minloglevel", "1")        # Mooncake's own INFO lines flood memd's log
@@ -84,60 +88,75 @@ class ClusterStore:
         replicate.replica_num = c.replicas
         self._store, self._replicate = store, replicate
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+    @staticmethod
+    async def _call(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def exists(self, keys: list[str]) -> list[bool]:
         """One batched existence check; an error reads as absent."""
         if not keys:
             return []
-        found = await self._call(self._store.batch_is_exist, keys)
+        found = await self._call(self._publishes, self._store.batch_is_exist, keys)
         return [rc == 1 for rc in found]
 
     async def put_pages(self, keys: list[str], pages: list[int]) -> list[int]:
         """Put pool pages under `keys` straight from the pool; one return code per key (0: stored)."""
         base, size = self._pool[0], self._page_bytes
-        return await self._call(self._store.batch_put_from, keys, [base + p * size for p in pages],
-                                [size] * len(pages), self._replicate)
+        return await self._call(self._publishes, self._store.batch_put_from, keys,
+                                [base + p * size for p in pages], [size] * len(pages), self._replicate)
 
     def get_pages(self, keys: list[str], pages: list[int]) -> list[bool]:
-        """Fetch objects straight into pool pages (called from the page copier's thread); whole or not, per key."""
+        """Fetch objects straight into pool pages (called from the page copier's thread); whole or not, per key.
+
+        A store that does not answer in FETCH_TIMEOUT_S fetched nothing: the
+        session is cut at its first page and computed here.
+        """
         base, size = self._pool[0], self._page_bytes
-        got = self._thread.submit(self._store.batch_get_into, keys, [base + p * size for p in pages],
-                                  [size] * len(pages)).result()
+        job = self._fetches.submit(self._store.batch_get_into, keys, [base + p * size for p in pages],
+                                   [size] * len(pages))
+        try:
+            got = job.result(timeout=FETCH_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("a fetch from the cluster store failed; those pages are computed here", pages=len(pages),
+                        error=str(exc) or type(exc).__name__)
+            return [False] * len(pages)
         return [n == size for n in got]
 
     async def put(self, key: str, value: bytes) -> int:
         """A small object (a record), replacing what the key held."""
-        return await self._call(self._store.upsert, key, value, self._replicate)
+        return await self._call(self._publishes, self._store.upsert, key, value, self._replicate)
 
     async def put_many(self, keys: list[str], values: list[bytes]) -> int:
-        """Small objects (block checksums), replacing what the keys held; 0 when all were stored."""
-        return await self._call(self._store.upsert_batch, keys, values, self._replicate) if keys else 0
+        """Small objects (block checksums); a key already there keeps its value. 0 when all went well."""
+        return await self._call(self._publishes, self._store.put_batch, keys, values, self._replicate) if keys else 0
 
     async def get_many(self, keys: list[str]) -> list[bytes]:
         """Small objects; b"" for a key the store does not hold."""
-        return [bytes(v) if v else b"" for v in await self._call(self._store.get_batch, keys)] if keys else []
+        if not keys:
+            return []
+        return [bytes(v) if v else b"" for v in await self._call(self._lookups, self._store.get_batch, keys)]
 
     async def get(self, key: str) -> bytes | None:
-        data = await self._call(self._store.get, key)
+        data = await self._call(self._lookups, self._store.get, key)
         return bytes(data) if data else None
 
     async def remove(self, key: str) -> int:
         """Gone now, whatever lease a reader holds on it (a reset session, a torn page)."""
-        return await self._call(self._store.remove, key, True)
+        return await self._call(self._publishes, self._store.remove, key, True)
 
     async def health(self) -> int:
         """Mooncake's health check: 0 healthy, 1 client closed, 2 master unreachable."""
-        return await self._call(self._store.health_check)
+        return await self._call(self._lookups, self._store.health_check)
 
     def close(self) -> None:
+        """Once every call in flight returned (a put still reads the pool): leave the store."""
+        for pool in (self._fetches, self._publishes, self._lookups):
+            pool.shutdown(wait=True)
         if self._store is not None:
             try:
-                self._thread.submit(self._store.close).result(timeout=10)
+                self._store.close()
             except Exception as exc:
                 log.warning("could not leave the Mooncake store cleanly", error=str(exc))
-        self._thread.shutdown(wait=True)
 
 
 def _probe(master: str, metadata: str) -> None:

@@ -41,7 +41,7 @@ from memd.eviction import Evictor
 from memd.invariants import violations
 from memd.page_effects import Fetch, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog
-from memd.sequences import PrefixHasher, RemotePrefix, RemoteSession, SeqState, Sequence, SwapOut, blocks_for
+from memd.sequences import PrefixHasher, RemoteLookups, SeqState, Sequence, SwapOut, blocks_for
 from memd.step_ops import StepOps, _check_name
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
@@ -72,6 +72,7 @@ class _Txn:
     touched: dict[int, Sequence] = field(default_factory=dict)
     counters: Counter[str] = field(default_factory=Counter)
     outcome: StepOutcome = field(default_factory=StepOutcome)
+    remote: RemoteLookups = field(default_factory=RemoteLookups)    # what the cluster store said before it
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +128,6 @@ class KvManager(StepOps):
         # from reuse by the pid of that worker until it exits or attaches again (memd.fences watches).
         self.fences: dict[int, list[int]] = {}
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
-        # Sessions another host published, looked up for the Step about to run (memd.cluster); cleared after it.
-        self.remote_records: dict[str, RemoteSession] = {}
-        self.remote_prefixes: dict[int, RemotePrefix] = {}      # by id() of the Step's Open op, likewise
 
     # ---- workers -------------------------------------------------------
 
@@ -210,10 +208,12 @@ class KvManager(StepOps):
 
     # ---- steps ---------------------------------------------------------
 
-    def step(self, worker_id: int, ops: Iterable[Op], lease: bytes | None = None) -> StepOutcome:
+    def step(self, worker_id: int, ops: Iterable[Op], lease: bytes | None = None,
+             remote: RemoteLookups | None = None) -> StepOutcome:
+        """`remote`: sessions and prefixes other hosts published, looked up for this Step (memd.cluster_lookup)."""
         worker = self.worker(worker_id, lease)
         worker.last_seen = time.monotonic()
-        txn = _Txn(worker, UndoLog())
+        txn = _Txn(worker, UndoLog(), remote=remote or RemoteLookups())
         out = txn.outcome
         self.pool.undo = txn.undo
         try:

@@ -178,3 +178,11 @@ class RemotePrefix:
     start: int
     keys: list[str]
     checksums: list[int]
+
+
+@dataclass(slots=True)
+class RemoteLookups:
+    """What the cluster store said before one Step (memd.cluster_lookup): read by that Step's ops only."""
+
+    sessions: dict[str, RemoteSession] = field(default_factory=dict)
+    prefixes: dict[int, RemotePrefix] = field(default_factory=dict)     # by id() of the Step's Open op

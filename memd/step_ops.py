@@ -55,7 +55,7 @@ class StepOps:
             raise InvalidArgument("whole_history names a session's whole conversation: give session_id, "
                                   "continue_session and its token ids")
         if op.continue_session and op.session_id and op.session_id not in self.sessions \
-                and (remote := self.remote_records.get(op.session_id)) is not None \
+                and (remote := txn.remote.sessions.get(op.session_id)) is not None \
                 and (remote.model, remote.block_size) == (worker.model, worker.block_size):
             self._fetch_session(txn, op.session_id, remote)
         if op.continue_session and op.session_id in self.sessions:
@@ -72,8 +72,8 @@ class StepOps:
         self._next_seq += 1
         self._create(txn, seq)
         cached = self._match_prefix(txn, seq)
-        if (remote := self.remote_prefixes.get(id(op))) is not None:
-            cached = self._fetch_prefix(txn, seq, remote)
+        if (prefix := txn.remote.prefixes.get(id(op))) is not None:
+            cached = self._fetch_prefix(txn, seq, prefix)
         self._grow(txn, seq, len(seq.token_ids) + op.reserve)
         return _result(seq, 0, cached, history=op.continue_session)
 
@@ -283,6 +283,8 @@ class StepOps:
         self._cancel_swap_out(txn, seq)
         self.release_blocks(seq.block_ids)
         txn.outcome.read_slots += seq.slots
+        if seq.session_id:
+            txn.outcome.freed_sessions.append(seq.session_id)
         self.forget(seq, txn.undo)
         txn.touched.pop(seq.seq_id, None)
         return OpResult(seq.seq_id, "freed", 0, [], 0, 0)

@@ -47,3 +47,5 @@ class StepOutcome:
     swapped_in: list[SwappedInBlock] = field(default_factory=list)
     # Sequences whose pages the effects fill (swap-ins, a fork's copy).
     filling: set[int] = field(default_factory=set)
+    # Sessions this Step freed (a reset, an error): the cluster tier takes their records back.
+    freed_sessions: list[str] = field(default_factory=list)

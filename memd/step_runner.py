@@ -28,7 +28,7 @@ from memd.eviction import Evicted, EvictionReason
 from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.page_copier import PageCopier
-from memd.sequences import SeqState, SwapOut
+from memd.sequences import RemoteLookups, SeqState, SwapOut
 from memd.step_outcome import StepOutcome
 from shared.ops import Op
 
@@ -47,29 +47,23 @@ class StepRunner:
         self.on_change: Callable[[], None] = lambda: None
         # Called with every committed Step once its pages are filled (the cluster tier publishes parks).
         self.after_step: list[Callable[[StepOutcome], None]] = []
-        # Awaited before a Step runs, with its worker and ops (the cluster tier looks up unknown sessions).
-        self.before_step: list[Callable[[int, list[Op]], Awaitable[None]]] = []
+        # Awaited before a Step runs, with its worker and ops: what the cluster store holds for it.
+        self.lookups: Callable[[int, list[Op]], Awaitable[RemoteLookups]] | None = None
 
     async def run(self, worker_id: int, ops: list[Op], lease: bytes | None = None,
                   wanted_blocks: int = 0) -> StepOutcome:
         """The Step, committed and done; KvError (journaled, counted) when it is refused."""
         m = self.manager
         try:
-            for prepare in self.before_step:
-                await prepare(worker_id, ops)
-            outcome = await self._run_making_room(worker_id, ops, lease)
+            remote = await self.lookups(worker_id, ops) if self.lookups is not None else None
+            outcome = await self._run_making_room(worker_id, ops, lease, remote)
         except KvError:
             self.refused()
             raise
-        finally:
-            m.remote_records.clear()
-            m.remote_prefixes.clear()
         self.persist()              # write-ahead: journaled before the worker may write a page it was given
         # The Step is committed: what follows must finish even if the caller is cancelled.
         await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))
         self.on_change()
-        for observer in self.after_step:
-            observer(outcome)
         wanted = min(wanted_blocks, m.pool.num_blocks) - m.pool.num_free
         if wanted > 0:
             self.start(m.evictions.make_room(wanted, reason=EvictionReason.PRESSURE))
@@ -82,10 +76,11 @@ class StepRunner:
         self.manager.counters["steps_refused"] += 1
         self.persist()
 
-    async def _run_making_room(self, worker_id: int, ops: list[Op], lease: bytes | None) -> StepOutcome:
+    async def _run_making_room(self, worker_id: int, ops: list[Op], lease: bytes | None,
+                               remote: RemoteLookups | None = None) -> StepOutcome:
         for _ in range(PRESSURE_ROUNDS):
             try:
-                return self.manager.step(worker_id, ops, lease)
+                return self.manager.step(worker_id, ops, lease, remote)
             except OpError as err:
                 if not isinstance(err.cause, PoolExhausted):
                     raise
@@ -100,7 +95,7 @@ class StepRunner:
                     await asyncio.wait(set(self._swap_tasks), return_when=asyncio.FIRST_COMPLETED)
                 elif not evicted.blocks_freed:
                     raise
-        return self.manager.step(worker_id, ops, lease)
+        return self.manager.step(worker_id, ops, lease, remote)
 
     def _named(self, ops: list[Op]) -> frozenset[int]:
         """Sequences a Step names: pressure must not evict what the Step is about to use."""
@@ -127,6 +122,8 @@ class StepRunner:
             self.persist()
         if outcome.evictions:
             await self._evict_parked(outcome)
+        for observer in self.after_step:          # here: shielded, so a cancelled caller skips none
+            observer(outcome)
 
     async def _evict_parked(self, outcome: StepOutcome) -> None:
         """Preempted (or operator-revoked) sequences this Step parked: swap or drop them before the reply."""

@@ -69,6 +69,9 @@ def soak_seconds(request: pytest.FixtureRequest) -> float:
     return float(request.config.getoption("--soak-seconds"))
 
 
+LOG_LINE_LIMIT = 1 << 24     # Mooncake's client (the cluster tier) writes some very long lines to memd's stderr
+
+
 class LogWatch:
     """memd's JSON log lines as events a test can await."""
 
@@ -79,7 +82,7 @@ class LogWatch:
         self._task = asyncio.create_task(self._pump(stream))
 
     async def _pump(self, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
+        while line := await _line(stream):
             text = line.decode(errors="replace").rstrip()
             self.raw.append(text)
             with contextlib.suppress(json.JSONDecodeError):
@@ -105,6 +108,14 @@ class LogWatch:
                     await self._changed.wait()
                 return hit
         return await asyncio.wait_for(found(), timeout)
+
+
+async def _line(stream: asyncio.StreamReader) -> bytes:
+    """The next line; one longer than the stream's limit comes back cut rather than ending the watch."""
+    try:
+        return await stream.readline()
+    except ValueError:
+        return await stream.read(LOG_LINE_LIMIT) or b" "
 
 
 class Daemon:
@@ -152,7 +163,8 @@ async def start_daemon(tmp: Path, argv: list[str], *, name: str, env: dict[str, 
         flags += ["--listen", address]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", *flags, "--log-format", "json",
-        env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        limit=LOG_LINE_LIMIT)
     assert proc.stderr is not None
     log = LogWatch(proc.stderr)
     loop = asyncio.get_running_loop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -76,7 +77,8 @@ async def store() -> AsyncIterator[Store]:
         seen.append(line)
     drain = asyncio.create_task(_drain(proc.stderr))
     yield Store(proc, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta}/metadata")
-    proc.kill()
+    if proc.returncode is None:
+        proc.kill()
     await proc.wait()
     drain.cancel()
 
@@ -193,3 +195,32 @@ async def test_a_new_session_fetches_the_prefix_another_host_published(
     async with memd_b.admin() as admin:
         counters = (await admin.stats()).counters
     assert counters["cluster_prefix_blocks"] == counters["cluster_hits"] == reused // 16
+
+
+def test_a_record_whose_keys_are_not_its_tokens_is_never_trusted():
+    from memd.cluster import RECORD_VERSION, parse_record
+
+    tokens = list(range(40))
+    record = {"v": RECORD_VERSION, "model": "m", "block_size": 16, "tokens": tokens,
+              "keys": block_keys("m", tokens, 16, 2), "checksums": [5, 6]}
+    assert parse_record(msgpack.packb(record)) is not None
+    for bad in ({"tokens": [9] * 40}, {"model": "other"}, {"checksums": [5, 0]}, {"keys": record["keys"][:1]},
+                {"v": RECORD_VERSION + 1}, {"tokens": tokens[:20]}):
+        assert parse_record(msgpack.packb({**record, **bad})) is None, bad
+    assert parse_record(b"not msgpack \xff") is None
+
+
+async def test_a_store_that_dies_costs_a_turn_at_most_the_lookup_deadline_and_no_error(
+        store, memd_factory, inferd_factory, model_dir, model_judge):
+    memd = await memd_factory(*memd_flags(model_dir), *store.flags())
+    inferd = await inferd_factory(model_dir, memd.address)
+    store.proc.kill()
+    await store.proc.wait()
+    while True:                                  # until memd's client noticed (it pings the master every second)
+        rc, out, _ = await memctl(memd.address, "stats", "--json")
+        assert rc == 0
+        if json.loads(out)["cluster"].startswith("unreachable"):
+            break
+    answer = await turn(inferd, "new", PROMPT, 6)                   # looks "new" up: the store does not answer
+    model_judge.assert_greedy(model_judge.encode(PROMPT), answer["token_ids"], 6, "with the store gone")
+    await memd.log.wait_for("the cluster store did not answer: sessions and prefixes are computed here for 10 s")
