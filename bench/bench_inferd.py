@@ -216,6 +216,20 @@ class Probe:
 
 # ---- kvpool ------------------------------------------------------------------
 
+async def kv_scheduler(model_dir: Path, address: str, name: str) -> tuple[MemdClient, PagedDecoder, Scheduler]:
+    """inferd's scheduler in this process, attached to memd at `address` as `inferd serve` attaches."""
+    config = read_config(model_dir)
+    client = await MemdClient.attach(address, model=model_fingerprint(model_dir, config, BLOCK_SIZE),
+                                     block_size=BLOCK_SIZE, bytes_per_token=config.bytes_per_token,
+                                     name=f"{name}:{os.getpid()}")
+    assert client.pool is not None
+    model = PagedDecoder(config, load_weights(model_dir, config.dtype),
+                         client.pool.view(config.dtype, config.page_shape(BLOCK_SIZE)))
+    scheduler = Scheduler(client, model, load_tokenizer(model_dir), max_num_seqs=CONCURRENT,
+                          max_batch_tokens=MAX_BATCH_TOKENS)
+    return client, model, scheduler
+
+
 async def kv_generate(scheduler: Scheduler, prompt: list[int], n: int, session: str | None = None) -> Run:
     request = Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), session)
     scheduler.submit(request)
@@ -282,14 +296,7 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
     thread (as kvpool's forward does), so memd's lease heartbeats go on meanwhile."""
     config = read_config(model_dir)
     hf = await asyncio.to_thread(hf_load, model_dir)
-    client = await MemdClient.attach(address, model=model_fingerprint(model_dir, config, BLOCK_SIZE),
-                                     block_size=BLOCK_SIZE, bytes_per_token=config.bytes_per_token,
-                                     name=f"bench-inferd:{os.getpid()}")
-    assert client.pool is not None
-    model = PagedDecoder(config, load_weights(model_dir, config.dtype),
-                         client.pool.view(config.dtype, config.page_shape(BLOCK_SIZE)))
-    scheduler = Scheduler(client, model, load_tokenizer(model_dir), max_num_seqs=CONCURRENT,
-                          max_batch_tokens=MAX_BATCH_TOKENS)
+    client, model, scheduler = await kv_scheduler(model_dir, address, "bench-inferd")
     probe = Probe()
     probe.wrap_async(client, "step", "rpc")
     probe.wrap_async(scheduler, "iteration", "iteration")

@@ -37,25 +37,20 @@ from typing import Any
 import torch
 import uvloop
 from bench_inferd import (
-    BLOCK_SIZE,
     CONCURRENT,
-    MAX_BATCH_TOKENS,
     MODEL,
     Memd,
     Run,
     decode_rate,
     kv_batch,
     kv_generate,
+    kv_scheduler,
     token_ids,
 )
 from tables import table
 
-from inferd.checkpoint import load_tokenizer, load_weights, read_config
-from inferd.fingerprint import model_fingerprint
-from inferd.model import PagedDecoder
 from inferd.scheduler import Scheduler
 from inferd.tiny import make_tiny_model
-from shared.client import MemdClient
 
 TARGET_DECODE = 0.02       # the bound on what checksums may cost decode
 
@@ -93,15 +88,7 @@ async def arm(scheduler: Scheduler, clock: CommitClock, on: bool, rng: random.Ra
 
 
 async def bench(model_dir: Path, address: str, sizes: dict, rounds: int) -> dict:
-    config = read_config(model_dir)
-    client = await MemdClient.attach(address, model=model_fingerprint(model_dir, config, BLOCK_SIZE),
-                                     block_size=BLOCK_SIZE, bytes_per_token=config.bytes_per_token,
-                                     name=f"bench-verify:{os.getpid()}")
-    assert client.pool is not None
-    model = PagedDecoder(config, load_weights(model_dir, config.dtype),
-                         client.pool.view(config.dtype, config.page_shape(BLOCK_SIZE)))
-    scheduler = Scheduler(client, model, load_tokenizer(model_dir), max_num_seqs=CONCURRENT,
-                          max_batch_tokens=MAX_BATCH_TOKENS)
+    client, _, scheduler = await kv_scheduler(model_dir, address, "bench-verify")
     clock = CommitClock(scheduler)
     task = asyncio.create_task(scheduler.run())
     rng = random.Random(0)
