@@ -44,7 +44,7 @@ log = structlog.get_logger("memd.cluster")
 KEY_PREFIX = "kvpool/v1"
 RECORD_VERSION = 1
 HEALTH = {1: "the client is closed", 2: "mooncake_master does not answer"}
-LOOKUP_TIMEOUT_S = 2.0         # a session record's read, before a Step; past it the session is computed here
+LOOKUP_TIMEOUT_S = 2.0         # a Step's reads of the store before it runs (and memctl stats' health check)
 
 
 def block_keys(model: str, token_ids: list[int], block_size: int, count: int) -> list[str]:
@@ -154,30 +154,25 @@ class ClusterTier:
         present = await self.store.exists(keys)
         todo = [i for i, there in enumerate(present) if not there]
         codes = await self.store.put_pages([keys[i] for i in todo], [pages[i] for i in todo])
-        stored = failed = 0
         for i, code in zip(todo, codes, strict=True):
-            if code != 0:
-                failed += 1
-            elif m.pool.checksum[pages[i]] != sums[i]:         # handed out while it was read: never leave it
-                await self.store.remove(keys[i])
-                code = -1
-            else:
-                stored += 1
-            present[i] = code == 0
-        new_sums = [i for i, code in zip(todo, codes, strict=True) if code == 0 and present[i]]
-        if await self.store.put_many([sum_key(keys[i]) for i in new_sums],
-                                     [sums[i].to_bytes(8, "little") for i in new_sums]) != 0:
+            torn = code == 0 and m.pool.checksum[pages[i]] != sums[i]   # handed out while it was read
+            if torn:
+                await self.store.remove(keys[i])                        # never left there
+            present[i] = code == 0 and not torn
+        stored = [i for i in todo if present[i]]
+        if await self.store.put_many([sum_key(keys[i]) for i in stored],
+                                     [sums[i].to_bytes(8, "little") for i in stored]) != 0:
             m.counters["cluster_errors"] += 1
-        m.counters["cluster_puts"] += stored
-        m.counters["cluster_bytes_out"] += stored * self.block_bytes
-        m.counters["cluster_errors"] += failed
+        m.counters["cluster_puts"] += len(stored)
+        m.counters["cluster_bytes_out"] += len(stored) * self.block_bytes
+        m.counters["cluster_errors"] += sum(1 for code in codes if code != 0)
         upto = present.index(False) if False in present else len(present)
         record = {"v": RECORD_VERSION, "model": model, "block_size": bs, "tokens": tokens,
                   "keys": keys[:upto], "checksums": sums[:upto]}
         if await self.store.put(session_key(session), msgpack.packb(record)) != 0:
             raise RuntimeError("the store refused the session record")
-        log.info("published a session to the cluster store", session=session, blocks=upto, new_blocks=stored,
-                 tokens=len(tokens))
+        log.info("published a session to the cluster store", session=session, blocks=upto,
+                 new_blocks=len(stored), tokens=len(tokens))
 
     async def _forget(self, session: str) -> None:
         await self.store.remove(session_key(session))

@@ -17,7 +17,7 @@ import time
 
 import structlog
 
-from memd.cluster import block_keys, parse_record, session_key, sum_key
+from memd.cluster import LOOKUP_TIMEOUT_S, block_keys, parse_record, session_key, sum_key
 from memd.cluster_store import ClusterStore
 from memd.manager import KvManager, Worker
 from memd.sequences import RemoteLookups, RemotePrefix
@@ -25,7 +25,6 @@ from shared.ops import Op, Open
 
 log = structlog.get_logger("memd.cluster")
 
-DEADLINE_S = 2.0               # all of a Step's lookups; past it the Step runs with what came back
 BACKOFF_S = 10.0               # after a store that did not answer, no lookups for this long
 HEALTH_EVERY_S = 1.0           # the client's own view of the master, asked at most this often
 
@@ -52,11 +51,11 @@ class Lookups:
         if not jobs:
             return found
         try:
-            await asyncio.wait_for(asyncio.gather(*jobs), DEADLINE_S)
+            await asyncio.wait_for(asyncio.gather(*jobs), LOOKUP_TIMEOUT_S)
             # Mooncake's reads say "nothing there" when the master is gone, too: ask it now and then.
             if time.monotonic() - self._checked_at > HEALTH_EVERY_S:
                 self._checked_at = time.monotonic()
-                if (code := await asyncio.wait_for(self.store.health(), DEADLINE_S)) != 0:
+                if (code := await asyncio.wait_for(self.store.health(), LOOKUP_TIMEOUT_S)) != 0:
                     raise ConnectionError(f"health check returned {code}")
         except Exception as exc:
             self._quiet_until = time.monotonic() + BACKOFF_S

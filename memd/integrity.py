@@ -15,6 +15,7 @@ a Step's effects, is handled by `KvManager.effects_landed`).
 
 from __future__ import annotations
 
+from collections import Counter
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -42,9 +43,10 @@ class Where(Enum):
         return f"integrity_failures_{self.value}"
 
 
-def count(manager: KvManager, where: Where, pages: int = 1) -> None:
-    manager.counters["integrity_failures"] += pages
-    manager.counters[where.counter] += pages
+def count(counters: Counter[str], where: Where) -> None:
+    """One page that failed its check, in `counters` (the manager's, or a Step's until it stands)."""
+    counters["integrity_failures"] += 1
+    counters[where.counter] += 1
 
 
 def cut(manager: KvManager, seq: Sequence, index: int) -> None:
@@ -72,7 +74,7 @@ def page_failed(manager: KvManager, block: int, where: Where) -> bool:
     """
     if any(block in seq.block_ids for seq in (job.seq for job in manager.swap_jobs.values())):
         return False
-    count(manager, where)
+    count(manager.counters, where)
     forget_page(manager, block, where)
     return True
 
@@ -101,7 +103,7 @@ def forget_page(manager: KvManager, block: int, where: Where) -> None:
 
 def slot_failed(manager: KvManager, seq: Sequence, index: int, where: Where) -> None:
     """Swap slot `index` of a SWAPPED sequence does not hold what was swapped out: cut before it."""
-    count(manager, where)
+    count(manager.counters, where)
     log.error("a swapped page failed its check: its K/V is recomputed", where=where.value, slot=seq.slots[index],
               seq=seq.seq_id, session=seq.session_id, index=index)
     cut(manager, seq, index)

@@ -266,7 +266,7 @@ class KvManager(StepOps):
             if b.block in fetched:            # gone from the store, or not what its worker committed
                 self.counters["cluster_misses"] += 1
             else:
-                integrity.count(self, integrity.Where.SWAP_IN)
+                integrity.count(self.counters, integrity.Where.SWAP_IN)
             if b.index * b.seq.block_size < b.seq.num_committed:
                 self._distrust(outcome, b.seq, b.index)
         for b in outcome.swapped_in:

@@ -62,7 +62,6 @@ class Scrubber:
         self.block_bytes = manager.geometry.block_bytes
         self._lock = asyncio.Lock()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-scrub")
-        self.last: ScrubReport | None = None
 
     async def scrub(self, rate_bytes_s: float = 0.0) -> ScrubReport:
         """One pass over every parked, cached and swapped page; at most `rate_bytes_s` (0: as fast as it goes)."""
@@ -73,7 +72,6 @@ class Scrubber:
             await self._swap_slots(report, pace)
             report.seconds = time.monotonic() - started
             self.manager.counters["scrubs"] += 1
-            self.last = report
             log.info("scrub done", pages=report.pages, slots=report.slots, failures=len(report.failures),
                      seconds=round(report.seconds, 3))
             return report

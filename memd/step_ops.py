@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from memd import integrity
 from memd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PoolExhausted
 from memd.eviction import Eviction, EvictionReason
 from memd.integrity import Where
@@ -85,47 +86,45 @@ class StepOps:
         there, and the worker computes the rest.
         """
         _check_name("session id", session)
-        bs, count = remote.block_size, len(remote.keys)
-        self._check_fits(len(remote.token_ids), bs)
-        if count > self.pool.num_free:
-            raise PoolExhausted(count, self.pool.num_free)
-        seq = Sequence(self._next_seq, remote.model, bs, None, SeqState.PARKED, [], count * bs,
+        self._check_fits(len(remote.token_ids), remote.block_size)
+        if len(remote.keys) > self.pool.num_free:        # before the sequence takes an id
+            raise PoolExhausted(len(remote.keys), self.pool.num_free)
+        seq = Sequence(self._next_seq, remote.model, remote.block_size, None, SeqState.PARKED, [], 0,
                        list(remote.token_ids), session_id=session)
         self._next_seq += 1
         self._create(txn, seq)
-        for index, (key, checksum) in enumerate(zip(remote.keys, remote.checksums, strict=True)):
-            block, _ = self.pool.allocate()
-            seq.block_ids.append(block)
-            txn.outcome.effects.append(Fetch(key, block, checksum))
-            txn.outcome.swapped_in.append(SwappedInBlock(seq, index, block))
-        seq.hashes = [digest for digest, _ in self.hasher.chain(seq.model, seq.token_ids, bs, 0, b"", count)]
-        txn.outcome.filling.add(seq.seq_id)
+        self._fetch_blocks(txn, seq, remote.keys, remote.checksums)
         txn.counters["cluster_sessions_fetched"] += 1
-        txn.counters["blocks_allocated"] += count
 
     def _fetch_prefix(self, txn: _Txn, seq: Sequence, remote: RemotePrefix) -> int:
         """Past the local prefix hits, the blocks other hosts published: fetched into fresh pages once the
         Step stands, checked against their checksums (as `_fetch_session`'s). Returns tokens reused."""
-        bs, have = seq.block_size, len(seq.block_ids)
+        have = len(seq.block_ids)
         if have < remote.start:
             return seq.num_committed        # the local cache lost blocks since the lookup: compute the rest
-        parent = seq.hashes[-1] if seq.hashes else b""
-        todo = list(zip(remote.keys, remote.checksums, strict=True))[have - remote.start:]
-        if len(todo) > self.pool.num_free:
-            raise PoolExhausted(len(todo), self.pool.num_free)
-        for index, (key, checksum) in enumerate(todo, have):
+        skip = have - remote.start
+        if fetched := self._fetch_blocks(txn, seq, remote.keys[skip:], remote.checksums[skip:]):
+            txn.counters["cluster_prefix_blocks"] += fetched
+        return seq.num_committed
+
+    def _fetch_blocks(self, txn: _Txn, seq: Sequence, keys: list[str], checksums: list[int]) -> int:
+        """Fresh pages for the next full blocks of `seq`, filled from the cluster store once the Step stands;
+        they count as committed (a page that does not land intact cuts the sequence there). Returns how many."""
+        if len(keys) > self.pool.num_free:
+            raise PoolExhausted(len(keys), self.pool.num_free)
+        first, bs = len(seq.block_ids), seq.block_size
+        for index, (key, checksum) in enumerate(zip(keys, checksums, strict=True), first):
             block, _ = self.pool.allocate()
-            parent = self.hasher.block_hash(parent, seq.model, tuple(seq.token_ids[index * bs:(index + 1) * bs]))
             seq.block_ids.append(block)
-            seq.hashes.append(parent)
             txn.outcome.effects.append(Fetch(key, block, checksum))
             txn.outcome.swapped_in.append(SwappedInBlock(seq, index, block))
-        if todo:
-            txn.outcome.filling.add(seq.seq_id)
-            txn.counters["cluster_prefix_blocks"] += len(todo)
-            txn.counters["blocks_allocated"] += len(todo)
+        parent = seq.hashes[-1] if seq.hashes else b""
+        seq.hashes += [d for d, _ in self.hasher.chain(seq.model, seq.token_ids, bs, first, parent, len(seq.block_ids))]
         seq.num_committed = len(seq.block_ids) * bs
-        return seq.num_committed
+        if keys:
+            txn.outcome.filling.add(seq.seq_id)
+            txn.counters["blocks_allocated"] += len(keys)
+        return len(keys)
 
     def _extend(self, txn: _Txn, op: Extend) -> OpResult:
         seq = self._own(txn, op.seq_id)
@@ -272,12 +271,12 @@ class StepOps:
         if seq.model != txn.worker.model:
             raise FailedPrecondition(f"sequence {seq.seq_id} belongs to model {seq.model!r}; "
                                      f"this worker serves {txn.worker.model!r}")
-        if op.append or op.commit_to:                  # its last progress: full blocks join the prefix cache
-            self._commit(txn, self._own(txn, seq.seq_id), list(op.append), op.commit_to)
-        if op.page_sums:
-            self._keep_sums(self._own(txn, seq.seq_id), op.sums_from, op.page_sums)
-        if op.distrusted:
-            self._distrusted(txn, self._own(txn, seq.seq_id), op.distrusted)
+        if op.append or op.commit_to or op.page_sums or op.distrusted:     # its worker's last word on it
+            owned = self._own(txn, seq.seq_id)
+            self._commit(txn, owned, list(op.append), op.commit_to)   # full blocks join the prefix cache
+            self._keep_sums(owned, op.sums_from, op.page_sums)
+            if op.distrusted:
+                self._distrusted(txn, owned, op.distrusted)
         # Not `release`: within a Step the swap-out's cancel is undoable, and the slots are
         # given back only once the Step stands (and its copies are done).
         self._cancel_swap_out(txn, seq)
@@ -381,8 +380,7 @@ class StepOps:
                                   f"{seq.num_full_blocks} full blocks")
         for i in indices:
             self.pool.unregister(seq.block_ids[i])
-        txn.counters["integrity_failures"] += 1
-        txn.counters[Where.SPOT_CHECK.counter] += 1
+        integrity.count(txn.counters, Where.SPOT_CHECK)
         log.error("a worker recomputed cached K/V and found it different: those blocks leave the prefix cache",
                   seq=seq.seq_id, worker=txn.worker.worker_id, blocks=[seq.block_ids[i] for i in indices])
 

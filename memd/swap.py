@@ -182,7 +182,7 @@ class HostSwap:
         return memoryview(self._map)
 
     def checksums(self, slots: list[int]) -> list[int]:
-        """Of the bytes a swap-out left in these slots: a swap-in checks the page it brings back against them."""
+        """Of the bytes in these slots now, by the pool's checksum (a scrub checks them against the swap-out's)."""
         return checksums_at(self._base, self.block_bytes, slots)
 
     def close(self) -> None:
