@@ -47,10 +47,10 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import uvloop
@@ -71,6 +71,7 @@ POOL, BLOCK_SIZE = "256MiB", 16
 CONCURRENT = 16            # requests in flight, and max_num_seqs
 MAX_BATCH_TOKENS = 512     # inferd serve's default
 START_TIMEOUT_S = 120.0
+T = TypeVar("T")
 
 # The issue's targets; a ratio is kvpool's figure over the baseline's.
 TARGET_B1 = 1.0            # kvpool decode tok/s at 1 request / transformers one at a time
@@ -151,6 +152,17 @@ class Memd:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def with_memd(prefix: str, run: Callable[[Path, str], Awaitable[T]]) -> T:
+    """`run(model_dir, memd_address)` on uvloop, with the tiny model written and a memd for it, both gone after."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
+        memd = Memd(Path(tmp), model_dir)
+        try:
+            return uvloop.run(run(model_dir, memd.address))
+        finally:
+            memd.kill()
 
 
 # ---- instruments ---------------------------------------------------------------
@@ -480,13 +492,7 @@ def main() -> None:
                    "fresh": token_ids(rng, sizes.history + sizes.history_new + sizes.message, vocab)}
                   for _ in range(sizes.ttft_trials)],
     }
-    with tempfile.TemporaryDirectory(prefix="inferd-bench-") as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
-        memd = Memd(Path(tmp), model_dir)
-        try:
-            raw = uvloop.run(bench(model_dir, memd.address, sizes, work))
-        finally:
-            memd.kill()
+    raw = with_memd("inferd-bench-", lambda model_dir, address: bench(model_dir, address, sizes, work))
     res = {"cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
            "threads": torch.get_num_threads(), "quick": args.quick, **summarise(raw)}
     print(report(res, sizes))

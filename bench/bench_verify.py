@@ -29,28 +29,25 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import uvloop
 from bench_inferd import (
     CONCURRENT,
     MODEL,
-    Memd,
     Run,
     decode_rate,
     kv_batch,
     kv_generate,
     kv_scheduler,
     token_ids,
+    with_memd,
 )
 from tables import table
 
 from inferd.scheduler import Scheduler
-from inferd.tiny import make_tiny_model
 
 TARGET_DECODE = 0.02       # the bound on what checksums may cost decode
 
@@ -138,13 +135,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sizes = {"new_tokens": 16, "history": 128} if args.quick else {"new_tokens": 96, "history": 1000}
     rounds = 1 if args.quick else args.rounds
-    with tempfile.TemporaryDirectory(prefix="verify-bench-") as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
-        memd = Memd(Path(tmp), model_dir)
-        try:
-            raw = uvloop.run(bench(model_dir, memd.address, sizes, rounds))
-        finally:
-            memd.kill()
+    raw = with_memd("verify-bench-", lambda model_dir, address: bench(model_dir, address, sizes, rounds))
     res = {"cores": os.cpu_count(), "threads": torch.get_num_threads(), "quick": args.quick, **summarise(raw)}
     print(report(res))
     if args.json:

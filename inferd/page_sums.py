@@ -25,18 +25,18 @@ if TYPE_CHECKING:
 class PageSums:
     """Which pages of each request memd has a checksum for (`Request.num_summed`), and the ones to send."""
 
-    def __init__(self, pages: torch.Tensor | None, block_size: int, *, enabled: bool = True) -> None:
+    def __init__(self, pages: torch.Tensor | None, block_size: int) -> None:
         self.pages, self.block_size = pages, block_size
-        self.enabled = enabled and pages is not None
+        self.enabled = pages is not None          # bench/bench_verify.py turns it off to measure its cost
 
-    def commit(self, request: Request, commit_to: int, *, parks: bool = False) -> dict[str, object]:
-        """The `sums_from`/`page_sums` fields of an op that commits `request` up to `commit_to` tokens.
+    def commit(self, request: Request, *, parks: bool = False) -> dict[str, object]:
+        """The `sums_from`/`page_sums` fields of an op that commits what `request` computed (`num_computed`).
 
         `parks`: the op parks the sequence, so its partly filled last page is
         written no more and is summed too. Counted as sent at once (as the
         tokens an op appends are); `unsent` takes it back if memd refuses the op.
         """
-        bs = self.block_size
+        bs, commit_to = self.block_size, request.num_computed
         upto = -(-commit_to // bs) if parks else commit_to // bs
         first = request.num_summed
         if not self.enabled or upto <= first:

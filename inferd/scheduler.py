@@ -265,7 +265,7 @@ class Scheduler:
             if needed > len(request.table) * self.block_size:
                 extend = Extend(request.seq_id, append=request.tokens[request.num_known_to_memd:],
                                 commit_to=request.num_computed, reserve=self._reserve(request),
-                                **self.page_sums.commit(request, request.num_computed))
+                                **self.page_sums.commit(request))
                 ops.append(Grow(request, extend))
                 request.num_known_to_memd = len(request.tokens)   # undone in Grow.refused if memd says no
                 growing += math.ceil((needed + extend.reserve) / self.block_size) - len(request.table)
@@ -347,7 +347,7 @@ class Scheduler:
         self.preemptions += 1
         park = Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
                     commit_to=request.num_computed, preempt=True,
-                    **self.page_sums.commit(request, request.num_computed, parks=True))
+                    **self.page_sums.commit(request, parks=True))
         self._preempting.append(Preempt(request, park))
         request.num_known_to_memd = len(request.tokens)
         log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq_id,
@@ -578,7 +578,7 @@ class Scheduler:
             self._emit(child, child.generated[0], logprob)
         # memd forks what it knows: the prompt, committed, and none of the parent's own sampled tokens.
         commit = Extend(parent.seq_id, append=parent.tokens[parent.num_known_to_memd:],
-                        commit_to=parent.num_computed, **self.page_sums.commit(parent, parent.num_computed))
+                        commit_to=parent.num_computed, **self.page_sums.commit(parent))
         parent.num_known_to_memd = parent.num_computed
         self._forks.append((parent, commit, parent.children))
 
@@ -626,9 +626,9 @@ class Scheduler:
             progress = {"append": request.tokens[request.num_known_to_memd:], "commit_to": request.num_computed}
             if keep:
                 op: Park | Free = Park(request.seq_id, **progress,
-                                       **self.page_sums.commit(request, request.num_computed, parks=True))
+                                       **self.page_sums.commit(request, parks=True))
             elif error is None:               # its full blocks stay in the prefix cache for the next same prompt
-                op = Free(request.seq_id, **progress, **self.page_sums.commit(request, request.num_computed))
+                op = Free(request.seq_id, **progress, **self.page_sums.commit(request))
             else:                             # an error: what it computed is not offered to anyone
                 op = Free(request.seq_id)
             self._ending.append(End(request, final, op))   # the final event waits for memd: then nothing is RUNNING
