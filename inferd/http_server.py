@@ -1,8 +1,7 @@
 """uvicorn serving the OpenAI-compatible API on inferd's own event loop (`inferd serve --http`).
 
-The socket is bound before inferd says READY=1, so a taken port fails
-start-up in one line; uvicorn leaves signals to inferd, which stops it
-(finishing the exchanges in flight, for a few seconds at most) before gRPC.
+inferd stops it (finishing the exchanges in flight, for a few seconds at
+most) before gRPC.
 """
 
 from __future__ import annotations
@@ -11,54 +10,33 @@ import argparse
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import structlog
-import uvicorn
 
 from inferd.chat_template import ChatTemplate, ChatTemplateError
 from inferd.metrics import InferdMetrics
 from inferd.openai_api import OpenAIServer
 from inferd.service import MemdLink
+from shared.http_listener import EmbeddedServer, HttpListenError, address_of, bind_http
 
 log = structlog.get_logger("inferd.http")
-GRACE_S = 5.0           # how long a stop waits for exchanges in flight (streams) before closing them
 
 
 class HttpStartError(RuntimeError):
     """The HTTP API cannot start as configured; the message says why in one line."""
 
 
-def split_address(text: str) -> tuple[str, int]:
-    """HOST:PORT, [IPv6]:PORT or :PORT (all interfaces)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise HttpStartError(f"--http {text!r}: expected HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """inferd owns the process's signals: uvicorn must not take SIGTERM for itself."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class HttpFrontDoor:
     def __init__(self, api: OpenAIServer, sock: socket.socket) -> None:
         self.api = api
-        config = uvicorn.Config(api.app(), lifespan="off", log_config=None, access_log=False, loop="none",
-                                timeout_graceful_shutdown=GRACE_S)
-        self.server = _EmbeddedServer(config)
+        self.server = EmbeddedServer(api.app())
         self.sock = sock
-        host, port = sock.getsockname()[:2]
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.address = address_of(sock)
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
     def listen(cls, args: argparse.Namespace, link: MemdLink, metrics: InferdMetrics | None) -> HttpFrontDoor:
-        host, port = split_address(args.http)
         try:
             template = ChatTemplate.from_checkpoint(args.model, link.tokenizer, args.chat_template)
         except ChatTemplateError as exc:
@@ -68,11 +46,10 @@ class HttpFrontDoor:
                         "(give --chat-template FILE)", model=str(args.model))
         api = OpenAIServer(link, served_model_name=args.served_model_name or args.model.name,
                            api_key=args.api_key or None, template=template, metrics=metrics)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            sock = socket.create_server((host, port), family=family, backlog=1024)
-        except OSError as exc:
-            raise HttpStartError(f"cannot serve HTTP on {args.http}: {exc.strerror or exc}") from None
+            sock = bind_http(args.http)
+        except HttpListenError as exc:
+            raise HttpStartError(str(exc)) from None
         return cls(api, sock)
 
     def start(self, on_crash: Callable[[], None]) -> None:

@@ -27,7 +27,6 @@ from grpc_reflection.v1alpha import reflection
 from memd.access import AccessControl, AccessError, Credentials, provision, remove_if_ours
 from memd.cluster import ClusterTier
 from memd.cluster_lookup import Lookups
-from memd.cluster_store import ClusterConfig, ClusterError, ClusterStore
 from memd.fdpass import FdServer
 from memd.interceptors import MEMD_SERVICE, RpcCounter
 from memd.journal import Recovered, WriteAheadLog
@@ -48,6 +47,7 @@ from memd.state import TMPFS, Layout, StateDir, StateError, boot_id
 from memd.swap import SwapMemory, allocate_swap
 from memd.wiring import Parts, Policy, new_manager, wire
 from shared import address as addr
+from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
 from shared.config import Layers, add_config_flags
 from shared.decoding import RequestDecoder
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape

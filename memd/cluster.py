@@ -34,10 +34,10 @@ from array import array
 import msgpack
 import structlog
 
-from memd.cluster_store import ClusterStore
 from memd.manager import KvManager
 from memd.sequences import RemoteSession, SeqState
 from memd.step_outcome import StepOutcome
+from shared.cluster_store import ClusterStore
 
 log = structlog.get_logger("memd.cluster")
 

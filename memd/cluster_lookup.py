@@ -18,9 +18,9 @@ import time
 import structlog
 
 from memd.cluster import LOOKUP_TIMEOUT_S, block_keys, parse_record, session_key, sum_key
-from memd.cluster_store import ClusterStore
 from memd.manager import KvManager, Worker
 from memd.sequences import RemoteLookups, RemotePrefix
+from shared.cluster_store import ClusterStore
 from shared.ops import Op, Open
 
 log = structlog.get_logger("memd.cluster")

@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, settings
 
 from shared.client import MemdAdmin, MemdClient
 
+pytest_plugins = ["tests.store_master"]      # the `store` fixture: a real mooncake_master
+
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
 
@@ -147,8 +149,9 @@ async def start_memd(tmp: Path, *args: str, name: str = "memd", env: dict[str, s
     return await start_daemon(tmp, ["memd", *args], name=name, env=env)
 
 
-async def start_daemon(tmp: Path, argv: list[str], *, name: str, env: dict[str, str] | None = None) -> Daemon:
-    """`python -m argv...` with --listen on a socket in `tmp` unless given; returns once READY=1 arrived."""
+async def start_daemon(tmp: Path, argv: list[str], *, name: str, env: dict[str, str] | None = None,
+                       listen: bool = True) -> Daemon:
+    """`python -m argv...` with --listen on a socket in `tmp` unless given (or `listen` is off); returns at READY=1."""
     sock_path = tmp / f"{name}.sock"
     notify_path = Path(tempfile.mkdtemp(dir=tmp)) / "notify"
     address = f"unix:{sock_path}"
@@ -159,7 +162,7 @@ async def start_daemon(tmp: Path, argv: list[str], *, name: str, env: dict[str, 
     listener.setblocking(False)
     env = {**os.environ, **(env or {}), "NOTIFY_SOCKET": str(notify_path)}
     flags = list(argv)
-    if "--listen" not in flags:
+    if "--listen" not in flags and listen:
         flags += ["--listen", address]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", *flags, "--log-format", "json",

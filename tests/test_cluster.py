@@ -7,12 +7,7 @@ system libraries its import needs).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import sys
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-from typing import Any
 
 import msgpack
 import pytest
@@ -23,69 +18,7 @@ from tests.test_inferd_service import inferctl, memctl
 from tests.test_memd_restart import memd_flags, turn
 
 pytest.importorskip("mooncake.store", reason="needs kvpool[cluster] (Mooncake Store's client)")
-MASTER = Path(sys.executable).parent / "mooncake_master"
 PROMPT = "Tell me a story about a cat who learned to sail."
-
-
-class Store:
-    """A mooncake_master with its HTTP metadata server, and a client of it for the test's own looks."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, master: str, metadata: str) -> None:
-        self.proc, self.master, self.metadata = proc, master, metadata
-
-    @contextlib.contextmanager
-    def client(self) -> Iterator[Any]:
-        """A client of the store that contributes no memory, as another host's would be."""
-        from mooncake.store import MooncakeDistributedStore
-
-        client = MooncakeDistributedStore()
-        assert client.setup("127.0.0.1", self.metadata, 0, 16 << 20, "tcp", "", self.master) == 0
-        try:
-            yield client
-        finally:
-            client.close()
-
-    def remove(self, key: str) -> None:
-        with self.client() as client:
-            assert client.remove(key, True) == 0
-
-    def flags(self, *extra: str) -> tuple[str, ...]:
-        return ("--cluster-master", self.master, "--cluster-metadata", self.metadata, "--cluster-host", "127.0.0.1",
-                "--cluster-segment", "32MiB", *extra)
-
-    def look(self, keys: list[str], record: str | None = None) -> tuple[list[bool], dict | None]:
-        """Which keys the store holds, and a record decoded: as another host's client sees them."""
-        with self.client() as client:
-            present = [rc == 1 for rc in client.batch_is_exist(keys)] if keys else []
-            data = client.get(record) if record else None
-            return present, msgpack.unpackb(bytes(data)) if data else None
-
-
-@pytest.fixture
-async def store() -> AsyncIterator[Store]:
-    if not MASTER.exists():
-        pytest.skip(f"{MASTER} is missing: kvpool[cluster] installs it")
-    rpc, meta, admin = free_port(), free_port(), free_port()
-    proc = await asyncio.create_subprocess_exec(
-        str(MASTER), f"-rpc_port={rpc}", "-enable_http_metadata_server=true", f"-http_metadata_server_port={meta}",
-        f"-metrics_port={admin}", "-default_kv_lease_ttl=100", stderr=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL)
-    assert proc.stderr is not None
-    seen = []
-    while b"Master admin server started" not in (line := await asyncio.wait_for(proc.stderr.readline(), 30)):
-        assert line, "mooncake_master exited: " + b"".join(seen).decode(errors="replace")[-2000:]
-        seen.append(line)
-    drain = asyncio.create_task(_drain(proc.stderr))
-    yield Store(proc, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta}/metadata")
-    if proc.returncode is None:
-        proc.kill()
-    await proc.wait()
-    drain.cancel()
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.readline():
-        pass
 
 
 async def test_a_parked_session_is_published_once_per_block_and_a_reset_takes_it_back(
@@ -214,8 +147,7 @@ async def test_a_store_that_dies_costs_a_turn_at_most_the_lookup_deadline_and_no
         store, memd_factory, inferd_factory, model_dir, model_judge):
     memd = await memd_factory(*memd_flags(model_dir), *store.flags())
     inferd = await inferd_factory(model_dir, memd.address)
-    store.proc.kill()
-    await store.proc.wait()
+    await store.kill()
     while True:                                  # until memd's client noticed (it pings the master every second)
         rc, out, _ = await memctl(memd.address, "stats", "--json")
         assert rc == 0

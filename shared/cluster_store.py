@@ -1,4 +1,4 @@
-"""Mooncake Store, as memd uses it: threads of its own, so no call ever blocks memd's event loop.
+"""Mooncake Store, as memd and kvroute use it: threads of its own, so no call ever blocks an event loop.
 
 The store (Mooncake's `mooncake_master` and its HTTP metadata server, run by
 the operator) keeps objects replicated over the memory segments its clients
@@ -6,7 +6,8 @@ contribute. memd is one such client (`memd --cluster-master ...`): it puts
 the pages of parked sessions from its pool straight into the store, and
 fetches pages other hosts published straight into pool pages (the pool is
 registered with the transfer engine, so nothing is copied through Python);
-small records of the sessions live beside them. The client needs `kvpool[cluster]`
+small records of the sessions live beside them. kvroute is a client that
+contributes no memory and keeps only its session directory there. The client needs `kvpool[cluster]`
 (`mooncake-transfer-engine-non-cuda` on CPU machines) and, even over TCP,
 the libibverbs1, libnuma1 and librdmacm1 system libraries.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 import structlog
 
-log = structlog.get_logger("memd.cluster")
+log = structlog.get_logger("kvpool.cluster")
 
 INSTALL_HINT = ("pip install 'kvpool[cluster]' (mooncake-transfer-engine-non-cuda; on Debian also "
                 "apt install libibverbs1 libnuma1 librdmacm1)")
@@ -35,31 +36,33 @@ FETCH_TIMEOUT_S = 10.0
 
 
 class ClusterError(RuntimeError):
-    """The store cannot be used as configured: memd refuses to start, in one line."""
+    """The store cannot be used as configured: the daemon refuses to start, in one line."""
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """memd's --cluster-* flags."""
+    """The --cluster-* flags of memd and kvroute."""
 
     master: str                       # HOST:PORT of mooncake_master's RPC server
     metadata: str                     # URL of its HTTP metadata server, e.g. http://HOST:8080/metadata
     host: str = ""                    # this host's name for the transfer engine (default: the host name)
-    segment_bytes: int = 256 << 20    # memory this memd contributes to the store
+    segment_bytes: int = 256 << 20    # memory this client contributes to the store (kvroute: none)
     replicas: int = 2                 # copies of each object, on different clients' segments
 
 
 class ClusterStore:
     """The Mooncake client; every call runs on threads of its own and returns its result to the loop."""
 
-    def __init__(self, config: ClusterConfig, pool_base: int, pool_bytes: int, page_bytes: int) -> None:
+    def __init__(self, config: ClusterConfig, pool_base: int = 0, pool_bytes: int = 0, page_bytes: int = 0,
+                 *, owner: str = "memd") -> None:
+        """`pool_*`: memd's pool, registered for zero-copy page puts and gets; kvroute has none."""
         self.config = config
         self._pool, self._page_bytes = (pool_base, pool_bytes), page_bytes
         # Threads of their own for each kind of call: a lookup before a Step must not queue behind a large
         # publish, nor a fetch a Step's reply waits for behind either (a store that is down holds a call ~4 s).
-        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="memd-cluster-lookup")
-        self._publishes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="memd-cluster-publish")
-        self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-cluster-fetch")
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{owner}-cluster-lookup")
+        self._publishes = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{owner}-cluster-publish")
+        self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{owner}-cluster-fetch")
         self._store: Any = None
         self._replicate: Any = None
 
@@ -82,7 +85,7 @@ class ClusterStore:
             raise ClusterError(f"cannot join the Mooncake store at {c.master} (metadata {c.metadata}): "
                                f"setup returned {rc}; is mooncake_master running there?")
         base, size = self._pool
-        if store.register_buffer(base, size) != 0:
+        if size and store.register_buffer(base, size) != 0:
             raise ClusterError("cannot register memd's pool with Mooncake's transfer engine")
         replicate = ReplicateConfig()
         replicate.replica_num = c.replicas

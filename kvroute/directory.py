@@ -1,0 +1,110 @@
+"""Which worker holds a session: a directory in the cluster store, so kvroutes agree and a restart forgets nothing.
+
+An entry is a small object under `kvroute/v1/session/<hash of model and
+session id>` naming the worker's URL and when the entry expires (`--session-ttl`;
+each turn renews it once past half its life). An entry past its time is not
+followed: the session is placed like a new one and its KV, parked in memd or
+published to the store, is found from wherever it lands. A store that does not
+answer within DEADLINE_S, or refuses a write, is left alone for BACK_OFF_S,
+with one log line, and this kvroute routes by what it saw itself meanwhile
+(so does a lookup the store finds nothing for: Mooncake's client reads an
+object it cannot reach as absent); without a store (no --cluster-master)
+that memory is the whole directory, shared with no one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgpack
+import structlog
+
+from shared.cluster_store import ClusterStore
+
+log = structlog.get_logger("kvroute.directory")
+
+T = TypeVar("T")
+DEADLINE_S = 1.0
+BACK_OFF_S = 10.0
+REMEMBERED = 100_000        # entries this kvroute keeps in memory, newest first
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    worker: str
+    expires: float
+
+
+def entry_key(model: str, session: str) -> str:
+    digest = hashlib.blake2b(f"{model}\0{session}".encode(), digest_size=16).hexdigest()
+    return f"kvroute/v1/session/{digest}"
+
+
+class SessionDirectory:
+    def __init__(self, store: ClusterStore | None, ttl_s: float) -> None:
+        self.store, self.ttl_s = store, ttl_s
+        self.seen: dict[str, Entry] = {}          # what this kvroute read or wrote last, per key
+        self.errors = 0
+        self._quiet_until = 0.0
+
+    async def lookup(self, model: str, session: str) -> str | None:
+        """The worker the session was last sent to, while its entry lives."""
+        key = entry_key(model, session)
+        if self._store_answers():
+            entry = _parse(await self._ask(self.store.get(key), "read"))   # type: ignore[union-attr]
+            if entry is not None:
+                self._remember(key, entry)
+        entry = self.seen.get(key)
+        return entry.worker if entry is not None and entry.expires > time.time() else None
+
+    async def record(self, model: str, session: str, worker: str) -> None:
+        """The session is served by `worker` now; written unless the entry says so for half its life still."""
+        key = entry_key(model, session)
+        now = time.time()
+        held = self.seen.get(key)
+        if held is not None and held.worker == worker and held.expires - now > self.ttl_s / 2:
+            return
+        entry = Entry(worker, now + self.ttl_s)
+        self._remember(key, entry)
+        if self._store_answers():
+            value = msgpack.packb({"worker": entry.worker, "expires": entry.expires})
+            rc = await self._ask(self.store.put(key, value), "write")      # type: ignore[union-attr]
+            if rc is not None and rc != 0:
+                self._failed("write", f"the store refused it ({rc})")
+
+    def _remember(self, key: str, entry: Entry) -> None:
+        self.seen.pop(key, None)
+        self.seen[key] = entry
+        if len(self.seen) > REMEMBERED:
+            del self.seen[next(iter(self.seen))]
+
+    def _store_answers(self) -> bool:
+        return self.store is not None and time.monotonic() >= self._quiet_until
+
+    async def _ask(self, call: Awaitable[T], what: str) -> T | None:
+        try:
+            return await asyncio.wait_for(call, DEADLINE_S)
+        except Exception as exc:
+            self._failed(what, str(exc) or type(exc).__name__)
+            return None
+
+    def _failed(self, what: str, why: str) -> None:
+        self.errors += 1
+        self._quiet_until = time.monotonic() + BACK_OFF_S
+        log.warning(f"could not {what} the session directory in the cluster store: routing by this kvroute's "
+                    f"own memory for {BACK_OFF_S:.0f} s", error=why)
+
+
+def _parse(data: bytes | None) -> Entry | None:
+    if not data:
+        return None
+    try:
+        record = msgpack.unpackb(data)
+        return Entry(str(record["worker"]), float(record["expires"]))
+    except Exception:
+        return None

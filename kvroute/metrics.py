@@ -1,0 +1,47 @@
+"""kvroute's Prometheus metrics (`GET /metrics`): where requests went and why, and each worker's state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvroute.directory import SessionDirectory
+from kvroute.workers import Workers
+
+REASONS = ("affinity", "prefix", "load", "failover")
+
+
+class RouteMetrics(Collector):
+    def __init__(self, workers: Workers, directory: SessionDirectory) -> None:
+        self.workers, self.directory = workers, directory
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvpool_route_requests", "requests sent to a worker, by why it was chosen: "
+                                "affinity (it holds the session), prefix (the prompt's leading text hashes to it), "
+                                "load (the least loaded), failover (another worker failed or left)",
+                                ["worker", "reason"], registry=self.registry)
+        self.upstream_errors = Counter("kvpool_route_upstream_errors", "requests a worker could not take "
+                                       "(connection failed, or it answered 503)", ["worker"], registry=self.registry)
+        self.unplaced = Counter("kvpool_route_unplaced", "requests answered 503: no worker could take them",
+                                registry=self.registry)
+        for worker in workers.all:
+            for reason in REASONS:
+                self.requests.labels(worker.url, reason)
+            self.upstream_errors.labels(worker.url)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Any]:
+        up = GaugeMetricFamily("kvpool_route_worker_up", "1 while the worker's /health answers 200",
+                               labels=["worker"])
+        load = GaugeMetricFamily("kvpool_route_worker_load", "running and waiting requests, as placement sees them",
+                                 labels=["worker"])
+        for worker in self.workers.all:
+            up.add_metric([worker.url], int(worker.up))
+            load.add_metric([worker.url], worker.load)
+        yield up
+        yield load
+        yield CounterMetricFamily("kvpool_route_directory_errors", "session directory reads and writes the "
+                                  "cluster store did not answer", value=self.directory.errors)

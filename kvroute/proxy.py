@@ -1,0 +1,250 @@
+"""kvroute's HTTP side: each OpenAI request forwarded to the worker chosen for it, its answer streamed back.
+
+Bytes pass through as the worker sends them (SSE chunks are not buffered);
+a client that hangs up closes the worker's exchange, so inferd cancels the
+request and parks or frees its sequence. A worker that cannot be reached, or
+drops the exchange before answering, or answers 503 (draining, memd away),
+is left for another (reason "failover"); a connection failure also takes it
+out until its next health check passes. A stream the worker breaks midway is
+broken to the client too (the connection closes without the final chunk),
+never passed off as complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvroute.directory import SessionDirectory
+from kvroute.metrics import RouteMetrics
+from kvroute.placement import place, prefix_key
+from kvroute.workers import Worker, Workers
+
+log = structlog.get_logger("kvroute")
+
+T = TypeVar("T")
+SESSION_HEADER = "x-session-id"
+WORKER_HEADER = "x-kvroute-worker"       # which worker answered: for operators and tests
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+                        "transfer-encoding", "upgrade", "host", "content-length"})
+
+
+class ClientGone(Exception):
+    """The client hung up before the worker answered."""
+
+
+def error(status: int, message: str, *, code: str | None = None) -> JSONResponse:
+    """OpenAI's error shape, as the workers answer."""
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status)
+
+
+class Router:
+    def __init__(self, workers: Workers, directory: SessionDirectory, metrics: RouteMetrics,
+                 client: httpx.AsyncClient, *, api_key: str | None, slack: int) -> None:
+        self.workers, self.directory, self.metrics, self.client = workers, directory, metrics, client
+        self.api_key, self.slack = api_key, slack
+
+    def app(self) -> Starlette:
+        return Starlette(exception_handlers={HTTPException: _http_error}, routes=[
+            Route("/v1/chat/completions", self._guarded(self.generate), methods=["POST"]),
+            Route("/v1/completions", self._guarded(self.generate), methods=["POST"]),
+            Route("/v1/models", self._guarded(self.anywhere), methods=["GET"]),
+            Route("/tokenize", self._guarded(self.anywhere), methods=["POST"]),
+            Route("/detokenize", self._guarded(self.anywhere), methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ])
+
+    def _guarded(self, handler: Callable[[HttpRequest, bytes], Awaitable[Response]]
+                 ) -> Callable[[HttpRequest], Awaitable[Response]]:
+        async def run(http: HttpRequest) -> Response:
+            if self.api_key is not None:
+                scheme, _, given = http.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                         self.api_key.encode()):
+                    return error(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+            try:
+                return await handler(http, await http.body())
+            except (ClientDisconnect, ClientGone):
+                return Response(status_code=499)                 # nobody reads it
+        return run
+
+    # ---- routing -----------------------------------------------------------
+
+    async def generate(self, http: HttpRequest, raw: bytes) -> Response:
+        """A completion: to its session's worker, else by prefix and load."""
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None                                          # forwarded as it is: the worker says what is wrong
+        session = http.headers.get(SESSION_HEADER) or None
+        model = str(body.get("model", "")) if isinstance(body, dict) else ""
+        key = prefix_key(body)
+        choice = await self._place(key, session, model)
+        if choice is None:
+            return self._unplaced()
+        worker, reason = choice
+        return await self._forward(http, raw, worker, reason, key=key, session=session, model=model)
+
+    async def anywhere(self, http: HttpRequest, raw: bytes) -> Response:
+        """/v1/models, /tokenize, /detokenize: any worker answers the same."""
+        up = self.workers.up()
+        if not up:
+            return self._unplaced()
+        worker = place(None, up, self.slack).worker
+        return await self._forward(http, raw, worker, "load", key=None, session=None, model="", counted=False)
+
+    async def _place(self, key: bytes | None, session: str | None, model: str) -> tuple[Worker, str] | None:
+        up = self.workers.up()
+        if not up:
+            return None
+        if session is not None:
+            held = await self.directory.lookup(model, session)
+            worker = self.workers.by_url.get(held) if held is not None else None
+            if worker is not None and worker.up:
+                return worker, "affinity"
+            if worker is not None:                               # its worker left: the KV comes from the store
+                return place(key, up, self.slack).worker, "failover"
+        placed = place(key, up, self.slack)
+        return placed.worker, placed.reason
+
+    async def _forward(self, http: HttpRequest, raw: bytes, worker: Worker, reason: str, *, key: bytes | None,
+                       session: str | None, model: str, counted: bool = True) -> Response:
+        tried: set[Worker] = set()
+        while True:
+            worker.in_flight += 1
+            try:
+                upstream = await _or_disconnect(http, self._send(http, raw, worker))
+            except ClientGone:
+                worker.in_flight -= 1
+                raise
+            except httpx.TransportError as exc:
+                worker.in_flight -= 1
+                self.workers.failed(worker, _describe(exc))
+                upstream = None
+            else:
+                if upstream.status_code == 503 and self._untried(tried | {worker}):
+                    worker.in_flight -= 1
+                    await upstream.aclose()
+                    upstream = None
+            if upstream is not None:
+                break
+            self.metrics.upstream_errors.labels(worker.url).inc()
+            tried.add(worker)
+            left = self._untried(tried)
+            if not left:
+                return self._unplaced()
+            worker, reason = place(key, left, self.slack).worker, "failover"
+        if counted:
+            self.metrics.requests.labels(worker.url, reason).inc()
+        if session is not None and upstream.status_code < 300:
+            await self.directory.record(model, session, worker.url)
+        return Passthrough(upstream, worker, self.workers)
+
+    def _untried(self, tried: set[Worker]) -> list[Worker]:
+        return [w for w in self.workers.up() if w not in tried]
+
+    async def _send(self, http: HttpRequest, raw: bytes, worker: Worker) -> httpx.Response:
+        headers = [(k, v) for k, v in http.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        request = self.client.build_request(http.method, worker.url + http.url.path, params=http.url.query or None,
+                                            headers=headers, content=raw)
+        return await self.client.send(request, stream=True)
+
+    def _unplaced(self) -> Response:
+        self.metrics.unplaced.inc()
+        down = "; ".join(f"{w.url}: {w.why_down}" for w in self.workers.all)
+        return error(503, f"no worker can take the request ({down})", code="no_worker")
+
+    # ---- kvroute's own -----------------------------------------------------
+
+    async def health(self, http: HttpRequest) -> Response:
+        """200 while at least one worker is up (a balancer in front of several kvroutes checks this)."""
+        workers = {w.url: "up" if w.up else f"down: {w.why_down}" for w in self.workers.all}
+        ok = any(w.up for w in self.workers.all)
+        return JSONResponse({"status": "ok" if ok else "no worker is up", "workers": workers},
+                            status_code=200 if ok else 503)
+
+    async def prometheus(self, http: HttpRequest) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class Passthrough(Response):
+    """The worker's answer, its bytes passed on as they arrive; however it ends, the worker's exchange is closed."""
+
+    def __init__(self, upstream: httpx.Response, worker: Worker, workers: Workers) -> None:
+        self.upstream, self.worker, self.workers = upstream, worker, workers
+        self.status_code = upstream.status_code
+        self.background = None
+        self.raw_headers = [(k, v) for k, v in upstream.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        self.raw_headers.append((WORKER_HEADER.encode(), worker.url.encode()))
+        if "content-length" in upstream.headers:
+            self.raw_headers.append((b"content-length", upstream.headers["content-length"].encode()))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            pump = asyncio.ensure_future(self._pump(send))
+            gone = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                pump.cancel()
+                gone.cancel()
+            if pump.done() and not pump.cancelled() and isinstance(pump.exception(), httpx.TransportError):
+                # The worker broke the answer midway: so is the client's (no final chunk), never passed off whole.
+                self.workers.failed(self.worker, _describe(pump.exception()))   # type: ignore[arg-type]
+            elif pump.done() and not pump.cancelled() and pump.exception() is not None:
+                raise pump.exception()                                         # type: ignore[misc]
+        finally:
+            self.worker.in_flight -= 1
+            await self.upstream.aclose()
+
+    async def _pump(self, send: Any) -> None:
+        async for chunk in self.upstream.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _or_disconnect(http: HttpRequest, waiter: Awaitable[T]) -> T:
+    """`waiter`'s result, unless the client hangs up first (ClientGone; the worker's exchange is closed)."""
+    task = asyncio.ensure_future(waiter)
+    gone = asyncio.ensure_future(_disconnected(http.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def _http_error(http: HttpRequest, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error(exc.status_code, f"{http.method} {http.url.path}: {exc.detail}")

@@ -1,0 +1,256 @@
+"""kvroute on real processes: a mooncake_master, memd + inferd pairs as hosts, kvroutes in front, the openai client.
+
+The cluster tests need kvpool[cluster] (`.ci/run` installs it); the rest run anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from memd.cluster import session_key
+from tests.conftest import Daemon, start_daemon
+from tests.test_inferd_service import memctl, memd_state, wait_until
+from tests.test_memd_restart import memd_flags
+from tests.test_openai_api import GREEDY, SYSTEM, common_prefix, ids_of, template_ids
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+MODEL = "tiny"
+WORKER = "x-kvroute-worker"
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@dataclass
+class Host:
+    """One machine's worth: memd and inferd serving HTTP."""
+
+    memd: Daemon
+    inferd: Daemon
+    url: str
+
+    async def kill(self) -> None:
+        await self.inferd.kill()
+        await self.memd.kill()
+
+
+@pytest.fixture
+def host_factory(memd_factory, inferd_factory, model_dir) -> Callable[..., Awaitable[Host]]:
+    async def start(name: str, *memd_extra: str) -> Host:
+        memd = await memd_factory(*memd_flags(model_dir), *memd_extra, name=f"memd-{name}")
+        inferd = await inferd_factory(model_dir, memd.address, "--http", "127.0.0.1:0", "--served-model-name", MODEL,
+                                      name=f"inferd-{name}")
+        return Host(memd, inferd, f"http://{(await inferd.log.wait_for('inferd ready'))['http']}")
+    return start
+
+
+@pytest.fixture
+def router_factory(tmp_path: Path, daemons: list[Daemon]) -> Callable[..., Awaitable[tuple[Daemon, str]]]:
+    async def start(name: str, hosts: list[Host], *extra: str) -> tuple[Daemon, str]:
+        workers = [flag for host in hosts for flag in ("--worker", host.url)]
+        daemons.append(await start_daemon(tmp_path, ["kvroute", "--http", "127.0.0.1:0", *workers, *extra],
+                                          name=name, listen=False))
+        return daemons[-1], f"http://{(await daemons[-1].log.wait_for('kvroute ready'))['http']}"
+    return start
+
+
+async def chat(url: str, session: str | None, messages: list[dict[str, str]], max_tokens: int) -> tuple[Any, str]:
+    """One turn through `url` with the openai client: (the completion, the worker that answered)."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=max_tokens,
+            extra_headers={"X-Session-Id": session} if session else {}, **GREEDY)
+        return raw.parse(), raw.headers[WORKER]
+    finally:
+        await client.close()
+
+
+async def route_counts(url: str) -> dict[tuple[str, str], float]:
+    """kvpool_route_requests_total by (worker, reason), from kvroute's /metrics."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{url}/metrics")).text
+    counts = {}
+    for worker, reason, value in re.findall(
+            r'^kvpool_route_requests_total\{reason="(\w+)",worker="([^"]+)"\} (\S+)$', text, re.M):
+        counts[(reason, worker)] = float(value)
+    return {(w, r): v for (w, r), v in counts.items()}
+
+
+def counts_of(counts: dict[tuple[str, str], float], reason: str) -> float:
+    return sum(v for (_, r), v in counts.items() if r == reason)
+
+
+async def published(hosts: list[Host], session: str, nth: int = 1) -> tuple[Host, dict[str, Any]]:
+    """Which host published `session` (its nth publish), and what the log line said."""
+    waits = {asyncio.ensure_future(host.memd.log.wait_for("published a session to the cluster store", nth=nth,
+                                                          session=session)): host for host in hosts}
+    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    task = done.pop()
+    return waits[task], task.result()
+
+
+async def test_a_chat_follows_its_kv_across_routers_and_survives_its_host(
+        store, host_factory, router_factory, model_judge, hf_tokenizer):
+    hosts = [await host_factory(name, *store.flags()) for name in ("a", "b")]
+    (_, one), (_, two) = [await router_factory(f"kvroute-{n}", hosts, *store.router_flags()) for n in (1, 2)]
+    by_url = {host.url: host for host in hosts}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does memd do?"}]
+
+    first, served = await chat(one, "s1", messages, 8)
+    prompt1, got1 = template_ids(hf_tokenizer, messages), ids_of(first.choices[0])
+    model_judge.assert_greedy(prompt1, got1, 8, "turn 1")
+    holder = by_url[served]
+    await published([holder], "s1")
+
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And when a worker crashes?"}]
+    second, served2 = await chat(two, "s1", messages, 8)             # the other router: the directory says where
+    prompt2 = template_ids(hf_tokenizer, messages)
+    model_judge.assert_greedy(prompt2, ids_of(second.choices[0]), 8, "turn 2")
+    assert served2 == holder.url
+    assert second.usage.prompt_tokens_details.cached_tokens >= common_prefix(prompt1 + got1, prompt2) - 1
+    assert counts_of(await route_counts(two), "affinity") == 1
+    _, record = await published([holder], "s1", nth=2)
+
+    await holder.kill()                                              # kill -9 the host: its memd and its inferd
+    survivor = next(h for h in hosts if h is not holder)
+    messages += [{"role": "assistant", "content": second.choices[0].message.content},
+                 {"role": "user", "content": "Tell me more."}]
+    third, served3 = await chat(one, "s1", messages, 8)
+    model_judge.assert_greedy(template_ids(hf_tokenizer, messages), ids_of(third.choices[0]), 8, "turn 3")
+    assert served3 == survivor.url
+    assert third.usage.prompt_tokens_details.cached_tokens == record["blocks"] * 16    # read from the store
+    assert counts_of(await route_counts(one), "failover") == 1
+    async with survivor.memd.admin() as admin:
+        counters = (await admin.stats()).counters
+    assert counters["cluster_sessions_fetched"] == 1 and counters["cluster_hits"] == record["blocks"]
+    states, _, ok = await memd_state(survivor.memd)
+    assert ok and states["running"] == 0 and states["parked"] == 1
+
+    _fourth, served4 = await chat(two, "s1", messages[:1] + [{"role": "user", "content": "Hi"}], 2)
+    assert served4 == survivor.url                                  # the directory moved with the session
+
+
+async def test_a_system_prompt_shared_by_many_sessions_is_stored_once(
+        store, host_factory, router_factory, hf_tokenizer):
+    hosts = [await host_factory(name, *store.flags()) for name in ("a", "b")]
+    _, url = await router_factory("kvroute", hosts, *store.router_flags())
+    records = []
+    for i in range(4):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question number {i}?"}]
+        await chat(url, f"user-{i}", messages, 4)
+        await published(hosts, f"user-{i}")
+        records.append((await asyncio.to_thread(store.look, [], session_key(f"user-{i}")))[1])
+    shared = len(template_ids(hf_tokenizer, [{"role": "system", "content": SYSTEM}])) // 16
+    assert shared >= 4 and all(r["keys"][:shared] == records[0]["keys"][:shared] for r in records)
+    distinct = {key for record in records for key in record["keys"]}
+    assert len(distinct) < sum(len(r["keys"]) for r in records) - 3 * shared + 1
+    puts = 0
+    for host in hosts:
+        async with host.memd.admin() as admin:
+            puts += (await admin.stats()).counters.get("cluster_puts", 0)
+    assert puts == len(distinct)                                     # every block written once, the shared ones too
+    assert (await asyncio.to_thread(store.look, sorted(distinct)))[0] == [True] * len(distinct)
+
+
+async def test_serving_goes_on_while_the_store_is_down_and_publishing_resumes_when_it_is_back(
+        store, host_factory, router_factory, model_judge, hf_tokenizer):
+    host = await host_factory("a", *store.flags())
+    router, url = await router_factory("kvroute", [host], *store.router_flags())
+    await store.kill()
+    while True:                                  # until memd's client noticed (it pings the master every second)
+        rc, out, _ = await memctl(host.memd.address, "stats")
+        assert rc == 0
+        if "store unreachable" in out:
+            break
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Still there?"}]
+    answer, _ = await chat(url, "during", messages, 6)
+    model_judge.assert_greedy(template_ids(hf_tokenizer, messages), ids_of(answer.choices[0]), 6, "store down")
+    await router.log.wait_for("could not write the session directory in the cluster store: routing by this "
+                              "kvroute's own memory for 10 s")
+    await host.memd.log.wait_for("the cluster store did not answer: sessions and prefixes are computed here for 10 s")
+
+    await store.start()                          # back, empty, on the same ports
+    while True:
+        rc, out, _ = await memctl(host.memd.address, "stats")
+        if "store reachable" in out:
+            break
+    _again, _ = await chat(url, "after", messages[:1] + [{"role": "user", "content": "And now?"}], 6)
+    _, line = await published([host], "after")
+    assert line["new_blocks"] == line["blocks"] > 0
+    states, _, ok = await memd_state(host.memd)
+    assert ok and states["running"] == 0 and states["parked"] == 2
+
+
+async def test_streams_pass_through_and_a_client_hanging_up_frees_the_worker(host_factory, router_factory):
+    host = await host_factory("a")
+    _router, url = await router_factory("kvroute", [host], "--api-key", "sekret")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story about a cat."}],
+            "max_tokens": 12, "temperature": 0}
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
+    whole = await client.chat.completions.create(**body, extra_body={"ignore_eos": True})
+    pieces = [chunk.choices[0].delta.content or "" async for chunk in
+              await client.chat.completions.create(**body, stream=True, extra_body={"ignore_eos": True})
+              if chunk.choices]
+    assert "".join(pieces) == whole.choices[0].message.content and len(pieces) >= 12
+    assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    await client.close()
+
+    auth = {"Authorization": "Bearer sekret", "X-Session-Id": "gone"}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{url}/v1/chat/completions", headers=auth,
+                               json=body | {"max_tokens": 3000, "stream": True, "ignore_eos": True}) as response:
+            assert response.status_code == 200 and response.headers[WORKER] == host.url
+            lines = response.aiter_lines()
+            seen = 0
+            while seen < 4:                       # a few chunks in: the turn runs on the worker
+                seen += (await anext(lines)).startswith("data:")
+
+        async def released() -> bool:
+            states, _, ok = await memd_state(host.memd)
+            return states["running"] == 0 and states["parked"] == 1 and ok
+        await wait_until(released)
+        await host.inferd.log.wait_for("request cancelled by its client", session="gone")
+        health = await http.get(f"{url}/health")
+        assert health.status_code == 200 and health.json()["workers"] == {host.url: "up"}
+        missing = await http.get(f"{url}/v1/nothing", headers=auth)
+        assert missing.status_code == 404 and "error" in missing.json()
+
+        await host.kill()
+        refused = await http.post(f"{url}/v1/chat/completions", headers=auth, json=body)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker"
+        down = await http.get(f"{url}/health")
+        assert down.status_code == 503 and down.json()["workers"][host.url].startswith("down")
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--worker", "localhost:8000"), "expected a worker's base URL"),
+    (("--worker", "http://127.0.0.1:1", "--balance-slack", "-2"), "must be a whole number at least 0"),
+    (("--worker", "http://127.0.0.1:1", "--cluster-master", "127.0.0.1:1"), "--cluster-master needs"),
+    (("--worker", "http://127.0.0.1:1", "--cluster-master", "127.0.0.1:1", "--cluster-metadata",
+      "http://127.0.0.1:1/metadata"), "cannot join the Mooncake store"),
+])
+async def test_kvroute_refuses_bad_flags_in_one_line(flags, says):
+    import sys
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvroute", "--http", "127.0.0.1:0", *flags,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _out, err = await proc.communicate()
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode in (1, 2) and says in lines[-1] and "Traceback" not in err.decode(), err.decode()
