@@ -146,16 +146,22 @@ def summary(run: Run) -> dict[str, float]:
             "cached_share_later": run.cached_later / run.prompt_later if run.prompt_later else 0.0}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def chat_load_args(doc: str, full: dict[str, Any], quick: dict[str, Any]) -> tuple[argparse.Namespace,
+                                                                                   dict[str, Any]]:
+    """The flags of a chat-load bench, and the load's shape they choose (--quick's or the full one, adjusted)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small model and load: checks the bench still runs")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--users", type=int)
     p.add_argument("--turns", type=int)
     p.add_argument("--think", type=float, dest="think_s")
     args = p.parse_args()
-    shape = dict(QUICK if args.quick else FULL)
-    shape |= {k: v for k in ("users", "turns", "think_s") if (v := getattr(args, k)) is not None}
+    shape = dict(quick if args.quick else full)
+    return args, shape | {k: v for k in ("users", "turns", "think_s") if (v := getattr(args, k)) is not None}
+
+
+def main() -> int:
+    args, shape = chat_load_args(__doc__, FULL, QUICK)
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-http-") as tmp:
         work = Path(tmp)
         model_dir = make_tiny_model(work / "tiny", **shape["model"])

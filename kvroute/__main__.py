@@ -94,13 +94,15 @@ async def serve(args: argparse.Namespace) -> None:
             stack.callback(store.close)
         client = await stack.enter_async_context(httpx.AsyncClient(
             timeout=httpx.Timeout(connect=3.0, read=None, write=30.0, pool=None), limits=limits))
+        for name in ("accept", "accept-encoding", "user-agent"):     # only what the client sent goes to a worker
+            del client.headers[name]
         workers = Workers(args.worker, client, args.health_interval)
         directory = SessionDirectory(store, args.session_ttl)
         router = Router(workers, directory, RouteMetrics(workers, directory), client, api_key=args.api_key or None,
                         slack=args.balance_slack)
         await workers.check_all()
         checking = asyncio.create_task(workers.run(), name="worker-checks")
-        server = EmbeddedServer(router.app())           # the socket listens already: no connection is refused
+        server = EmbeddedServer(router.app(), own_headers=False)     # listening already: no connection refused
         serving = asyncio.create_task(server.serve(sockets=[sock]), name="http")
         stop = asyncio.Event()
         serving.add_done_callback(lambda _: stop.set())
@@ -122,6 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
         with contextlib.suppress(Exception):
             await serving
         sock.close()
+        await directory.drain()
 
 
 def main(argv: list[str] | None = None) -> int:

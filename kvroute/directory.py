@@ -4,18 +4,23 @@ An entry is a small object under `kvroute/v1/session/<hash of model and
 session id>` naming the worker's URL and when the entry expires (`--session-ttl`;
 each turn renews it once past half its life). An entry past its time is not
 followed: the session is placed like a new one and its KV, parked in memd or
-published to the store, is found from wherever it lands. A store that does not
-answer within DEADLINE_S, or refuses a write, is left alone for BACK_OFF_S,
-with one log line, and this kvroute routes by what it saw itself meanwhile
-(so does a lookup the store finds nothing for: Mooncake's client reads an
-object it cannot reach as absent); without a store (no --cluster-master)
-that memory is the whole directory, shared with no one.
+published to the store, is found from wherever it lands. Of the store's entry
+and the one this kvroute holds, the later-expiring wins (the newer turn).
+
+Writes happen beside the answer, never before it. A store that does not
+answer within DEADLINE_S, or refuses a write, is left alone for BACK_OFF_S
+(one log line per such window), and this kvroute routes by what it saw itself
+meanwhile; an entry newer here than in the store (written while the store was
+away, or lost by a restarted master) is written again when it is next read.
+Without a store (no --cluster-master) that memory is the whole directory,
+shared with no one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ REMEMBERED = 100_000        # entries this kvroute keeps in memory, newest first
 class Entry:
     worker: str
     expires: float
+    stored: bool = False     # the store has it (as far as this kvroute knows)
 
 
 def entry_key(model: str, session: str) -> str:
@@ -46,36 +52,55 @@ def entry_key(model: str, session: str) -> str:
 
 
 class SessionDirectory:
-    def __init__(self, store: ClusterStore | None, ttl_s: float) -> None:
-        self.store, self.ttl_s = store, ttl_s
+    def __init__(self, store: ClusterStore | None, ttl_s: float, back_off_s: float = BACK_OFF_S) -> None:
+        self.store, self.ttl_s, self.back_off_s = store, ttl_s, back_off_s
         self.seen: dict[str, Entry] = {}          # what this kvroute read or wrote last, per key
         self.errors = 0
         self._quiet_until = 0.0
+        self._writes: set[asyncio.Task[None]] = set()
 
     async def lookup(self, model: str, session: str) -> str | None:
         """The worker the session was last sent to, while its entry lives."""
         key = entry_key(model, session)
+        held = self.seen.get(key)
         if self._store_answers():
-            entry = _parse(await self._ask(self.store.get(key), "read"))   # type: ignore[union-attr]
-            if entry is not None:
-                self._remember(key, entry)
-        entry = self.seen.get(key)
-        return entry.worker if entry is not None and entry.expires > time.time() else None
+            stored = _parse(await self._ask(self.store.get(key), "read"))          # type: ignore[union-attr]
+            if stored is not None and (held is None or stored.expires >= held.expires):
+                held = stored
+                self._remember(key, stored)
+            elif held is not None and held.expires > time.time() and self._store_answers():
+                self._write_soon(key, held)    # newer here: written while the store was away, or it lost the entry
+        return held.worker if held is not None and held.expires > time.time() else None
 
-    async def record(self, model: str, session: str, worker: str) -> None:
+    def record_soon(self, model: str, session: str, worker: str) -> None:
         """The session is served by `worker` now; written unless the entry says so for half its life still."""
         key = entry_key(model, session)
         now = time.time()
         held = self.seen.get(key)
-        if held is not None and held.worker == worker and held.expires - now > self.ttl_s / 2:
+        if held is not None and held.worker == worker and held.stored and held.expires - now > self.ttl_s / 2:
             return
         entry = Entry(worker, now + self.ttl_s)
         self._remember(key, entry)
         if self._store_answers():
-            value = msgpack.packb({"worker": entry.worker, "expires": entry.expires})
-            rc = await self._ask(self.store.put(key, value), "write")      # type: ignore[union-attr]
-            if rc is not None and rc != 0:
-                self._failed("write", f"the store refused it ({rc})")
+            self._write_soon(key, entry)
+
+    async def drain(self) -> None:
+        """Writes in flight finished (at stop, and for tests)."""
+        while self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+
+    def _write_soon(self, key: str, entry: Entry) -> None:
+        task = asyncio.create_task(self._write(key, entry))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, key: str, entry: Entry) -> None:
+        value = msgpack.packb({"worker": entry.worker, "expires": entry.expires})
+        rc = await self._ask(self.store.put(key, value), "write")                  # type: ignore[union-attr]
+        if rc is not None and rc != 0:
+            self._failed("write", f"the store refused it ({rc})")
+        elif rc == 0 and self.seen.get(key) == entry:
+            self.seen[key] = Entry(entry.worker, entry.expires, stored=True)
 
     def _remember(self, key: str, entry: Entry) -> None:
         self.seen.pop(key, None)
@@ -95,9 +120,10 @@ class SessionDirectory:
 
     def _failed(self, what: str, why: str) -> None:
         self.errors += 1
-        self._quiet_until = time.monotonic() + BACK_OFF_S
-        log.warning(f"could not {what} the session directory in the cluster store: routing by this kvroute's "
-                    f"own memory for {BACK_OFF_S:.0f} s", error=why)
+        if time.monotonic() >= self._quiet_until:             # one line per window, however many calls failed
+            log.warning(f"could not {what} the session directory in the cluster store: routing by this kvroute's "
+                        f"own memory for {self.back_off_s:.0f} s", error=why)
+        self._quiet_until = time.monotonic() + self.back_off_s
 
 
 def _parse(data: bytes | None) -> Entry | None:
@@ -105,6 +131,7 @@ def _parse(data: bytes | None) -> Entry | None:
         return None
     try:
         record = msgpack.unpackb(data)
-        return Entry(str(record["worker"]), float(record["expires"]))
+        entry = Entry(str(record["worker"]), float(record["expires"]), stored=True)
     except Exception:
         return None
+    return entry if math.isfinite(entry.expires) else None

@@ -56,7 +56,8 @@ def prefix_key(body: Any) -> bytes | None:
 
 def _content_text(content: Any) -> str:
     if isinstance(content, list):                               # OpenAI content parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return "".join(text for text in texts if isinstance(text, str))
     return content if isinstance(content, str) else ""
 
 

@@ -127,41 +127,53 @@ class Router:
     async def _forward(self, http: HttpRequest, raw: bytes, worker: Worker, reason: str, *, key: bytes | None,
                        session: str | None, model: str, counted: bool = True) -> Response:
         tried: set[Worker] = set()
+        retried = False
         while True:
-            worker.in_flight += 1
             try:
-                upstream = await _or_disconnect(http, self._send(http, raw, worker))
-            except ClientGone:
-                worker.in_flight -= 1
-                raise
+                upstream = await self._exchange(http, raw, worker)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                self.workers.failed(worker, _describe(exc))        # it never got the request: another may take it
             except httpx.TransportError as exc:
-                worker.in_flight -= 1
-                self.workers.failed(worker, _describe(exc))
-                upstream = None
+                # The request may have reached the worker. Once more on a fresh connection (a keep-alive
+                # connection it was closing, say); a second drop is the worker's answer, not a reason to send
+                # the turn to another host as well.
+                if not retried:
+                    retried = True
+                    continue
+                self.metrics.upstream_errors.labels(worker.url).inc()
+                return error(502, f"the worker {worker.url} dropped the request ({_describe(exc)})",
+                             code="worker_dropped")
             else:
-                if upstream.status_code == 503 and self._untried(tried | {worker}):
-                    worker.in_flight -= 1
-                    await upstream.aclose()
-                    upstream = None
-            if upstream is not None:
-                break
+                if upstream.status_code != 503 or not self._untried(tried | {worker}):
+                    break
+                worker.in_flight -= 1                              # draining, or memd away: another may take it
+                await upstream.aclose()
             self.metrics.upstream_errors.labels(worker.url).inc()
             tried.add(worker)
             left = self._untried(tried)
             if not left:
                 return self._unplaced()
-            worker, reason = place(key, left, self.slack).worker, "failover"
+            worker, reason, retried = place(key, left, self.slack).worker, "failover", False
         if counted:
             self.metrics.requests.labels(worker.url, reason).inc()
         if session is not None and upstream.status_code < 300:
-            await self.directory.record(model, session, worker.url)
-        return Passthrough(upstream, worker, self.workers)
+            self.directory.record_soon(model, session, worker.url)
+        return Passthrough(upstream, worker)
+
+    async def _exchange(self, http: HttpRequest, raw: bytes, worker: Worker) -> httpx.Response:
+        """The worker's answer, headers read, body not yet; counted in flight there until Passthrough ends."""
+        worker.in_flight += 1
+        try:
+            return await _or_disconnect(http, self._send(http, raw, worker))
+        except BaseException:
+            worker.in_flight -= 1
+            raise
 
     def _untried(self, tried: set[Worker]) -> list[Worker]:
         return [w for w in self.workers.up() if w not in tried]
 
     async def _send(self, http: HttpRequest, raw: bytes, worker: Worker) -> httpx.Response:
-        headers = [(k, v) for k, v in http.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        headers = _end_to_end(http.headers.raw)
         request = self.client.build_request(http.method, worker.url + http.url.path, params=http.url.query or None,
                                             headers=headers, content=raw)
         return await self.client.send(request, stream=True)
@@ -187,11 +199,12 @@ class Router:
 class Passthrough(Response):
     """The worker's answer, its bytes passed on as they arrive; however it ends, the worker's exchange is closed."""
 
-    def __init__(self, upstream: httpx.Response, worker: Worker, workers: Workers) -> None:
-        self.upstream, self.worker, self.workers = upstream, worker, workers
+    def __init__(self, upstream: httpx.Response, worker: Worker) -> None:
+        self.upstream, self.worker = upstream, worker
+        self.done = False
         self.status_code = upstream.status_code
         self.background = None
-        self.raw_headers = [(k, v) for k, v in upstream.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        self.raw_headers = _end_to_end(upstream.headers.raw)
         self.raw_headers.append((WORKER_HEADER.encode(), worker.url.encode()))
         if "content-length" in upstream.headers:
             self.raw_headers.append((b"content-length", upstream.headers["content-length"].encode()))
@@ -206,14 +219,22 @@ class Passthrough(Response):
             finally:
                 pump.cancel()
                 gone.cancel()
-            if pump.done() and not pump.cancelled() and isinstance(pump.exception(), httpx.TransportError):
+            broke = pump.exception() if pump.done() and not pump.cancelled() else None
+            if isinstance(broke, httpx.TransportError):
                 # The worker broke the answer midway: so is the client's (no final chunk), never passed off whole.
-                self.workers.failed(self.worker, _describe(pump.exception()))   # type: ignore[arg-type]
-            elif pump.done() and not pump.cancelled() and pump.exception() is not None:
-                raise pump.exception()                                         # type: ignore[misc]
+                # Whether the worker is gone is for its health check to say.
+                log.warning("a worker broke an answer midway", worker=self.worker.url, error=_describe(broke))
+            elif broke is not None:
+                raise broke
         finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        if not self.done:
+            self.done = True
             self.worker.in_flight -= 1
             await self.upstream.aclose()
+
 
     async def _pump(self, send: Any) -> None:
         async for chunk in self.upstream.aiter_raw():
@@ -239,6 +260,12 @@ async def _or_disconnect(http: HttpRequest, waiter: Awaitable[T]) -> T:
 async def _disconnected(receive: Any) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _end_to_end(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers a proxy passes on: not hop-by-hop ones, nor those the Connection header names."""
+    named = {token.strip().lower() for k, v in raw if k.lower() == b"connection" for token in v.split(b",")}
+    return [(k, v) for k, v in raw if k.decode("latin-1").lower() not in HOP_BY_HOP and k.lower() not in named]
 
 
 def _describe(exc: BaseException) -> str:

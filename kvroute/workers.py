@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass
 
 import httpx
@@ -56,15 +57,19 @@ class Workers:
         await asyncio.gather(*(self._check(w) for w in self.all))
 
     async def run(self) -> None:
+        """Each worker on a loop of its own: a slow one does not delay the others' checks."""
+        await asyncio.gather(*(self._keep_checking(w) for w in self.all))
+
+    async def _keep_checking(self, worker: Worker) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.check_all()
+            await self._check(worker)
 
     async def _check(self, worker: Worker) -> None:
         try:
             health = await self.client.get(f"{worker.url}/health", timeout=CHECK_TIMEOUT_S)
             metrics = await self.client.get(f"{worker.url}/metrics", timeout=CHECK_TIMEOUT_S)
-        except httpx.HTTPError as exc:
+        except Exception as exc:                       # whatever it is, the worker is not answering as it should
             self._mark(worker, False, f"unreachable ({type(exc).__name__}: {exc})" if str(exc) else
                        f"unreachable ({type(exc).__name__})")
             return
@@ -84,9 +89,10 @@ class Workers:
 
 
 def _queued(text: str) -> int:
-    total = 0
+    """Running + waiting requests by the worker's /metrics; what cannot be read counts as none."""
+    total = 0.0
     with contextlib.suppress(ValueError):
         for family in text_string_to_metric_families(text):
             if family.name in LOAD_METRICS:
-                total += int(sum(sample.value for sample in family.samples))
-    return total
+                total += sum(s.value for s in family.samples if math.isfinite(s.value) and s.value > 0)
+    return int(total)

@@ -43,9 +43,11 @@ def address_of(sock: socket.socket) -> str:
 class EmbeddedServer(uvicorn.Server):
     """uvicorn serving an ASGI app on the running loop; the daemon owns the process's signals, not uvicorn."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, own_headers: bool = True) -> None:
+        """`own_headers=False`: no Date or Server header of uvicorn's (a proxy passes on its upstream's)."""
         super().__init__(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, loop="none",
-                                        timeout_graceful_shutdown=GRACE_S))
+                                        timeout_graceful_shutdown=GRACE_S, server_header=own_headers,
+                                        date_header=own_headers))
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

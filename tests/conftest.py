@@ -37,7 +37,7 @@ settings.load_profile("kvpool")
 
 
 # Fixtures whose users start processes.
-PROCESS_FIXTURES = {"daemons", "memd_factory", "inferd_factory", "spawn_worker", "memd"}
+PROCESS_FIXTURES = {"daemons", "memd_factory", "inferd_factory", "spawn_worker", "memd", "store"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -53,3 +53,14 @@ def test_the_verification_cost_bench_runs():
     report = quick("bench_verify.py")
     assert report["on"]["decode_tok_s"] > 0 and report["off"]["decode_tok_s"] > 0
     assert report["on"]["sum_share"] > report["off"]["sum_share"]     # the switch switched
+
+
+def test_the_cluster_bench_runs_and_only_the_store_run_reads_a_lost_host_from_the_store():
+    if not (Path(sys.executable).parent / "mooncake_master").exists():
+        pytest.skip("kvpool[cluster] is not installed")
+    runs = quick("bench_cluster.py")["runs"]
+    routed, alone, plain = runs["kvroute + store"], runs["kvroute, no store"], runs["round-robin, no store"]
+    assert routed["cached_share_later"] > 0.5 and routed["moved_sessions"] >= 1
+    assert routed["cached_share_moved"] > 0.5 and alone["cached_share_moved"] < 0.2 and alone["moved_sessions"]
+    assert routed["fetch"]["store_64k_gib_s"] > 0 and routed["fetch"]["tcp_gib_s"] > 0
+    assert plain["cached_share_later"] < routed["cached_share_later"]

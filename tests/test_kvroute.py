@@ -6,6 +6,7 @@ The cluster tests need kvpool[cluster] (`.ci/run` installs it); the rest run any
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 MODEL = "tiny"
 WORKER = "x-kvroute-worker"
+NEEDS_MOONCAKE = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                                    reason="needs kvpool[cluster] (Mooncake Store's client)")
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +84,15 @@ async def route_counts(url: str) -> dict[tuple[str, str], float]:
     """kvpool_route_requests_total by (worker, reason), from kvroute's /metrics."""
     async with httpx.AsyncClient(timeout=10) as http:
         text = (await http.get(f"{url}/metrics")).text
-    counts = {}
-    for worker, reason, value in re.findall(
-            r'^kvpool_route_requests_total\{reason="(\w+)",worker="([^"]+)"\} (\S+)$', text, re.M):
-        counts[(reason, worker)] = float(value)
-    return {(w, r): v for (w, r), v in counts.items()}
+    found = re.findall(r'^kvpool_route_requests_total\{reason="(\w+)",worker="([^"]+)"\} (\S+)$', text, re.M)
+    return {(worker, reason): float(value) for reason, worker, value in found}
+
+
+async def worker_load(url: str, worker: str) -> float:
+    """kvpool_route_worker_load of `worker`, from kvroute's /metrics."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{url}/metrics")).text
+    return float(re.search(rf'^kvpool_route_worker_load\{{worker="{re.escape(worker)}"\}} (\S+)$', text, re.M)[1])
 
 
 def counts_of(counts: dict[tuple[str, str], float], reason: str) -> float:
@@ -172,11 +179,7 @@ async def test_serving_goes_on_while_the_store_is_down_and_publishing_resumes_wh
     host = await host_factory("a", *store.flags())
     router, url = await router_factory("kvroute", [host], *store.router_flags())
     await store.kill()
-    while True:                                  # until memd's client noticed (it pings the master every second)
-        rc, out, _ = await memctl(host.memd.address, "stats")
-        assert rc == 0
-        if "store unreachable" in out:
-            break
+    await wait_until(lambda: store_said(host, "store unreachable"))   # memd's client pings the master every second
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Still there?"}]
     answer, _ = await chat(url, "during", messages, 6)
     model_judge.assert_greedy(template_ids(hf_tokenizer, messages), ids_of(answer.choices[0]), 6, "store down")
@@ -185,15 +188,17 @@ async def test_serving_goes_on_while_the_store_is_down_and_publishing_resumes_wh
     await host.memd.log.wait_for("the cluster store did not answer: sessions and prefixes are computed here for 10 s")
 
     await store.start()                          # back, empty, on the same ports
-    while True:
-        rc, out, _ = await memctl(host.memd.address, "stats")
-        if "store reachable" in out:
-            break
+    await wait_until(lambda: store_said(host, "store reachable"))
     _again, _ = await chat(url, "after", messages[:1] + [{"role": "user", "content": "And now?"}], 6)
     _, line = await published([host], "after")
     assert line["new_blocks"] == line["blocks"] > 0
     states, _, ok = await memd_state(host.memd)
     assert ok and states["running"] == 0 and states["parked"] == 2
+
+
+async def store_said(host: Host, words: str) -> bool:
+    rc, out, _ = await memctl(host.memd.address, "stats")
+    return rc == 0 and words in out
 
 
 async def test_streams_pass_through_and_a_client_hanging_up_frees_the_worker(host_factory, router_factory):
@@ -212,31 +217,54 @@ async def test_streams_pass_through_and_a_client_hanging_up_frees_the_worker(hos
         await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     await client.close()
 
-    auth = {"Authorization": "Bearer sekret", "X-Session-Id": "gone"}
+    auth = {"Authorization": "Bearer sekret"}
+    long = body | {"max_tokens": 3000, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=60) as http:
-        async with http.stream("POST", f"{url}/v1/chat/completions", headers=auth,
-                               json=body | {"max_tokens": 3000, "stream": True, "ignore_eos": True}) as response:
+        async with http.stream("POST", f"{url}/v1/chat/completions", headers=auth | {"X-Session-Id": "gone"},
+                               json=long | {"stream": True}) as response:
             assert response.status_code == 200 and response.headers[WORKER] == host.url
+            assert len(response.headers.get_list("date")) == 1            # the worker's, not a second of kvroute's
             lines = response.aiter_lines()
             seen = 0
             while seen < 4:                       # a few chunks in: the turn runs on the worker
                 seen += (await anext(lines)).startswith("data:")
-
-        async def released() -> bool:
-            states, _, ok = await memd_state(host.memd)
-            return states["running"] == 0 and states["parked"] == 1 and ok
-        await wait_until(released)
+        await released(host, url, parked=1)
         await host.inferd.log.wait_for("request cancelled by its client", session="gone")
+
+        # Hanging up before the worker answered (a long non-streamed completion) frees it too.
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{url}/v1/chat/completions", headers=auth | {"X-Session-Id": "impatient"}, json=long,
+                            timeout=httpx.Timeout(10, read=1.0))
+        await released(host, url, parked=2)
+        await host.inferd.log.wait_for("request cancelled by its client", session="impatient")
+
         health = await http.get(f"{url}/health")
         assert health.status_code == 200 and health.json()["workers"] == {host.url: "up"}
         missing = await http.get(f"{url}/v1/nothing", headers=auth)
         assert missing.status_code == 404 and "error" in missing.json()
 
-        await host.kill()
+        # A worker that dies mid-answer breaks the client's stream too: never passed off as complete.
+        async with http.stream("POST", f"{url}/v1/chat/completions", headers=auth,
+                               json=long | {"stream": True}) as response:
+            lines = response.aiter_lines()
+            while not (await anext(lines)).startswith("data:"):
+                pass
+            await host.kill()
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for _ in lines:
+                    pass
         refused = await http.post(f"{url}/v1/chat/completions", headers=auth, json=body)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker"
         down = await http.get(f"{url}/health")
         assert down.status_code == 503 and down.json()["workers"][host.url].startswith("down")
+
+
+async def released(host: Host, url: str, parked: int) -> None:
+    """Until the worker's memd runs nothing and kvroute counts nothing in flight there."""
+    async def check() -> bool:
+        states, _, ok = await memd_state(host.memd)
+        return states["running"] == 0 and states["parked"] == parked and ok and not await worker_load(url, host.url)
+    await wait_until(check)
 
 
 @pytest.mark.processes
@@ -244,8 +272,8 @@ async def test_streams_pass_through_and_a_client_hanging_up_frees_the_worker(hos
     (("--worker", "localhost:8000"), "expected a worker's base URL"),
     (("--worker", "http://127.0.0.1:1", "--balance-slack", "-2"), "must be a whole number at least 0"),
     (("--worker", "http://127.0.0.1:1", "--cluster-master", "127.0.0.1:1"), "--cluster-master needs"),
-    (("--worker", "http://127.0.0.1:1", "--cluster-master", "127.0.0.1:1", "--cluster-metadata",
-      "http://127.0.0.1:1/metadata"), "cannot join the Mooncake store"),
+    pytest.param(("--worker", "http://127.0.0.1:1", "--cluster-master", "127.0.0.1:1", "--cluster-metadata",
+                  "http://127.0.0.1:1/metadata"), "cannot join the Mooncake store", marks=NEEDS_MOONCAKE),
 ])
 async def test_kvroute_refuses_bad_flags_in_one_line(flags, says):
     import sys
@@ -254,3 +282,54 @@ async def test_kvroute_refuses_bad_flags_in_one_line(flags, says):
     _out, err = await proc.communicate()
     lines = err.decode().strip().splitlines()
     assert proc.returncode in (1, 2) and says in lines[-1] and "Traceback" not in err.decode(), err.decode()
+
+
+@NEEDS_MOONCAKE
+async def test_the_directory_keeps_the_newer_entry_across_a_stalled_store_and_follows_no_expired_one(store):
+    import time
+
+    import msgpack
+
+    from kvroute.directory import SessionDirectory, entry_key
+    from shared.cluster_store import ClusterConfig, ClusterStore
+
+    # A client with a segment of its own, as memd's are: the entries need room somewhere.
+    client = ClusterStore(ClusterConfig(store.master, store.metadata, "127.0.0.1", segment_bytes=16 << 20,
+                                        replicas=1), owner="test")
+    await client.start()
+    try:
+        one, two = SessionDirectory(client, ttl_s=60, back_off_s=0), SessionDirectory(client, ttl_s=60, back_off_s=0)
+        one.record_soon(MODEL, "s", "http://a:1")
+        await one.drain()
+        assert await two.lookup(MODEL, "s") == "http://a:1"              # another kvroute reads it from the store
+        stored = await client.get(entry_key(MODEL, "s"))
+        one.record_soon(MODEL, "s", "http://a:1")                         # the same worker, young entry: no write
+        await one.drain()
+        assert await client.get(entry_key(MODEL, "s")) == stored
+
+        # A stale entry in the store (an older turn's) loses to the newer one this kvroute holds, which it rewrites.
+        one.record_soon(MODEL, "s", "http://b:1")
+        await one.drain()
+        stale = {"worker": "http://a:1", "expires": time.time() + 30}
+        assert await client.put(entry_key(MODEL, "s"), msgpack.packb(stale)) == 0
+        assert await one.lookup(MODEL, "s") == "http://b:1"
+        await one.drain()
+        assert await two.lookup(MODEL, "s") == "http://b:1"
+
+        # The master dies: the write fails, kvroute routes by its own memory; back (empty), the entry is rewritten.
+        await store.kill()
+        one.record_soon(MODEL, "s", "http://c:1")
+        await one.drain()
+        assert one.errors >= 1 and await one.lookup(MODEL, "s") == "http://c:1"
+        await store.start()
+
+        async def rewritten() -> bool:
+            await one.lookup(MODEL, "s")
+            await one.drain()
+            return await two.lookup(MODEL, "s") == "http://c:1"
+        await wait_until(rewritten)
+
+        await client.put(entry_key(MODEL, "old"), msgpack.packb({"worker": "http://a:1", "expires": time.time() - 1}))
+        assert await SessionDirectory(client, ttl_s=60).lookup(MODEL, "old") is None
+    finally:
+        await asyncio.to_thread(client.close)

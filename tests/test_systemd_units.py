@@ -55,6 +55,11 @@ def test_the_cluster_store_unit_verifies_where_kvpool_cluster_is_installed(tmp_p
 
 
 @pytest.mark.processes
+def test_the_router_unit_verifies(tmp_path):
+    assert verify(installed(tmp_path), "kvroute.service") == ""
+
+
+@pytest.mark.processes
 def test_a_typo_in_a_unit_is_caught(tmp_path):
     # The check above is only worth something if a warning-level mistake fails it.
     assert "Unknown key" in verify(installed(tmp_path, "ProtectSytem=strict"), "memd.service")
