@@ -73,7 +73,7 @@ class ClusterStore:
     def _setup(self) -> None:
         os.environ.setdefault("GLOG_minloglevel", "1")        # Mooncake's own INFO lines flood memd's log
         try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
         except ImportError as exc:
             raise ClusterError(f"--cluster-master needs Mooncake Store's client ({exc}): {INSTALL_HINT}") from None
         c = self.config
@@ -89,6 +89,9 @@ class ClusterStore:
             raise ClusterError("cannot register memd's pool with Mooncake's transfer engine")
         replicate = ReplicateConfig()
         replicate.replica_num = c.replicas
+        # Soft-pinned: under memory pressure the store evicts unpinned objects first; a pin lasts the master's
+        # -default_kv_soft_pin_ttl (30 min unless set; -allow_evict_soft_pinned_objects=false makes it strict).
+        replicate.soft_pin_action = SoftPinAction.ENABLE
         self._store, self._replicate = store, replicate
 
     @staticmethod
