@@ -52,8 +52,9 @@ def entry_key(model: str, session: str) -> str:
 
 
 class SessionDirectory:
-    def __init__(self, store: ClusterStore | None, ttl_s: float, back_off_s: float = BACK_OFF_S) -> None:
-        self.store, self.ttl_s, self.back_off_s = store, ttl_s, back_off_s
+    def __init__(self, store: ClusterStore | None, ttl_s: float, *, back_off_s: float = BACK_OFF_S,
+                 deadline_s: float = DEADLINE_S) -> None:
+        self.store, self.ttl_s, self.back_off_s, self.deadline_s = store, ttl_s, back_off_s, deadline_s
         self.seen: dict[str, Entry] = {}          # what this kvroute read or wrote last, per key
         self.errors = 0
         self._quiet_until = 0.0
@@ -113,7 +114,7 @@ class SessionDirectory:
 
     async def _ask(self, call: Awaitable[T], what: str) -> T | None:
         try:
-            return await asyncio.wait_for(call, DEADLINE_S)
+            return await asyncio.wait_for(call, self.deadline_s)
         except Exception as exc:
             self._failed(what, str(exc) or type(exc).__name__)
             return None
