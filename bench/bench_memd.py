@@ -185,10 +185,10 @@ def summarise_steps(nclients: int, replies: list[dict]) -> dict:
 class Memd:
     """memd on CPU shared memory; its JSON log lines arrive, time-stamped on receipt, in `events`."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.address = f"unix:{tmp / 'memd.sock'}"
-        self.proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", POOL, "--block-bytes", PAGE,
-                                 "--listen", self.address, "--log-format", "json"],
+    def __init__(self, tmp: Path, pool: str = POOL, page: str = PAGE, name: str = "memd") -> None:
+        self.address = f"unix:{tmp / f'{name}.sock'}"
+        self.proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", pool, "--block-bytes", page,
+                                 "--listen", self.address, "--log-format", "json", "--state-dir", "none"],
                                 tmp, timeout_s=START_TIMEOUT_S, stderr=subprocess.PIPE)
         self.events: queue.Queue[tuple[float, dict]] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -226,6 +226,53 @@ def bench_reclaim(ctx: mp.context.SpawnContext, memd: Memd, trials: int) -> list
     return out
 
 
+def bench_snapshot(tmp: Path, pool: str) -> dict:
+    """The longest a Step waits while `memctl snapshot` reads every block of a `pool` of 1 KiB pages.
+
+    The probe Steps (open a sequence, free it) run back to back from this
+    process; memctl runs as an operator runs it, in its own process, and
+    writes the snapshot to a file. The same number of Steps before it, with
+    nothing else going on, is the quiet baseline.
+    """
+    memd = Memd(tmp, pool=pool, page="1KiB", name="memd-snapshot")
+    try:
+        return asyncio.run(_snapshot_probe(memd.address, tmp))
+    finally:
+        memd.kill()
+
+
+async def _snapshot_probe(address: str, tmp: Path) -> dict:
+    from shared.client import MemdClient
+
+    client = await MemdClient.attach(address, name="probe", block_size=BLOCK_SIZE, map_memory=False)
+    tokens = iter(range(1 << 30))
+
+    async def one_step() -> float:
+        started = time.perf_counter()
+        opened = await client.step(Open([next(tokens) for _ in range(16)], reserve=1))
+        await client.step(Free(opened[0].seq_id))
+        return (time.perf_counter() - started) / 2
+
+    quiet = [await one_step() for _ in range(200)]
+    memctl = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "memd.memctl", "--address", address, "snapshot", "-o", str(tmp / "snap.msgpack"),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    started = time.perf_counter()
+    done = asyncio.ensure_future(memctl.wait())
+    during: list[float] = []
+    while not done.done():
+        during.append(await one_step())
+    seconds = time.perf_counter() - started
+    err = (await memctl.stderr.read()).decode() if memctl.stderr else ""
+    if memctl.returncode != 0:
+        raise RuntimeError(f"memctl snapshot failed: {err.strip()}")
+    geometry = client.geometry
+    await client.close()
+    return {"blocks": geometry.num_blocks, "seconds": seconds, "steps_during": len(during),
+            "max_step_wait_ms": max(during) * 1e3, "quiet_max_step_ms": max(quiet) * 1e3,
+            "quiet_p50_step_ms": statistics.median(quiet) * 1e3}
+
+
 # ---- report ------------------------------------------------------------------
 
 def report(res: dict) -> str:
@@ -244,7 +291,13 @@ def report(res: dict) -> str:
     reclaim = table([["worker reclaim (SIGKILL -> log)", "trials", "min ms", "median ms", "max ms"],
                      ["running worker, 16 sequences", str(len(ms)), f"{min(ms):.2f}",
                       f"{statistics.median(ms):.2f}", f"{max(ms):.2f}"]])
-    return "\n\n".join([head, alloc, table(rows), reclaim])
+    snap = res["snapshot"]
+    snapshot = table([["memctl snapshot (its own process)", "blocks", "seconds", "Steps meanwhile",
+                       "longest Step ms", "quiet: longest", "p50"],
+                      ["every block, to a file", f"{snap['blocks']:,}", f"{snap['seconds']:.2f}",
+                       str(snap["steps_during"]), f"{snap['max_step_wait_ms']:.1f}",
+                       f"{snap['quiet_max_step_ms']:.1f}", f"{snap['quiet_p50_step_ms']:.2f}"]])
+    return "\n\n".join([head, alloc, table(rows), reclaim, snapshot])
 
 
 def main() -> None:
@@ -275,6 +328,8 @@ def main() -> None:
             res["reclaim_ms"] = bench_reclaim(ctx, memd, args.reclaim_trials)
         finally:
             memd.kill()
+        res["snapshot"] = bench_snapshot(Path(tmp), "100MiB" if args.quick else "1GiB")
+        res["snapshot_1m_max_step_wait_ms"] = res["snapshot"]["max_step_wait_ms"]
     print(report(res))
     if args.json:
         print(json.dumps(res))

@@ -21,11 +21,12 @@ from prometheus_client import Histogram
 from memd.errors import InvalidArgument, KvError, OpError
 from memd.fdpass import FdServer
 from memd.fences import FenceWatch
+from memd.interceptors import Serialized
 from memd.leases import Leases, Notice, revocation
 from memd.manager import KvManager
 from memd.memory import PoolMemory
 from memd.scrub import Scrubber
-from memd.sequences import SeqState
+from memd.snapshot_view import SnapshotView
 from memd.step_outcome import StepOutcome
 from memd.step_runner import StepRunner
 from shared.logs import enabled
@@ -187,42 +188,16 @@ class MemdService(pb_grpc.MemdServicer):
             block_size=g.block_size, rpcs=dict(self.rpcs), draining=self.leases.drain_all,
             cluster=await self.cluster_status() if self.cluster_status is not None else "off")
 
-    async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotReply:
+    async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> Serialized:
         log.debug("rpc", method="Snapshot")
         m, now = self.manager, time.monotonic()
-        holders: dict[int, list] = {}
-        for seq in m.seqs.values():
-            for block in seq.block_ids:
-                holders.setdefault(block, []).append(seq)
-        blocks = []
-        fenced = {block for pages in m.fences.values() for block in pages}
-        for block in range(0 if request.skip_blocks else m.pool.num_blocks):
-            seqs = holders.get(block, [])
-            if seqs:
-                state = ",".join(sorted({s.state.value for s in seqs}))
-            elif block in fenced:
-                state = "fenced"          # a reclaimed worker may still write it: out of use until it exits
-            else:
-                state = "cached" if m.pool.hash_of[block] is not None else "free"
-            blocks.append(pb.BlockRow(
-                block_id=block, ref_count=m.pool.ref[block], last_access=m.pool.last_access[block],
-                seq_ids=[s.seq_id for s in seqs], state=state,
-                heat=max((m.heat(s, now) for s in seqs), default=0.0),
-                owners=sorted({s.owner for s in seqs if s.state is SeqState.RUNNING and s.owner})))
-        sequences = [pb.SeqRow(seq_id=s.seq_id, session_id=s.session_id or "", state=s.state.value,
-                               owner=s.owner or 0, num_committed=s.num_committed, num_tokens=len(s.token_ids),
-                               block_ids=s.block_ids, model=s.model, last_access=s.last_access,
-                               heat=m.heat(s, now), swapped_blocks=len(s.slots))
-                     for s in m.seqs.values()
-                     if (not request.state or s.state.value == request.state)
-                     and (not request.worker_id or (s.owner == request.worker_id and s.state is SeqState.RUNNING))]
         workers = [pb.WorkerRow(worker_id=w.worker_id, name=w.name, pid=w.pid, model=w.model,
                                 block_size=w.block_size, last_seen=w.last_seen,
                                 running=self.leases.running_on([w.worker_id]),
                                 draining=self.leases.is_draining(w.worker_id))
                    for w in m.workers.values()]
-        return pb.SnapshotReply(taken_at=now, block_bytes=m.geometry.block_bytes, blocks=blocks,
-                                sequences=sequences, workers=workers, generation=self.generation)
+        view = SnapshotView.capture(m, request, workers, self.generation, now)   # one instant, on the loop
+        return Serialized(await asyncio.to_thread(view.serialized))              # the rows, off it
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:
         target = request.WhichOneof("target")
