@@ -273,6 +273,21 @@ async def _snapshot_probe(address: str, tmp: Path) -> dict:
             "quiet_p50_step_ms": statistics.median(quiet) * 1e3}
 
 
+def bench_startup(tmp: Path, pool: str) -> dict:
+    """Seconds from exec to READY=1 for a `pool` CPU pool with the default swap tier: as the unit runs it
+    (a state directory beside the socket) and with --state-dir none (anonymous memory, populated up front)."""
+    out = {}
+    for label, flags in (("state_dir", []), ("no_state_dir", ["--state-dir", "none"])):
+        started = time.perf_counter()
+        proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", pool, "--listen",
+                            f"unix:{tmp / f'start-{label}.sock'}", "--log-format", "json", *flags],
+                           tmp, timeout_s=START_TIMEOUT_S, stderr=subprocess.DEVNULL)
+        out[label] = time.perf_counter() - started
+        proc.terminate()
+        proc.wait()
+    return out
+
+
 # ---- report ------------------------------------------------------------------
 
 def report(res: dict) -> str:
@@ -297,7 +312,11 @@ def report(res: dict) -> str:
                       ["every block, to a file", f"{snap['blocks']:,}", f"{snap['seconds']:.2f}",
                        str(snap["steps_during"]), f"{snap['max_step_wait_ms']:.1f}",
                        f"{snap['quiet_max_step_ms']:.1f}", f"{snap['quiet_p50_step_ms']:.2f}"]])
-    return "\n\n".join([head, alloc, table(rows), reclaim, snapshot])
+    start = res["startup"]
+    startup = table([[f"start-up to READY=1, {start['pool']} pool, default swap tier", "seconds"],
+                     ["state directory beside the socket (as the unit)", f"{start['state_dir']:.2f}"],
+                     ["--state-dir none", f"{start['no_state_dir']:.2f}"]])
+    return "\n\n".join([head, alloc, table(rows), reclaim, snapshot, startup])
 
 
 def main() -> None:
@@ -330,6 +349,9 @@ def main() -> None:
             memd.kill()
         res["snapshot"] = bench_snapshot(Path(tmp), "100MiB" if args.quick else "1GiB")
         res["snapshot_1m_max_step_wait_ms"] = res["snapshot"]["max_step_wait_ms"]
+        pool = "512MiB" if args.quick else "8GiB"
+        res["startup"] = {"pool": pool, **bench_startup(Path(tmp), pool)}
+        res["start_8gib_seconds"] = res["startup"]["state_dir"]
     print(report(res))
     if args.json:
         print(json.dumps(res))

@@ -22,6 +22,7 @@ import ctypes
 import mmap
 import os
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,7 @@ COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 # (systemd/memd.service sets it); memd says at start-up whether it is.
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 PARALLEL_BYTES = 4 << 20         # smaller copies are not worth a hand-off to the threads
+LOCK_CHUNK_BYTES = 16 << 20      # the swap tier is locked (populated) this much at a time, after READY
 SWAP_ADVICE = " (lower --swap-ratio or use --disable-swap)"
 # CUDA: scattered small pages cost one DMA each (64 KiB pages moved at 16% of a plain copy on an
 # H200). Pages below GATHER_BELOW_BYTES, past GATHER_RUNS runs, are gathered on the GPU into a
@@ -122,19 +124,35 @@ class HostSwap:
             require_host_memory("swap tier", size, SWAP_ADVICE)
         self.num_slots, self.block_bytes, self.delay_s = num_slots, block_bytes, delay_s
         if path is None:
-            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:
             fd = open_backing_file(path, size, "kvpool-swap", "swap tier")
             try:
-                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             finally:
                 os.close(fd)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self._base = ctypes.addressof(self._anchor)
         self._pool_base = pool.base
-        self.locked = _mlock(self._base, size)
+        # Populated and locked after READY=1, a chunk at a time: gigabytes of page faults held start-up
+        # for seconds. Until then a slot not reached yet faults in on its first copy; nothing waits.
+        self.locked: bool | None = None
+        self._locking = threading.Thread(target=self._populate_and_lock, args=(size,), name="memd-swap-lock",
+                                         daemon=True)
+        self._locking.start()
         self._threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="memd-swap-copy") \
             if COPY_THREADS > 1 else None
+
+    def _populate_and_lock(self, size: int) -> None:
+        started = time.monotonic()
+        for offset in range(0, size, LOCK_CHUNK_BYTES):
+            if not _mlock(self._base + offset, min(LOCK_CHUNK_BYTES, size - offset), total=size):
+                self.locked = False
+                return
+        self.locked = True
+        if size:
+            log.info("swap tier populated and locked in RAM", swap=format_size(size),
+                     seconds=round(time.monotonic() - started, 2))
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(pairs, self._pool_base, self._base)
@@ -300,8 +318,8 @@ class PinnedSwap:
         """Freed with the process."""
 
 
-def _mlock(address: int, size: int) -> bool:
-    """Lock the swap tier in RAM; where the limit forbids it, warn once and go on unlocked."""
+def _mlock(address: int, size: int, total: int | None = None) -> bool:
+    """Lock (and so populate) part of the swap tier in RAM; where the limit forbids it, warn and go on unlocked."""
     if not size:
         return True
     libc = ctypes.CDLL(None, use_errno=True)
@@ -311,6 +329,6 @@ def _mlock(address: int, size: int) -> bool:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
     log.warning(f"swap tier not locked in RAM ({os.strerror(err)}; RLIMIT_MEMLOCK is {limit}): the kernel may "
-                "page it out under host memory pressure; raise LimitMEMLOCK= for memd", swap=format_size(size))
+                "page it out under host memory pressure; raise LimitMEMLOCK= for memd", swap=format_size(total or size))
     return False
 
