@@ -5,7 +5,11 @@
 Three questions, each answered by the real code path: the `Scheduler` runs in
 this process over a real memd subprocess (CPU shared memory) through a real
 `MemdClient`; the reference is `AutoModelForCausalLM.generate` with its
-default dynamic cache, on the very same checkpoint, prompts and torch threads.
+default dynamic cache, on the very same checkpoint, prompts and torch threads,
+run as its users run it: a process of its own (this script with --hf-anchor),
+model loaded and generate() called on its main thread, warm. (Run from a
+thread of a process whose main thread used torch, it measured 2.2x slower on
+2 threads here: a harness artifact, not transformers.)
 1. Decode tokens/s with 1 and with 16 requests in flight. kvpool: greedy
    requests with ignore_eos; transformers: greedy, min_new_tokens =
    max_new_tokens, (a) one request at a time, (b) the 16 prompts as one
@@ -45,6 +49,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -300,14 +306,49 @@ def hf_generate(model: Any, prompts: list[list[int]], n: int) -> list[Run]:
     return [Run(out[i, width:].tolist(), submitted, first, last) for i in range(len(prompts))]
 
 
+class HfAnchor:
+    """transformers in a process of its own: this script with --hf-anchor, serving generate() calls on its
+    main thread over a pipe (a JSON line each way). monotonic clocks are the machine's, so its times compare."""
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--hf-anchor", str(model_dir), "--threads",
+                                      str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[Run]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "n": n}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the transformers process exited ({self.proc.wait()})")
+        return [Run(**run) for run in json.loads(line)]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def serve_hf_anchor(model_dir: Path, threads: int) -> None:
+    """--hf-anchor: load the model and answer generate() calls on this, the main, thread."""
+    torch.set_num_threads(threads)
+    model = hf_load(model_dir)
+    for line in sys.stdin:
+        call = json.loads(line)
+        runs = hf_generate(model, call["prompts"], call["n"])
+        print(json.dumps([{"tokens": r.tokens, "submitted": r.submitted, "first": r.first, "last": r.last}
+                          for r in runs]), flush=True)
+
+
 # ---- both, interleaved ---------------------------------------------------------
 
 async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict:
     """Every measurement runs on both systems back to back, alternating which goes first, so that
-    whatever else this machine does at the time weighs on both alike. transformers runs in a worker
-    thread (as kvpool's forward does), so memd's lease heartbeats go on meanwhile."""
+    whatever else this machine does at the time weighs on both alike. transformers runs in its own
+    process (HfAnchor); this process only waits for its answer, on a thread, so memd's lease heartbeats
+    go on meanwhile."""
     config = read_config(model_dir)
-    hf = await asyncio.to_thread(hf_load, model_dir)
+    anchor = HfAnchor(model_dir, torch.get_num_threads())
     client, model, scheduler = await kv_scheduler(model_dir, address, "bench-inferd")
     probe = Probe()
     probe.wrap_async(client, "step", "rpc")
@@ -327,7 +368,7 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
 
     try:
         for prompts in work["warmup"]:        # first calls of each shape: allocator, kernels, lazy inits
-            await both(0, lambda p=prompts: kv_batch(scheduler, p, 8), lambda p=prompts: hf_generate(hf, p, 8))
+            await both(0, lambda p=prompts: kv_batch(scheduler, p, 8), lambda p=prompts: anchor.generate(p, 8))
         for i, prompt in enumerate(work["singles"]):
             async def kv_one(p: list[int] = prompt) -> Run:
                 probe.meter = res["meter_1"]
@@ -335,7 +376,7 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
                     return await kv_generate(scheduler, p, sizes.new_tokens)
                 finally:
                     probe.meter = None
-            kv_run, hf_run = await both(i, kv_one, lambda p=prompt: hf_generate(hf, [p], sizes.new_tokens)[0])
+            kv_run, hf_run = await both(i, kv_one, lambda p=prompt: anchor.generate([p], sizes.new_tokens)[0])
             res["kv_single"].append(kv_run)
             res["hf_single"].append(hf_run)
         for i, prompts in enumerate(work["batches"]):
@@ -345,7 +386,7 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
                     return await kv_batch(scheduler, ps, sizes.new_tokens)
                 finally:
                     probe.meter = None
-            kv_runs, hf_runs = await both(i, kv_many, lambda ps=prompts: hf_generate(hf, ps, sizes.new_tokens))
+            kv_runs, hf_runs = await both(i, kv_many, lambda ps=prompts: anchor.generate(ps, sizes.new_tokens))
             res["kv_batch"].append(kv_runs)
             res["hf_batch"].append(hf_runs)
         for i, turn in enumerate(work["turns"]):
@@ -356,13 +397,14 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
             res["history_len"] = history
             res["reuse"].append(await kv_generate(scheduler, turn["message"], 1, session))
             res["recompute"].append(await kv_generate(scheduler, fresh, 1))
-            res["hf_prefill"].append((await asyncio.to_thread(hf_generate, hf, [fresh], 1))[0])
+            res["hf_prefill"].append((await asyncio.to_thread(anchor.generate, [fresh], 1))[0])
             await scheduler.reset(session)
         if task.done():
             task.result()                     # the scheduler died: say why
     finally:
         task.cancel()
         await client.close()
+        anchor.close()
     return res
 
 
@@ -475,7 +517,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a short smoke run (small sizes)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads, for both systems (default: 2)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.add_argument("--hf-anchor", type=Path, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.hf_anchor is not None:
+        serve_hf_anchor(args.hf_anchor, args.threads)
+        return
     sizes = QUICK if args.quick else DEFAULT
     torch.set_num_threads(args.threads)
     import transformers
