@@ -326,7 +326,11 @@ class HfAnchor:
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def serve_hf_anchor(model_dir: Path, threads: int) -> None:
@@ -349,6 +353,13 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
     go on meanwhile."""
     config = read_config(model_dir)
     anchor = HfAnchor(model_dir, torch.get_num_threads())
+    try:
+        return await _bench(anchor, model_dir, address, sizes, work, config)
+    finally:
+        anchor.close()
+
+
+async def _bench(anchor: HfAnchor, model_dir: Path, address: str, sizes: Sizes, work: dict, config: Any) -> dict:
     client, model, scheduler = await kv_scheduler(model_dir, address, "bench-inferd")
     probe = Probe()
     probe.wrap_async(client, "step", "rpc")
@@ -404,7 +415,6 @@ async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict
     finally:
         task.cancel()
         await client.close()
-        anchor.close()
     return res
 
 

@@ -69,6 +69,7 @@ def bench_bandwidth(block_bytes: int, moved_bytes: int, repeats: int) -> dict:
     count = moved_bytes // block_bytes
     pool = ShmMemory(2 * count, block_bytes)
     swap = HostSwap(pool, count, block_bytes)
+    swap.populated()                           # measured settled: populated (and locked where allowed)
     try:
         return measure(pool, swap, count, block_bytes, repeats)
     finally:

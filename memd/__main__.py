@@ -350,7 +350,8 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
                  bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
                  pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
                  swap=format_size(layout.swap_slots * geometry.block_bytes) if swap else "off",
-                 swap_locked=getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
+                 swap_locked="locking in the background" if swap is not None and swap.locked is None
+                 else getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
                  state_dir=str(state.path) if state is not None else "none",
                  swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
                  metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
@@ -359,6 +360,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         stop = stop_on_signals()              # before READY=1: a SIGTERM right after it must stop memd cleanly
         # What start-up made (modules, the recovered state) lives as long as memd: out of the collector's way,
         # so a full collection walks only what came after (it walked every import, tens of ms on the loop).
+        gc.collect()
         gc.freeze()
         notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
                           f"listening on {target}")

@@ -1,11 +1,13 @@
 """The swap tier: host memory holding the pages of SWAPPED sequences.
 
 Allocated once at start-up (`--swap-ratio` x the pool), like the pool itself:
-a swap-out never allocates, so it meets no allocation stall or failure when
-memory is short. On the shm backend it is an anonymous mapping, populated and
-`mlock`ed so the kernel cannot page the swap tier out in turn when other
-processes need host memory; on CUDA it is pinned host memory, copied by DMA
-on a stream of its own.
+once populated, a swap-out never allocates, so it meets no allocation stall or
+failure when memory is short. On the shm backend it is an anonymous mapping
+(or a file in the state directory), populated and `mlock`ed on a thread of its
+own while memd starts and serves (a fraction of a second per GiB; start-up
+used to wait for it), so the kernel cannot page the swap tier out in turn when
+other processes need host memory; on CUDA it is pinned host memory, copied by
+DMA on a stream of its own.
 
 Copies come as (source, destination) index pairs; runs of consecutive pairs
 go as one copy, and a large copy is split over a few threads (memmove
@@ -134,23 +136,36 @@ class HostSwap:
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self._base = ctypes.addressof(self._anchor)
         self._pool_base = pool.base
-        # Populated and locked after READY=1, a chunk at a time: gigabytes of page faults held start-up
-        # for seconds. Until then a slot not reached yet faults in on its first copy; nothing waits.
+        # Populated and locked on a thread of its own, a chunk at a time, while memd starts and serves:
+        # gigabytes of page faults held start-up for seconds. A slot not reached yet faults in on its
+        # first copy; nothing waits. `locked`: None while it runs.
         self.locked: bool | None = None
+        self._stop = threading.Event()
         self._locking = threading.Thread(target=self._populate_and_lock, args=(size,), name="memd-swap-lock",
                                          daemon=True)
         self._locking.start()
         self._threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="memd-swap-copy") \
             if COPY_THREADS > 1 else None
 
+    def populated(self) -> bool | None:
+        """Wait until the tier is populated; whether it is locked in RAM (a bench measures it settled)."""
+        self._locking.join()
+        return self.locked
+
     def _populate_and_lock(self, size: int) -> None:
-        started = time.monotonic()
+        """mlock each chunk (which populates it); where locking is refused, populate the rest unlocked."""
+        started, lock = time.monotonic(), True
         for offset in range(0, size, LOCK_CHUNK_BYTES):
-            if not _mlock(self._base + offset, min(LOCK_CHUNK_BYTES, size - offset), total=size):
-                self.locked = False
+            if self._stop.is_set():
                 return
-        self.locked = True
-        if size:
+            chunk = min(LOCK_CHUNK_BYTES, size - offset)
+            if lock and not _mlock(self._base + offset, chunk, total=size):
+                lock = False
+                _munlock(self._base, offset)           # all or nothing: no share of the limit held for a part
+            if not lock and not _populate(self._base + offset, chunk):
+                break                                  # an old kernel: the rest faults in on first use
+        self.locked = lock
+        if lock and size:
             log.info("swap tier populated and locked in RAM", swap=format_size(size),
                      seconds=round(time.monotonic() - started, 2))
 
@@ -204,6 +219,8 @@ class HostSwap:
         return checksums_at(self._base, self.block_bytes, slots)
 
     def close(self) -> None:
+        self._stop.set()
+        self._locking.join()                           # it must not touch the mapping once it is gone
         if self._threads is not None:
             self._threads.shutdown(wait=True)
         del self._anchor
@@ -316,6 +333,20 @@ class PinnedSwap:
 
     def close(self) -> None:
         """Freed with the process."""
+
+
+MADV_POPULATE_WRITE = 23      # Linux 5.14: fault pages in writable without writing them
+
+
+def _populate(address: int, size: int) -> bool:
+    """Fault a range in (no data changes); False where the kernel does not know how."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE) == 0
+
+
+def _munlock(address: int, size: int) -> None:
+    if size:
+        ctypes.CDLL(None, use_errno=True).munlock(ctypes.c_void_p(address), ctypes.c_size_t(size))
 
 
 def _mlock(address: int, size: int, total: int | None = None) -> bool:

@@ -16,8 +16,8 @@ from google.protobuf.message import DecodeError
 class RequestDecoder(grpc.aio.ServerInterceptor):
     """Unary requests (with a unary or a streamed reply) that do not decode are refused with a one-line reason.
 
-    Last in the chain, so its continuation yields the registered handler: wrapped once per method, then
-    reused, which keeps the per-call cost on the Step path to a dict lookup.
+    Late in the chain (only serializer swaps follow it), so its continuation yields the registered handler:
+    wrapped once per method, then reused, which keeps the per-call cost on the Step path to a dict lookup.
     """
 
     def __init__(self) -> None:

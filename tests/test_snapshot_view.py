@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from memd.snapshot_view import CHUNK_ROWS
-from shared.ops import Open, Park
+import time
+
+from memd.snapshot_view import CHUNK_ROWS, SnapshotView
+from shared.ops import Free, Open, Park
+from shared.rpc import memd_pb2 as pb
 
 
 async def test_a_snapshot_of_more_blocks_than_a_chunk_shows_every_block_and_sequence_as_they_are(local_memd_factory):
@@ -32,3 +35,29 @@ async def test_a_snapshot_of_more_blocks_than_a_chunk_shows_every_block_and_sequ
         [client.worker_id]
     assert [s.seq_id for s in only_parked.sequences] == [parked.seq_id] and len(only_parked.blocks) == len(whole.blocks)
     assert not no_blocks.blocks and len(no_blocks.sequences) == 2 and no_blocks.workers[0].worker_id == client.worker_id
+
+
+async def test_the_chunked_reply_is_the_whole_reply_and_the_view_stays_as_it_was_taken(local_memd_factory):
+    memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--block-bytes", "1KiB",
+                                    "--state-dir", "none")
+    client = await memd.attach(block_size=16)
+    shared = list(range(1000, 1032))                  # two full blocks every sequence below shares
+    first = (await client.step(Open(shared + [0], reserve=1, session_id="first")))[0]
+    await client.step(Park(first.seq_id, commit_to=33))          # its full blocks enter the prefix cache
+    opened = await client.step(*[Open(shared + [i], reserve=1) for i in range(1, CHUNK_ROWS + 100)])
+    manager = memd.parts.manager
+    view = SnapshotView.capture(manager, pb.SnapshotRequest(), [pb.WorkerRow(worker_id=client.worker_id)], 7,
+                                time.monotonic())
+    before = view.serialized()
+    await client.step(*[Free(r.seq_id) for r in opened])          # the pool changes after the capture
+    assert view.serialized() == before
+
+    reply = pb.SnapshotReply.FromString(before)
+    built_whole = pb.SnapshotReply(taken_at=view.taken_at, block_bytes=view.block_bytes, generation=7,
+                                   workers=view.workers, blocks=list(view._blocks()),
+                                   sequences=[view._seq_row(s) for s in view.seqs])
+    assert reply == built_whole and len(reply.sequences) == CHUNK_ROWS + 100 > CHUNK_ROWS
+    assert reply.generation == 7 and reply.block_bytes == 1024 and reply.taken_at == view.taken_at
+    shared_rows = [row for row in reply.blocks if len(row.seq_ids) > 1]
+    assert len(shared_rows) == 2 and all(row.ref_count == CHUNK_ROWS + 100 for row in shared_rows)
+    assert {row.state for row in shared_rows} == {"parked,running"}
