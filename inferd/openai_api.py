@@ -16,12 +16,11 @@ and its sequence is parked (session) or freed within a scheduler step.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,18 +45,14 @@ from inferd.openai_schema import (
 from inferd.requests import Event, GenerationError, Request, TokenLogprob
 from inferd.sampling import BadParams, SamplingParams
 from inferd.service import MemdLink, checked_request_id
+from shared.http_exchange import ClientGone, check_api_key, or_disconnect
 
 log = structlog.get_logger("inferd.http")
 
-T = TypeVar("T")
 # gRPC status names (GenerationError.code) as HTTP statuses.
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "PERMISSION_DENIED": 409,
                "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503, "INTERNAL": 500}
 SESSION_HEADER = "x-session-id"
-
-
-class ClientGone(Exception):
-    """The HTTP client hung up before its answer was ready."""
 
 
 def _api_error(err: GenerationError) -> ApiError:
@@ -126,27 +121,6 @@ class Completions:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _or_disconnect(http: HttpRequest, waiter: Awaitable[T]) -> T:
-    """`waiter`'s result, unless the client hangs up first (ClientGone)."""
-    task = asyncio.ensure_future(waiter)
-    gone = asyncio.ensure_future(_disconnected(http))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():            # we were cancelled (a shutdown): nobody will read what it returns
-            task.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise ClientGone
-
-
-async def _disconnected(http: HttpRequest) -> None:
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
 class OpenAIServer:
     def __init__(self, link: MemdLink, *, served_model_name: str, api_key: str | None,
                  template: ChatTemplate | None, metrics: InferdMetrics | None) -> None:
@@ -182,7 +156,7 @@ class OpenAIServer:
                     request_id = checked_request_id(http.headers.get("x-request-id"))
                 except GenerationError as err:
                     raise ApiError(400, err.message, param="x-request-id") from None
-                self._authorize(http)
+                check_api_key(http.headers.get("authorization", ""), self.api_key)
                 response = await handler(http, request_id)
             except ApiError as err:
                 response = JSONResponse(err.body(), status_code=err.status)
@@ -192,13 +166,6 @@ class OpenAIServer:
                 response.headers["x-request-id"] = request_id
             return response
         return run
-
-    def _authorize(self, http: HttpRequest) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, given = http.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
 
     async def _body(self, http: HttpRequest) -> Any:
         try:
@@ -287,13 +254,13 @@ class OpenAIServer:
                        body.return_tokens_as_token_ids)
         streaming = False
         try:
-            first = await _or_disconnect(http, reader.next())     # a refusal is an error status, not a stream
+            first = await or_disconnect(http.receive, reader.next())     # a refusal is an error status, not a stream
             if body.stream:
                 usage = body.stream_options is not None and body.stream_options.include_usage
                 streaming = True
                 return _Stream(self, reader, self._stream(reader, shape, first, usage), sep="\n")
             events = [first]
-            while (event := await _or_disconnect(http, reader.next())) is not None:
+            while (event := await or_disconnect(http.receive, reader.next())) is not None:
                 events.append(event)
             return JSONResponse(shape.whole(events, reader.usage()))
         finally:

@@ -13,28 +13,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.http_exchange import ApiError
+
 MAX_SEED = 2**63 - 1          # torch generators take a signed 64-bit seed
 MAX_N = 16
 MAX_LOGPROBS = 20
-
-
-class ApiError(Exception):
-    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def type(self) -> str:
-        if self.status == 401:
-            return "authentication_error"
-        if self.status == 404:
-            return "not_found_error"
-        return "invalid_request_error" if self.status < 500 else "server_error"
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):

@@ -13,10 +13,9 @@ never passed off as complete.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import structlog
@@ -32,26 +31,19 @@ from kvroute.directory import SessionDirectory
 from kvroute.metrics import RouteMetrics
 from kvroute.placement import place, prefix_key
 from kvroute.workers import Worker, Workers
+from shared.http_exchange import ApiError, ClientGone, check_api_key, disconnected, or_disconnect
 
 log = structlog.get_logger("kvroute")
 
-T = TypeVar("T")
 SESSION_HEADER = "x-session-id"
 WORKER_HEADER = "x-kvroute-worker"       # which worker answered: for operators and tests
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
                         "transfer-encoding", "upgrade", "host", "content-length"})
 
 
-class ClientGone(Exception):
-    """The client hung up before the worker answered."""
-
-
 def error(status: int, message: str, *, code: str | None = None) -> JSONResponse:
     """OpenAI's error shape, as the workers answer."""
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                        status_code=status)
+    return JSONResponse(ApiError(status, message, code=code).body(), status_code=status)
 
 
 class Router:
@@ -74,11 +66,10 @@ class Router:
     def _guarded(self, handler: Callable[[HttpRequest, bytes], Awaitable[Response]]
                  ) -> Callable[[HttpRequest], Awaitable[Response]]:
         async def run(http: HttpRequest) -> Response:
-            if self.api_key is not None:
-                scheme, _, given = http.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                         self.api_key.encode()):
-                    return error(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+            try:
+                check_api_key(http.headers.get("authorization", ""), self.api_key)
+            except ApiError as refused:
+                return JSONResponse(refused.body(), status_code=refused.status)
             try:
                 return await handler(http, await http.body())
             except (ClientDisconnect, ClientGone):
@@ -164,7 +155,7 @@ class Router:
         """The worker's answer, headers read, body not yet; counted in flight there until Passthrough ends."""
         worker.in_flight += 1
         try:
-            return await _or_disconnect(http, self._send(http, raw, worker))
+            return await or_disconnect(http.receive, self._send(http, raw, worker))
         except BaseException:
             worker.in_flight -= 1
             raise
@@ -213,7 +204,7 @@ class Passthrough(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             pump = asyncio.ensure_future(self._pump(send))
-            gone = asyncio.ensure_future(_disconnected(receive))
+            gone = asyncio.ensure_future(disconnected(receive))
             try:
                 await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -240,26 +231,6 @@ class Passthrough(Response):
         async for chunk in self.upstream.aiter_raw():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _or_disconnect(http: HttpRequest, waiter: Awaitable[T]) -> T:
-    """`waiter`'s result, unless the client hangs up first (ClientGone; the worker's exchange is closed)."""
-    task = asyncio.ensure_future(waiter)
-    gone = asyncio.ensure_future(_disconnected(http.receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    raise ClientGone
-
-
-async def _disconnected(receive: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _end_to_end(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
