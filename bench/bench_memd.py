@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -30,12 +31,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
+import vllm_anchor
 from tables import table
 
 from memd.manager import KvManager
-from memd.pool import BlockPool
+from memd.pool import BlockPool, FreeQueue
 from shared.geometry import plan_pool
 from shared.launch import spawn_ready
 from shared.ops import Extend, Free, Open
@@ -64,16 +68,66 @@ def bench_manager(seconds: float) -> float:
     return blocks / elapsed
 
 
-def bench_pool(seconds: float) -> float:
-    """Blocks/s of `BlockPool.allocate` + `decref` alone: the floor under every Step."""
-    pool = BlockPool(plan_pool(parse_size(POOL), block_bytes=parse_size(PAGE)).num_blocks)
-    blocks, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        taken = [pool.allocate()[0] for _ in range(BLOCKS_PER_SEQ)]
-        for block in taken:
-            pool.decref(block)
-        blocks += len(taken)
-    return blocks / elapsed
+def bench_allocator(runs: int, repeats: int, quick: bool) -> dict:
+    """Allocate 16 blocks, `runs` times, then free those runs: memd's `BlockPool` against vLLM's.
+
+    Both are the allocator of a serving engine with the same policy (uncached
+    blocks reused first, LIFO; cached ones least recently freed first); vLLM's
+    (`BlockPool.get_new_blocks` / `free_blocks` over `FreeKVCacheBlockQueue`)
+    comes from its published wheel and runs in this process, interleaved with
+    memd's, in pools of 10k and 1M blocks. memd's also keeps what vLLM's does
+    not: zero-on-reuse flags, checksums, access times. Alongside, the two free
+    queues alone (vLLM's `popleft_n`/`append_n`, memd's `take_front`/`put_back`).
+    The best of `repeats` rounds, per call.
+    """
+    try:
+        vllm = vllm_anchor.load(vllm_anchor.wheel())
+    except RuntimeError as exc:
+        if not quick:
+            raise
+        return {"vllm_unavailable": str(exc)}
+    out: dict = {"vllm": vllm_anchor.VERSION, "pools": []}
+    for num_blocks in ((10_000,) if quick else (10_000, 1_000_000)):
+        cases = _allocators(vllm, num_blocks)
+        best = {name: [float("inf"), float("inf")] for name in cases}
+        for _ in range(repeats):
+            for name, (take, give) in cases.items():
+                alloc_us, free_us = _alloc_free_round(take, give, runs)
+                best[name] = [min(best[name][0], alloc_us), min(best[name][1], free_us)]
+        out["pools"].append({"blocks": num_blocks, **{f"{name}_alloc16_us": a for name, (a, _) in best.items()},
+                             **{f"{name}_free16_us": f for name, (_, f) in best.items()}})
+    worst = {key: max(p[f"kvpool_{key}_us"] / p[f"vllm_{key}_us"] for p in out["pools"])
+             for key in ("alloc16", "free16")}
+    out["alloc16_ratio_vs_vllm"], out["free16_ratio_vs_vllm"] = worst["alloc16"], worst["free16"]
+    out["queue_ratio_vs_vllm"] = max((p["kvpool_queue_alloc16_us"] + p["kvpool_queue_free16_us"])
+                                     / (p["vllm_queue_alloc16_us"] + p["vllm_queue_free16_us"]) for p in out["pools"])
+    return out
+
+
+def _allocators(vllm: SimpleNamespace, num_blocks: int) -> dict[str, tuple[Callable, Callable]]:
+    """(take 16 blocks, give them back) of each allocator and queue measured, fresh, `num_blocks` each."""
+    ours, queue = BlockPool(num_blocks), FreeQueue(num_blocks)
+    theirs = vllm.BlockPool(num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    their_queue = vllm.FreeKVCacheBlockQueue([vllm.KVCacheBlock(i) for i in range(num_blocks)])
+    return {"kvpool": (lambda: ours.allocate_n(16)[0], ours.release_n),
+            "vllm": (lambda: theirs.get_new_blocks(16), theirs.free_blocks),
+            "kvpool_queue": (lambda: queue.take_front(16), queue.put_back),
+            "vllm_queue": (lambda: their_queue.popleft_n(16), their_queue.append_n)}
+
+
+def _alloc_free_round(take: Callable[[], list], give: Callable[[list], object], runs: int) -> tuple[float, float]:
+    """µs per 16-block allocation and per free of one, garbage collection paused as `timeit` does."""
+    gc.disable()
+    try:
+        started = time.perf_counter()
+        taken = [take() for _ in range(runs)]
+        middle = time.perf_counter()
+        for blocks in taken:
+            give(blocks)
+        ended = time.perf_counter()
+    finally:
+        gc.enable()
+    return (middle - started) / runs * 1e6, (ended - middle) / runs * 1e6
 
 
 # ---- client processes (spawned) ----------------------------------------------
@@ -296,8 +350,8 @@ def report(res: dict) -> str:
     head = (f"memd bench: {res['cores']} cores, Python {res['python']}, pool {POOL} of {PAGE} pages "
             f"({g['num_blocks']} blocks, {BLOCK_SIZE} tokens/block), {res['seconds']:g} s per measurement")
     alloc = table([["in-process allocator", "blocks/s"],
-                   [f"KvManager.step open {BLOCKS_PER_SEQ} blocks + free", f"{res['manager_blocks_per_s']:,.0f}"],
-                   ["BlockPool.allocate + decref", f"{res['pool_blocks_per_s']:,.0f}"]])
+                   [f"KvManager.step open {BLOCKS_PER_SEQ} blocks + free", f"{res['manager_blocks_per_s']:,.0f}"]])
+    alloc += "\n\n" + allocator_table(res["allocator"])
     rows = [["Step RPC (16 Extend/Step)", "steps/s", "per client", "ops/s", "mean ms", "p50 ms", "p99 ms"]]
     for s in res["step_rpc"]:
         rows.append([f"{s['clients']} client process{'es' if s['clients'] > 1 else ''}",
@@ -320,6 +374,20 @@ def report(res: dict) -> str:
     return "\n\n".join([head, alloc, table(rows), reclaim, snapshot, startup])
 
 
+def allocator_table(a: dict) -> str:
+    if "vllm_unavailable" in a:
+        return f"allocator vs vLLM: skipped ({a['vllm_unavailable']})"
+    rows = [["16 blocks, µs per call", "pool blocks", "kvpool", f"vLLM {a['vllm']}", "ratio"]]
+    for p in a["pools"]:
+        for what, ours, theirs in (("BlockPool allocate", "kvpool_alloc16", "vllm_alloc16"),
+                                   ("BlockPool free", "kvpool_free16", "vllm_free16"),
+                                   ("free queue take", "kvpool_queue_alloc16", "vllm_queue_alloc16"),
+                                   ("free queue give back", "kvpool_queue_free16", "vllm_queue_free16")):
+            rows.append([what, f"{p['blocks']:,}", f"{p[ours + '_us']:.2f}", f"{p[theirs + '_us']:.2f}",
+                         f"{p[ours + '_us'] / p[theirs + '_us']:.2f}x"])
+    return table(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=3.0, help="length of each measurement (default: 3)")
@@ -334,7 +402,8 @@ def main() -> None:
     res: dict = {"cores": os.cpu_count(), "python": sys.version.split()[0], "seconds": args.seconds,
                  "geometry": {"num_blocks": geometry.num_blocks, "block_bytes": geometry.block_bytes}}
     res["manager_blocks_per_s"] = bench_manager(args.seconds)
-    res["pool_blocks_per_s"] = bench_pool(args.seconds)
+    res["allocator"] = bench_allocator(100 if args.quick else 500, 3 if args.quick else 30, args.quick)
+    res.update({k: v for k, v in res["allocator"].items() if k.endswith("_ratio_vs_vllm")})
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="memd-bench-") as tmp:
         memd = Memd(Path(tmp))

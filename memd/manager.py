@@ -462,7 +462,7 @@ class KvManager(StepOps):
             self.pool.register(block, digest, tokens)
 
     def release_blocks(self, blocks: list[int]) -> int:
-        return sum(self.pool.decref(block) for block in blocks)
+        return self.pool.release_n(blocks)
 
     def release(self, seq: Sequence) -> int:
         """Outside a Step: give back a sequence's pages and swap slots, and cancel a swap-out in flight.

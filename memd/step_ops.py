@@ -113,9 +113,9 @@ class StepOps:
         if len(keys) > self.pool.num_free:
             raise PoolExhausted(len(keys), self.pool.num_free)
         first, bs = len(seq.block_ids), seq.block_size
-        for index, (key, checksum) in enumerate(zip(keys, checksums, strict=True), first):
-            block, _ = self.pool.allocate()
-            seq.block_ids.append(block)
+        blocks, _ = self.pool.allocate_n(len(keys))
+        seq.block_ids += blocks
+        for index, (key, checksum, block) in enumerate(zip(keys, checksums, blocks, strict=True), first):
             txn.outcome.effects.append(Fetch(key, block, checksum))
             txn.outcome.swapped_in.append(SwappedInBlock(seq, index, block))
         parent = seq.hashes[-1] if seq.hashes else b""
@@ -423,11 +423,9 @@ class StepOps:
             return
         if needed > self.pool.num_free:
             raise PoolExhausted(needed, self.pool.num_free)
-        for _ in range(needed):
-            block, dirty = self.pool.allocate()
-            if dirty:
-                txn.outcome.effects.append(Zero(block))
-            seq.block_ids.append(block)
+        blocks, dirty = self.pool.allocate_n(needed)
+        txn.outcome.effects += map(Zero, dirty)
+        seq.block_ids += blocks
         txn.counters["blocks_allocated"] += needed
 
 

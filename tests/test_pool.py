@@ -23,7 +23,7 @@ def hold(pool: BlockPool, n: int) -> list[int]:
 
 def snapshot(pool: BlockPool) -> tuple:
     return (list(pool.free), len(pool.free), list(pool.ref), dict(pool.by_hash), list(pool.hash_of),
-            list(pool.tokens_of), bytes(pool.dirty), list(pool.last_access))
+            list(pool.tokens_of), bytes(pool.dirty), list(pool.checksum), list(pool.last_access))
 
 
 # ---- FreeQueue ---------------------------------------------------------------
@@ -101,7 +101,8 @@ def test_relink_restores_a_position_even_after_the_block_was_pushed_elsewhere():
     assert list(queue) == [0, 1, 2, 3]
 
 
-queue_ops = st.lists(st.tuples(st.sampled_from(["push_front", "push_back", "remove", "pop_front"]),
+queue_ops = st.lists(st.tuples(st.sampled_from(["push_front", "push_back", "remove", "pop_front", "take_front",
+                                                "put_front", "put_back"]),
                                st.integers(0, NUM_BLOCKS - 1)), max_size=40)
 
 
@@ -124,6 +125,14 @@ def test_queue_behaves_like_a_list(ops):
             model.remove(block)
         elif name == "pop_front" and model:
             assert pop_front(queue) == model.pop(0)
+        elif name == "take_front":
+            n = k % (len(model) + 1)
+            assert queue.take_front(n) == model[:n]
+            del model[:n]
+        elif name in ("put_front", "put_back"):
+            run = outside[:k % (len(outside) + 1)][::-1]
+            getattr(queue, name)(run)
+            model[:] = run + model if name == "put_front" else model + run
         assert list(queue) == model
         assert len(queue) == len(model)
         assert [b for b in range(NUM_BLOCKS) if b in queue] == sorted(model)
@@ -318,7 +327,7 @@ def test_violations_report_a_queue_whose_length_disagrees_with_its_links():
 # An op is (name, k); k picks the target among the blocks the op is valid for,
 # so that an op list stays meaningful whatever state it meets.
 
-POOL_OP_NAMES = ("allocate", "incref", "decref", "register")
+POOL_OP_NAMES = ("allocate", "incref", "decref", "register", "allocate_n", "release_n")
 pool_ops = st.lists(st.tuples(st.sampled_from(POOL_OP_NAMES), st.integers(0, 50)), max_size=25)
 
 
@@ -333,6 +342,10 @@ def apply_op(pool: BlockPool, name: str, k: int) -> None:
     elif name == "register" and held:
         # Few distinct digests, so "first come keeps the hash" is exercised.
         pool.register(held[k % len(held)], digest(k % 5), (k % 5,))
+    elif name == "allocate_n":
+        pool.allocate_n(k % (len(pool.free) + 1))
+    elif name == "release_n":
+        pool.release_n(held[k % (len(held) + 1):])
 
 
 def undone_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -> tuple[tuple, tuple]:
@@ -425,3 +438,41 @@ def test_rollback_keeps_every_free_block_in_the_queue():
     pool.undo.rollback()
     assert pool.violations() == []                  # block 1 was free but unreachable in the queue
     assert list(pool.free) == [1, 2, 3]
+
+
+# ---- BlockPool: runs of blocks ------------------------------------------------
+
+
+def without_times(pool: BlockPool) -> tuple:
+    """A run is stamped with one clock reading, blocks one by one with several."""
+    return snapshot(pool)[:-1]
+
+
+@settings(max_examples=200)
+@given(pool_ops, st.integers(0, NUM_BLOCKS), st.data())
+def test_a_run_leaves_the_pool_as_the_same_blocks_one_by_one(setup, n, data):
+    one, run = BlockPool(NUM_BLOCKS), BlockPool(NUM_BLOCKS)
+    for name, k in setup:
+        apply_op(one, name, k)
+        apply_op(run, name, k)
+    n = min(n, len(one.free))
+    singles = [one.allocate() for _ in range(n)]
+    blocks, dirty = run.allocate_n(n)
+    assert blocks == [b for b, _ in singles]
+    assert dirty == [b for b, was_dirty in singles if was_dirty]
+    assert without_times(run) == without_times(one)
+    held = [b for b in range(NUM_BLOCKS) for _ in range(one.ref[b])]     # a shared block may go twice
+    picks = data.draw(st.lists(st.integers(0, len(held) - 1), unique=True) if held else st.just([]))
+    released = [held[i] for i in picks]
+    assert run.release_n(released) == sum(one.decref(b) for b in released)
+    assert without_times(run) == without_times(one)
+    assert run.violations() == []
+
+
+def test_a_run_larger_than_the_free_queue_raises_and_changes_nothing():
+    pool = BlockPool(4)
+    hold(pool, 2)
+    before = snapshot(pool)
+    with pytest.raises(PoolExhausted):
+        pool.allocate_n(3)
+    assert snapshot(pool) == before
