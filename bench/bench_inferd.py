@@ -1,6 +1,10 @@
 """inferd bench: kvpool against Hugging Face transformers on one tiny Llama, on CPU.
 
     .venv/bin/python bench/bench_inferd.py [--quick] [--json] [--threads 2]
+    .venv/bin/python bench/bench_inferd.py --served [--quick] [--json]
+
+`--served` measures decode through `inferd serve` instead, at 1 and 2 torch
+threads (bench/served_decode.py); what follows describes the in-process run.
 
 Three questions, each answered by the real code path: the `Scheduler` runs in
 this process over a real memd subprocess (CPU shared memory) through a real
@@ -522,11 +526,42 @@ def report(res: dict, sizes: Sizes) -> str:
     return "\n\n".join([head, rates, ttft, rpc, targets, notes])
 
 
+def served_main(args: argparse.Namespace, sizes: Sizes, work: dict) -> None:
+    """--served: a fresh `inferd serve` per thread count, one memd; the ratios the targets name."""
+    import served_decode
+
+    counts = (args.threads,) if args.quick else (1, 2)
+    with tempfile.TemporaryDirectory(prefix="inferd-bench-served-") as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
+        memd = Memd(Path(tmp), model_dir)
+        try:
+            runs = [served_decode.served(model_dir, memd.address, Path(tmp), n, work, sizes.new_tokens)
+                    for n in counts]
+        finally:
+            memd.kill()
+    res = {"cores": os.cpu_count(), "torch": torch.__version__, "quick": args.quick, "served": runs,
+           "decode_b1_ratio_vs_hf": min(r["b1_ratio"] for r in runs),
+           "decode_b16_ratio_vs_hf_padded": min(r["b16_ratio"] for r in runs)}
+    rows = [["decode tok/s through inferd serve", "threads", "kvpool", "transformers", "ratio"]]
+    for r in runs:
+        rows.append(["1 request at a time", str(r["threads"]), f"{r['kvpool_b1_decode']:,.0f}",
+                     f"{r['hf_b1_decode']:,.0f}", f"{r['b1_ratio']:.2f}x"])
+        rows.append([f"{CONCURRENT} concurrent / one padded batch", str(r["threads"]), f"{r['kvpool_b16_decode']:,.0f}",
+                     f"{r['hf_b16_padded_decode']:,.0f}", f"{r['b16_ratio']:.2f}x"])
+    print(f"inferd serve bench: {res['cores']} cores, torch {res['torch']}, {sizes.new_tokens} new tokens per "
+          f"request, {len(work['singles'])} single requests and {len(work['batches'])} batches per thread count\n")
+    print(table(rows))
+    if args.json:
+        print(json.dumps(res))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a short smoke run (small sizes)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads, for both systems (default: 2)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.add_argument("--served", action="store_true",
+                   help="decode through inferd serve (its own process, HTTP) at 1 and 2 threads (--quick: --threads)")
     p.add_argument("--hf-anchor", type=Path, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.hf_anchor is not None:
@@ -548,6 +583,9 @@ def main() -> None:
                    "fresh": token_ids(rng, sizes.history + sizes.history_new + sizes.message, vocab)}
                   for _ in range(sizes.ttft_trials)],
     }
+    if args.served:
+        served_main(args, sizes, work)
+        return
     raw = with_memd("inferd-bench-", lambda model_dir, address: bench(model_dir, address, sizes, work))
     res = {"cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
            "threads": torch.get_num_threads(), "quick": args.quick, **summarise(raw)}

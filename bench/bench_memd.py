@@ -138,6 +138,8 @@ def client_main(kind: str, address: str, index: int, nclients: int, seconds: flo
     try:
         if kind == "decode":
             results.put(asyncio.run(decode_client(address, index, nclients, seconds, barrier)))
+        elif kind == "echo":
+            results.put(asyncio.run(echo_client(address, index, seconds, barrier)))
         else:
             asyncio.run(victim_client(address, index, results))
     except BaseException as exc:
@@ -187,6 +189,82 @@ async def decode_client(address: str, index: int, nclients: int, seconds: float,
     await client.step(*[Free(s) for s in seq_ids if s])    # parked sequences would hold pages for the next run
     await client.close()
     return {"index": index, "steps": len(latencies), "elapsed": elapsed, "latencies": latencies}
+
+
+# ---- the anchor: gRPC's floor on the same socket kind ------------------------
+
+ECHO_METHOD = "/bench.Echo/Echo"
+
+
+def step_messages() -> tuple[bytes, bytes]:
+    """A decode Step's request and reply as memd's clients send and receive them: 16 Extends, 16 results."""
+    from shared.rpc import memd_pb2 as pb
+    from shared.wire import op_to_proto
+
+    request = pb.StepRequest(worker_id=3, lease=os.urandom(16), ops=[
+        op_to_proto(Extend(1000 + i, append=[123_456], commit_to=700 + i, reserve=1)) for i in range(SEQS)])
+    reply = pb.StepReply(free_blocks=12_345, results=[
+        pb.OpResult(seq_id=1000 + i, state="running", first_block=45, block_ids=[9_000 + i], num_blocks=46,
+                    num_committed=700 + i) for i in range(SEQS)])
+    return request.SerializeToString(), reply.SerializeToString()
+
+
+def echo_server_main(address: str, reply_size: int, ready: mp.synchronize.Event) -> None:
+    """A bare grpc.aio server on uvloop, as memd runs: one unary method answering `reply_size` bytes."""
+    import grpc
+    import uvloop
+
+    async def serve() -> None:
+        reply = bytes(reply_size)
+
+        async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return reply
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {
+            "Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+        server.add_insecure_port(address)
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    uvloop.run(serve())
+
+
+async def echo_client(address: str, index: int, seconds: float, barrier: mp.synchronize.Barrier) -> dict:
+    """Unary calls back to back, as a worker's Steps, carrying a Step's bytes each way."""
+    import grpc
+
+    request, _ = step_messages()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.unary_unary(ECHO_METHOD)
+        await call(request)
+        await asyncio.to_thread(barrier.wait, START_TIMEOUT_S)
+        latencies: list[float] = []
+        start = time.perf_counter()
+        deadline = start + seconds
+        while (now := time.perf_counter()) < deadline:
+            await call(request)
+            latencies.append(time.perf_counter() - now)
+        return {"index": index, "steps": len(latencies), "elapsed": time.perf_counter() - start,
+                "latencies": latencies}
+
+
+def bench_echo(ctx: mp.context.SpawnContext, tmp: Path, seconds: float) -> dict:
+    """The anchor of the Step rate: one client of a bare echo server in its own process."""
+    address, ready = f"unix:{tmp / 'echo.sock'}", ctx.Event()
+    server = ctx.Process(target=echo_server_main, args=(address, len(step_messages()[1]), ready), daemon=True)
+    server.start()
+    try:
+        if not ready.wait(START_TIMEOUT_S):
+            raise RuntimeError("the echo server did not start")
+        procs, replies = run_clients(ctx, "echo", address, 1, seconds)
+        for proc in procs:
+            proc.join()
+        return summarise_steps(1, replies)
+    finally:
+        server.kill()
+        server.join()
 
 
 async def victim_client(address: str, index: int, results: mp.Queue) -> None:
@@ -357,6 +435,10 @@ def report(res: dict) -> str:
         rows.append([f"{s['clients']} client process{'es' if s['clients'] > 1 else ''}",
                      f"{s['steps_per_s']:,.0f}", f"{s['steps_per_s_per_client']:,.0f}", f"{s['ops_per_s']:,.0f}",
                      f"{s['lat_mean_ms']:.3f}", f"{s['lat_p50_ms']:.3f}", f"{s['lat_p99_ms']:.3f}"])
+    e = res["echo"]
+    rows.append(["anchor: bare grpc.aio echo, 1 client", f"{e['steps_per_s']:,.0f}", f"{e['steps_per_s']:,.0f}", "",
+                 f"{e['lat_mean_ms']:.3f}", f"{e['lat_p50_ms']:.3f}", f"{e['lat_p99_ms']:.3f}"])
+    rows.append(["1 client / anchor", f"{res['step_rate_ratio_vs_echo']:.2f}x", "", "", "", "", ""])
     ms = res["reclaim_ms"]
     reclaim = table([["worker reclaim (SIGKILL -> log)", "trials", "min ms", "median ms", "max ms"],
                      ["running worker, 16 sequences", str(len(ms)), f"{min(ms):.2f}",
@@ -415,6 +497,8 @@ def main() -> None:
                     proc.join()
                 res["step_rpc"].append(summarise_steps(n, replies))
             res["reclaim_ms"] = bench_reclaim(ctx, memd, args.reclaim_trials)
+            res["echo"] = bench_echo(ctx, Path(tmp), args.seconds)
+            res["step_rate_ratio_vs_echo"] = res["step_rpc"][0]["steps_per_s"] / res["echo"]["steps_per_s"]
         finally:
             memd.kill()
         res["snapshot"] = bench_snapshot(Path(tmp), "100MiB" if args.quick else "1GiB")

@@ -36,6 +36,11 @@ def test_the_swap_bench_runs():
     assert report["bandwidth"] and report["steps"]
 
 
+def test_the_served_inferd_bench_runs():
+    report = quick("bench_inferd.py", "--served")
+    assert report["decode_b1_ratio_vs_hf"] > 0 and report["decode_b16_ratio_vs_hf_padded"] > 0
+
+
 def test_the_inferd_bench_runs():
     report = quick("bench_inferd.py")
     assert report["quick"] and report["kvpool_b1_decode"] > 0 and report["hf_b1_decode"] > 0

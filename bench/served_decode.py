@@ -1,0 +1,102 @@
+"""`bench_inferd.py --served`: decode through `inferd serve`, as its users reach it, against transformers.
+
+inferd runs as a process of its own (`inferd serve --http`, its torch
+threads set by `--threads`), attached to a memd; this process is the client:
+it streams `/v1/completions` (greedy, `ignore_eos`) over HTTP and notes when
+each chunk arrives. transformers runs as in the in-process bench: its own
+process, `generate()` on its main thread, the same checkpoint, prompts and
+thread count, warm. Each thread count gets a fresh inferd; both systems take
+turns on every measurement.
+
+Decode tok/s: tokens after each request's first over first -> last chunk
+(one request at a time: summed over requests; 16 at once: one window per
+batch, against transformers' 16 prompts as one left-padded batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+from bench_inferd import BLOCK_SIZE, CONCURRENT, MAX_BATCH_TOKENS, START_TIMEOUT_S, HfAnchor, Run, decode_rate
+
+from shared.launch import free_port, spawn_ready
+
+
+async def stream_one(client: httpx.AsyncClient, model: str, prompt: list[int], n: int) -> Run:
+    """One streamed completion; its tokens are counted from the usage chunk, timed by chunk arrival."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    submitted, times, generated = time.monotonic(), [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.monotonic())
+            if chunk.get("usage"):
+                generated = chunk["usage"]["completion_tokens"]
+    if generated != n or not times:
+        raise RuntimeError(f"inferd answered {generated} tokens of {n}")
+    return Run([0] * generated, submitted, times[0], times[-1])
+
+
+async def _measure(url: str, anchor: HfAnchor, work: dict, n: int) -> dict[str, list]:
+    """Warm-up, then each measurement on both systems, alternating which goes first."""
+    out: dict[str, list] = {"kv_single": [], "hf_single": [], "kv_batch": [], "hf_batch": []}
+    limits = httpx.Limits(max_connections=CONCURRENT * 2, max_keepalive_connections=CONCURRENT * 2)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def kv_batch(prompts: list[list[int]], tokens: int) -> list[Run]:
+            return list(await asyncio.gather(*[stream_one(client, model, p, tokens) for p in prompts]))
+
+        async def both(i: int, kv: object, hf: object) -> tuple[object, object]:
+            if i % 2:
+                theirs = await asyncio.to_thread(hf)           # type: ignore[arg-type]
+                return await kv(), theirs                      # type: ignore[operator]
+            ours = await kv()                                  # type: ignore[operator]
+            return ours, await asyncio.to_thread(hf)           # type: ignore[arg-type]
+
+        for prompts in work["warmup"]:
+            await both(0, lambda p=prompts: kv_batch(p, 8), lambda p=prompts: anchor.generate(p, 8))
+        for i, prompt in enumerate(work["singles"]):
+            ours, theirs = await both(i, lambda p=prompt: stream_one(client, model, p, n),
+                                      lambda p=prompt: anchor.generate([p], n)[0])
+            out["kv_single"].append(ours)
+            out["hf_single"].append(theirs)
+        for i, prompts in enumerate(work["batches"]):
+            ours, theirs = await both(i, lambda ps=prompts: kv_batch(ps, n), lambda ps=prompts: anchor.generate(ps, n))
+            out["kv_batch"].append(ours)
+            out["hf_batch"].append(theirs)
+    return out
+
+
+def served(model_dir: Path, memd_address: str, tmp: Path, threads: int, work: dict, n: int) -> dict:
+    """Decode rates of `inferd serve --threads threads` and of transformers on as many threads."""
+    port = free_port()
+    inferd = spawn_ready(["inferd", "serve", "--model", str(model_dir), "--memd", memd_address, "--listen",
+                          f"unix:{tmp / f'inferd-{threads}.sock'}", "--http", f"127.0.0.1:{port}",
+                          "--threads", str(threads), "--block-size", str(BLOCK_SIZE), "--max-num-seqs",
+                          str(CONCURRENT), "--max-batch-tokens", str(MAX_BATCH_TOKENS), "--log-level", "warning"],
+                         tmp, timeout_s=START_TIMEOUT_S)
+    anchor = HfAnchor(model_dir, threads)
+    try:
+        raw = asyncio.run(_measure(f"http://127.0.0.1:{port}", anchor, work, n))
+    finally:
+        anchor.close()
+        inferd.terminate()
+        inferd.wait()
+    res = {"threads": threads,
+           "kvpool_b1_decode": decode_rate([[r] for r in raw["kv_single"]]),
+           "hf_b1_decode": decode_rate([[r] for r in raw["hf_single"]]),
+           "kvpool_b16_decode": decode_rate(raw["kv_batch"]),
+           "hf_b16_padded_decode": decode_rate(raw["hf_batch"])}
+    res["b1_ratio"] = res["kvpool_b1_decode"] / res["hf_b1_decode"]
+    res["b16_ratio"] = res["kvpool_b16_decode"] / res["hf_b16_padded_decode"]
+    return res
