@@ -28,6 +28,7 @@ def test_the_memd_bench_runs():
     report = quick("bench_memd.py")
     assert report["manager_blocks_per_s"] > 0
     assert report["alloc16_ratio_vs_vllm"] > 0 and report["free16_ratio_vs_vllm"] > 0    # vLLM's wheel loaded
+    assert report["step_rate_ratio_vs_echo"] > 0
     assert [run["clients"] for run in report["step_rpc"]] == [1, 2] and report["reclaim_ms"]
 
 
