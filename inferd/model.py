@@ -187,9 +187,10 @@ class PagedDecoder:
     def _attend(self, q: torch.Tensor, cache: torch.Tensor, batch: Batch, layout: _Layout) -> torch.Tensor:
         c = self.config
         bsz = batch.block_tables.shape[0]
-        ctx = cache[batch.block_tables]                     # [B, max_blocks, 2, bs, kv_heads, dim]
-        ctx = ctx.permute(0, 2, 4, 1, 3, 5).reshape(bsz, 2, c.num_kv_heads, -1, c.head_dim)
-        keys, values = ctx[:, 0], ctx[:, 1]                 # [B, kv_heads, max_ctx, dim]
+        # K and V gathered apart: each gather is [B, max_blocks, bs, kv_heads, dim], whose block and slot dims
+        # merge into one without a copy; gathering both at once would need a second copy to separate them.
+        keys = cache[:, 0][batch.block_tables].view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        values = cache[:, 1][batch.block_tables].view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if layout.key_len is not None:
             keys, values = keys[:, :, :layout.key_len], values[:, :, :layout.key_len]
         if layout.gather is None:                           # one sequence, or one new token per sequence
