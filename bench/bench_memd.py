@@ -38,11 +38,13 @@ from types import SimpleNamespace
 import vllm_anchor
 from tables import table
 
+from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.pool import BlockPool, FreeQueue
+from memd.state import Layout, StateDir
 from shared.geometry import plan_pool
 from shared.launch import spawn_ready
-from shared.ops import Extend, Free, Open
+from shared.ops import Extend, Free, Open, Park
 from shared.sizes import parse_size
 
 POOL, PAGE, BLOCK_SIZE = "256MiB", "16KiB", 16
@@ -128,6 +130,66 @@ def _alloc_free_round(take: Callable[[], list], give: Callable[[list], object], 
     finally:
         gc.enable()
     return (middle - started) / runs * 1e6, (ended - middle) / runs * 1e6
+
+
+def bench_journal(parked: int, flushes: int) -> dict:
+    """The longest a Step's journal flush takes with `parked` parked sessions, across journal rewrites.
+
+    The journal (on tmpfs, as the unit keeps it) grows by one record per flush
+    here (a decode token for one running request of up to MAX_SEQ_TOKENS) and is rewritten from the
+    live state once it holds 4 records per sequence, a chunk of sequences per
+    flush; the flushes that do so are timed apart from the others.
+    In-process: a flush runs on memd's event loop, in the Step.
+    """
+    geometry = plan_pool(parse_size(POOL), block_bytes=parse_size(PAGE))
+    manager = KvManager(geometry)
+    worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
+    with tempfile.TemporaryDirectory(prefix="memd-bench-journal-", dir="/dev/shm") as where:
+        wal = WriteAheadLog(StateDir(Path(where)), Layout("shm", geometry.num_blocks, geometry.block_bytes, 0),
+                            fsync=False)
+        for first in range(0, parked, 256):
+            opened = manager.step(worker, [Open([i, i + 1, i + 2], session_id=f"s{i}")
+                                           for i in range(first, min(first + 256, parked))]).results
+            manager.step(worker, [Park(r.seq_id, commit_to=3) for r in opened])
+        wal.checkpoint(manager)
+        live, = manager.step(worker, [Open([1 << 30], reserve=1)]).results
+        token = iter(range((1 << 30) + 1, 1 << 31))
+        new = Path(where) / "journal.new"
+        rewriting, other, collected, length = [], [], [], 1
+        passes = _CollectorPasses()
+        gc.callbacks.append(passes)
+        try:
+            for _ in range(flushes):
+                if length == MAX_SEQ_TOKENS:              # a finished request; the next one opens
+                    manager.step(worker, [Free(live.seq_id)])
+                    live, length = manager.step(worker, [Open([next(token)], reserve=1)]).results[0], 1
+                manager.step(worker, [Extend(live.seq_id, append=[next(token)], commit_to=length, reserve=1)])
+                length += 1
+                during, seen = new.exists(), passes.count
+                started = time.perf_counter()
+                wal.flush(manager)
+                took = time.perf_counter() - started
+                (collected if passes.count != seen else rewriting if during or new.exists() else other).append(took)
+        finally:
+            gc.callbacks.remove(passes)
+            wal.close()
+    if not rewriting:
+        raise RuntimeError("the journal was never rewritten: too few flushes for the sequences")
+    return {"parked": parked, "flushes": flushes, "rewriting_flushes": len(rewriting),
+            "max_rewriting_flush_ms": max(rewriting) * 1e3, "max_other_flush_ms": max(other) * 1e3,
+            "p50_flush_ms": statistics.median(rewriting + other) * 1e3, "collector_passes": len(collected),
+            "max_collected_flush_ms": max(collected, default=0.0) * 1e3}
+
+
+class _CollectorPasses:
+    """Counts the interpreter's full (generation 2) garbage collections: a pause of their own, not a flush's."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            self.count += 1
 
 
 # ---- client processes (spawned) ----------------------------------------------
@@ -430,6 +492,13 @@ def report(res: dict) -> str:
     alloc = table([["in-process allocator", "blocks/s"],
                    [f"KvManager.step open {BLOCKS_PER_SEQ} blocks + free", f"{res['manager_blocks_per_s']:,.0f}"]])
     alloc += "\n\n" + allocator_table(res["allocator"])
+    j = res["journal"]
+    alloc += "\n\n" + table([["journal flush (one Step's)", "parked sessions", "flushes", "p50 ms",
+                               "rewriting: flushes", "max ms", "others: max ms", "with a full GC: n", "max ms"],
+                              ["one decode token each", f"{j['parked']:,}", f"{j['flushes']:,}",
+                               f"{j['p50_flush_ms']:.3f}", f"{j['rewriting_flushes']:,}",
+                               f"{j['max_rewriting_flush_ms']:.2f}", f"{j['max_other_flush_ms']:.2f}",
+                               str(j["collector_passes"]), f"{j['max_collected_flush_ms']:.2f}"]])
     rows = [["Step RPC (16 Extend/Step)", "steps/s", "per client", "ops/s", "mean ms", "p50 ms", "p99 ms"]]
     for s in res["step_rpc"]:
         rows.append([f"{s['clients']} client process{'es' if s['clients'] > 1 else ''}",
@@ -484,6 +553,8 @@ def main() -> None:
     res: dict = {"cores": os.cpu_count(), "python": sys.version.split()[0], "seconds": args.seconds,
                  "geometry": {"num_blocks": geometry.num_blocks, "block_bytes": geometry.block_bytes}}
     res["manager_blocks_per_s"] = bench_manager(args.seconds)
+    res["journal"] = bench_journal(1_000 if args.quick else 10_000, 24_000 if args.quick else 60_000)
+    res["journal_max_rewrite_flush_ms"] = res["journal"]["max_rewriting_flush_ms"]
     res["allocator"] = bench_allocator(100 if args.quick else 500, 3 if args.quick else 30, args.quick)
     res.update({k: v for k, v in res["allocator"].items() if k.endswith("_ratio_vs_vllm")})
     ctx = mp.get_context("spawn")

@@ -5,8 +5,11 @@ changed (their block table, swap slots, committed length and the token ids
 not yet written) or their removal, before any reply that lets a worker write
 to a page. A record torn by a crash is ignored. On start-up the journal is
 read back (`read_journal`; `memd.recovery` decides what to trust), and a
-fresh journal replaces the old one (a checkpoint); one also follows every few
-thousand records, so the file stays about the size of the live state.
+fresh journal replaces the old one (a checkpoint). Every few thousand records
+the journal is rewritten from the live state, so the file stays about the
+size of the live state: a few hundred sequences per flush, beside the
+flushes' own records, so that no Step waits for all of them (tens of ms at
+10k sequences); the old journal stays whole until the new one replaces it.
 
 (Not to be confused with a Step's undo log, `memd.pool.UndoLog`, which lives
 in memory for the length of one Step.)
@@ -26,7 +29,7 @@ import structlog
 from memd.sequences import SeqState, Sequence
 
 if TYPE_CHECKING:
-    from memd.manager import KvManager
+    from memd.manager import Changes, KvManager
     from memd.state import Layout, StateDir
 
 log = structlog.get_logger("memd.journal")
@@ -34,6 +37,7 @@ log = structlog.get_logger("memd.journal")
 FORMAT = "kvpool-journal"
 VERSION = 1
 CHECKPOINT_RECORDS = 20_000        # records appended before the journal is rewritten from the live state
+REWRITE_CHUNK = 256                # sequences a flush copies into the journal being rewritten
 
 
 @dataclass(slots=True)
@@ -119,6 +123,16 @@ def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None
     found.records[seq_id] = record
 
 
+@dataclass(slots=True)
+class _Rewrite:
+    """A journal being rewritten from the live state beside the one in use (`journal.new`)."""
+
+    fd: int
+    pending: list[int]                         # sequences not copied in yet
+    tokens_written: dict[int, int] = field(default_factory=dict)
+    records: int = 0
+
+
 class WriteAheadLog:
     """The journal being written: one append per flush, all changed sequences in it."""
 
@@ -127,10 +141,12 @@ class WriteAheadLog:
         self._fd: int | None = None
         self._tokens_written: dict[int, int] = {}
         self.records = 0                     # appended since the last checkpoint
+        self._rewrite: _Rewrite | None = None
 
     def checkpoint(self, manager: KvManager) -> None:
-        """Rewrite the journal from the live state: a new file, renamed over the old one."""
-        tmp = self.state.journal.with_name("journal.new")
+        """Rewrite the journal from the live state at once: a new file, renamed over the old one."""
+        self._abandon_rewrite()
+        tmp = self._new_path()
         parts = [_pack(["H", self.layout.header()])]
         self._tokens_written = {}
         manager.take_changes()               # all of it is in the checkpoint
@@ -148,11 +164,7 @@ class WriteAheadLog:
             raise
         os.replace(tmp, self.state.journal)
         if self.fsync:
-            dir_fd = os.open(self.state.path, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            self._fsync_dir()
         if self._fd is not None:
             os.close(self._fd)
         os.lseek(fd, 0, os.SEEK_END)
@@ -164,26 +176,84 @@ class WriteAheadLog:
         changes = manager.take_changes()
         if self._fd is None:
             return                           # persistence given up (a write failed): nothing to record
+        parts = self._change_records(manager, changes, self._tokens_written)
+        try:
+            if parts:
+                _write_all(self._fd, b"".join(parts))
+                if self.fsync:
+                    os.fsync(self._fd)
+                self.records += len(parts)
+            if self._rewrite is not None:
+                self._advance_rewrite(manager, changes)
+            elif self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
+                self._start_rewrite(manager)
+        except OSError as exc:
+            self.give_up(exc)
+
+    def _change_records(self, manager: KvManager, changes: Changes, written: dict[int, int]) -> list[bytes]:
+        """Records of what changed, for the file whose token counts are `written`."""
         parts = [_pack(["F", pid, manager.fences.get(pid, [])]) for pid in changes.fence_pids]
         for seq_id in changes.seq_ids:
             seq = manager.seqs.get(seq_id)
             if seq is None:
-                if self._tokens_written.pop(seq_id, None) is not None:
+                if written.pop(seq_id, None) is not None:
                     parts.append(_pack(["D", seq_id]))
             else:
-                parts.append(self._seq_record(seq, manager, tokens_cut=seq_id in changes.tokens_cut))
-        if not parts:
-            return
-        data = b"".join(parts)
+                parts.append(self._seq_record(seq, manager, tokens_cut=seq_id in changes.tokens_cut,
+                                              written=written))
+        return parts
+
+    def _new_path(self) -> Path:
+        return self.state.journal.with_name("journal.new")
+
+    def _start_rewrite(self, manager: KvManager) -> None:
+        fd = os.open(self._new_path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self._rewrite = _Rewrite(fd, list(manager.seqs))
+        parts = [_pack(["H", self.layout.header()])] + [_pack(["F", pid, blocks])
+                                                       for pid, blocks in manager.fences.items()]
+        _write_all(fd, b"".join(parts))
+
+    def _advance_rewrite(self, manager: KvManager, changes: Changes) -> None:
+        """This flush's changes, then the next chunk of sequences, into the new journal; in time order, so the
+        last record of a sequence there is its latest. Once every sequence is in, the new journal takes over."""
+        rewrite = self._rewrite
+        assert rewrite is not None
+        parts = self._change_records(manager, changes, rewrite.tokens_written)
+        chunk, rewrite.pending = rewrite.pending[-REWRITE_CHUNK:], rewrite.pending[:-REWRITE_CHUNK]
+        parts += [self._seq_record(seq, manager, written=rewrite.tokens_written)
+                  for seq_id in chunk if (seq := manager.seqs.get(seq_id)) is not None]
+        if parts:
+            _write_all(rewrite.fd, b"".join(parts))
+            rewrite.records += len(parts)
+        if not rewrite.pending:
+            self._finish_rewrite()
+
+    def _finish_rewrite(self) -> None:
+        rewrite = self._rewrite
+        assert rewrite is not None and self._fd is not None
+        if self.fsync:
+            os.fsync(rewrite.fd)
+        os.replace(self._new_path(), self.state.journal)
+        if self.fsync:
+            self._fsync_dir()
+        os.close(self._fd)
+        self._fd, self._tokens_written, self.records = rewrite.fd, rewrite.tokens_written, rewrite.records
+        self._rewrite = None
+
+    def _abandon_rewrite(self) -> None:
+        if self._rewrite is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._rewrite.fd)
+            with contextlib.suppress(OSError):
+                self._new_path().unlink()
+            self._rewrite = None
+
+    def _fsync_dir(self) -> None:
+        dir_fd = os.open(self.state.path, os.O_RDONLY)
         try:
-            _write_all(self._fd, data)
-            if self.fsync:
-                os.fsync(self._fd)
-            self.records += len(parts)
-            if self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
-                self.checkpoint(manager)
-        except OSError as exc:
-            self.give_up(exc)
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def give_up(self, exc: OSError) -> None:
         """A write failed (a full tmpfs, say): remove the journal, which no longer tells the truth, and go on.
@@ -191,6 +261,7 @@ class WriteAheadLog:
         memd keeps serving from memory; a memd started after it finds pool files
         without a journal and starts empty, rather than trusting a stale record.
         """
+        self._abandon_rewrite()
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -200,11 +271,14 @@ class WriteAheadLog:
         log.error("cannot write the journal: memd goes on, but its sessions will not survive it",
                   journal=str(self.state.journal), error=exc.strerror or str(exc))
 
-    def _seq_record(self, seq: Sequence, manager: KvManager, *, tokens_cut: bool = False) -> bytes:
-        start = self._tokens_written.get(seq.seq_id, 0)
+    def _seq_record(self, seq: Sequence, manager: KvManager, *, tokens_cut: bool = False,
+                    written: dict[int, int] | None = None) -> bytes:
+        """The record of `seq` for the file whose token counts are `written` (default: the journal in use)."""
+        written = self._tokens_written if written is None else written
+        start = written.get(seq.seq_id, 0)
         if start > len(seq.token_ids) or tokens_cut:
             start = 0                        # cut back (a retried turn): rewrite them all
-        self._tokens_written[seq.seq_id] = len(seq.token_ids)
+        written[seq.seq_id] = len(seq.token_ids)
         return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,
                       seq.num_committed, seq.block_ids, seq.slots, seq.heat, seq.heat_at, seq.last_access,
                       start, seq.token_ids[start:], manager.filling(seq.seq_id), seq.turn_start,
@@ -214,6 +288,7 @@ class WriteAheadLog:
                       [manager.pool.checksum[block] for block in seq.block_ids]])
 
     def close(self) -> None:
+        self._abandon_rewrite()              # the journal in use is whole: a restart reads it
         if self._fd is not None:
             if self.fsync:
                 os.fsync(self._fd)

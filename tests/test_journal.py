@@ -78,7 +78,8 @@ class JournaledMachine(KvManagerMachine):
         self.state = StateDir(self.dir)
         self.wal = WriteAheadLog(self.state, LAYOUT, fsync=False)
         self.wal.checkpoint(self.manager)
-        self._threshold, memd.journal.CHECKPOINT_RECORDS = memd.journal.CHECKPOINT_RECORDS, 8   # checkpoint often
+        self._threshold, memd.journal.CHECKPOINT_RECORDS = memd.journal.CHECKPOINT_RECORDS, 8   # rewrite often
+        self._chunk, memd.journal.REWRITE_CHUNK = memd.journal.REWRITE_CHUNK, 1     # over several flushes
 
     def _flush_and_recover(self) -> None:
         self.wal.flush(self.manager)
@@ -106,7 +107,7 @@ class JournaledMachine(KvManagerMachine):
         try:
             self._flush_and_recover()
         finally:
-            memd.journal.CHECKPOINT_RECORDS = self._threshold
+            memd.journal.CHECKPOINT_RECORDS, memd.journal.REWRITE_CHUNK = self._threshold, self._chunk
             self.wal.close()
             shutil.rmtree(self.dir, ignore_errors=True)
             super().teardown()
@@ -246,3 +247,35 @@ def test_the_page_checksums_of_a_sequence_running_when_memd_died_come_back(tmp_p
     seq = fresh.seqs[opened.seq_id]
     assert seq.state is SeqState.PARKED and len(seq.block_ids) == 2
     assert [fresh.pool.checksum[b] for b in seq.block_ids] == [71, 72]
+
+
+def test_the_journal_is_rewritten_a_chunk_per_flush_and_stays_whole_meanwhile(tmp_path, monkeypatch):
+    monkeypatch.setattr(memd.journal, "CHECKPOINT_RECORDS", 10)
+    monkeypatch.setattr(memd.journal, "REWRITE_CHUNK", 3)
+    state, manager, wal, worker = journaled(tmp_path)
+    opened = manager.step(worker, [Open([100 * i, 100 * i + 1], session_id=f"s{i}") for i in range(12)]).results
+    new = tmp_path / "journal.new"
+    for _ in range(5):                                      # 12 records a flush: 48 (4 per sequence) are allowed
+        assert not new.exists()
+        manager.step(worker, [Extend(r.seq_id, commit_to=1) for r in opened])
+        wal.flush(manager)
+    assert new.exists()                                     # the 5th went past: a rewrite began
+    flushes = 0
+    while new.exists():
+        manager.step(worker, [Extend(opened[flushes].seq_id, append=[7], commit_to=2)])
+        wal.flush(manager)
+        flushes += 1
+        assert {s.seq_id: s.token_ids for s in recovered(state).seqs.values()} == \
+            {s.seq_id: s.token_ids for s in manager.seqs.values()}       # the journal in use is whole
+        assert flushes < 12
+    assert flushes == 4                                     # 12 sequences, 3 per flush
+    assert {s.seq_id: s.token_ids for s in recovered(state).seqs.values()} == \
+        {s.seq_id: s.token_ids for s in manager.seqs.values()}
+    assert read_records(state) == len(manager.seqs) + 4     # the live state, and what the last flushes changed
+    wal.close()
+
+
+def read_records(state: StateDir) -> int:
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(state.journal.read_bytes())
+    return sum(1 for _ in unpacker) - 1                     # the header aside
