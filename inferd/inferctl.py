@@ -153,8 +153,9 @@ async def run(args: argparse.Namespace, target: str) -> int:
                     raise BadInput(f"a message on standard input is {err}") from None
                 result = await generate(stub, request_of(args, message, session), sys.stdout,
                                         args.timeout)
+                print()              # the reply's line ends on stdout, where a script reads the replies
                 u = result["usage"]
-                print(f"\n  [{u['completion_tokens']} tokens, {u['cached_tokens']} of {u['prompt_tokens']} prompt "
+                print(f"  [{u['completion_tokens']} tokens, {u['cached_tokens']} of {u['prompt_tokens']} prompt "
                       f"tokens cached, first token {u['ttft_ms']:.1f} ms]", file=sys.stderr)
     return 0
 
