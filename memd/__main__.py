@@ -12,8 +12,6 @@ import contextlib
 import gc
 import os
 import signal
-import socket
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +56,7 @@ from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
+from shared.unix_socket import SocketPathError, claim
 
 log = structlog.get_logger("memd")
 MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
@@ -153,26 +152,16 @@ def plan(args: argparse.Namespace) -> PoolGeometry:
 
 
 def prepare_socket(target: str) -> Path | None:
-    """Make the socket's directory; refuse if another memd answers there, clear a stale file."""
+    """The Unix socket to listen on, free to bind (shared/unix_socket.py); None for TCP."""
     path = addr.unix_path(target)
     if path is None:
         return None
     if len(os.fsencode(f"{path}.fd")) >= MAX_UNIX_PATH:
         raise StartupError(f"socket path {path} is too long for a Unix socket (with .fd, under {MAX_UNIX_PATH} bytes)")
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if path.exists() or path.is_symlink():
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                try:
-                    probe.connect(str(path))
-                except OSError:
-                    path.unlink()        # left by a memd that died
-                else:
-                    raise StartupError(f"another memd is already listening on {path}")
-    except PermissionError as exc:
-        raise StartupError(f"cannot use {path}: {exc.strerror}") from None
+        claim(path, "memd")
+    except SocketPathError as exc:
+        raise StartupError(str(exc)) from None
     return path
 
 
@@ -437,7 +426,7 @@ async def start_fd_server(memory: PoolMemory, sock_path: Path | None,
     if memory.backend != "shm":
         return None
     fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
-    fd_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd_path.parent.mkdir(mode=0o700, exist_ok=True)      # beside the socket, or kvpool's runtime directory
     fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
     await fd_server.start()
     stack.push_async_callback(fd_server.close)
