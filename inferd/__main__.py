@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -30,11 +31,19 @@ from shared.flag_types import count, number, port
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
+from shared.unix_socket import SocketPathError, claim
+
+if TYPE_CHECKING:
+    from inferd.service import MemdLink
 
 log = structlog.get_logger("inferd")
 
 
 TINY_MAX = 1 << 16        # make-tiny-model's sizes: past this a "tiny" model fills memory rather than a test
+
+
+class StartupError(RuntimeError):
+    """inferd cannot start, or go on, as configured; the message says why in one line."""
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -92,29 +101,28 @@ async def serve(args: argparse.Namespace) -> None:
     from grpc_reflection.v1alpha import reflection
 
     from inferd.metrics import InferdMetrics
-    from inferd.service import InferdService, MemdLink
+    from inferd.service import AttachRefused, InferdService, MemdLink
     from shared.rpc import inferd_pb2
     from shared.rpc import inferd_pb2_grpc as pb_grpc
 
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv,
-                    verify_reuse=args.verify_reuse)
     target = addr.resolve(args.listen, "inferd")
     sock_path = addr.unix_path(target)
     if sock_path is not None:
-        sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()
+        claim(sock_path, "inferd")          # before the model loads: a second inferd there is refused at once
+    link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv,
+                    verify_reuse=args.verify_reuse)
     metrics = None
     if args.metrics_port or args.http:
         metrics = InferdMetrics(link, asyncio.get_running_loop())
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
     http = HttpFrontDoor.listen(args, link, metrics) if args.http else None
-    server = grpc.aio.server(interceptors=[RequestDecoder()])
+    # No SO_REUSEPORT: a second inferd on a TCP port in use must fail to bind, not share the port.
+    server = grpc.aio.server(interceptors=[RequestDecoder()], options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_InferdServicer_to_server(InferdService(link, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -127,13 +135,34 @@ async def serve(args: argparse.Namespace) -> None:
         for name in ("", inferd_service):
             await health_servicer.set(name, status)
     link.on_serving = serving
-    port = server.add_insecure_port(target)
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError:
+        raise StartupError(f"cannot listen on {target} (in use by another process?)") from None
     if sock_path is None and target.endswith(":0"):
         target = f"{target[:-2]}:{port}"
+    try:
+        await _serve(args, link, server, health_servicer, http, target, sock_path)
+    except AttachRefused as exc:
+        raise StartupError(str(exc)) from None
+    finally:
+        if sock_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                sock_path.unlink()
+
+
+async def _serve(args: argparse.Namespace, link: MemdLink, server: grpc.aio.Server, health_servicer: Any,
+                 http: HttpFrontDoor | None, target: str, sock_path: Path | None) -> None:
+    """Attach to memd, then serve until SIGTERM; a refusal memd will repeat ends inferd (AttachRefused)."""
     linking = asyncio.create_task(link.run(), name="memd-link")
-    await link.attached.wait()
+    attached = asyncio.create_task(link.attached.wait())
+    await asyncio.wait({linking, attached}, return_when=asyncio.FIRST_COMPLETED)
+    if linking.done():
+        attached.cancel()
+        linking.result()                    # raises what ended it
     await server.start()
     stop = asyncio.Event()
+    linking.add_done_callback(lambda _: stop.set())
     if http is not None:
         http.start(on_crash=stop.set)
     if sock_path is not None:
@@ -153,12 +182,11 @@ async def serve(args: argparse.Namespace) -> None:
     link.on_serving = None
     await health_servicer.enter_graceful_shutdown()
     await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http is not None else []))
+    if linking.done() and not linking.cancelled():
+        linking.result()                    # memd refused a re-attach for good: exit non-zero, with its message
     linking.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await linking
-    if sock_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()
 
 
 # Settings that do nothing in some company: inferd says so at start rather than leave the operator guessing.
@@ -188,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     try:
         uvloop.run(serve(args))
-    except (CheckpointError, MetricsPortError, HttpStartError) as exc:
+    except (CheckpointError, MetricsPortError, HttpStartError, SocketPathError, StartupError) as exc:
         print(f"inferd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
