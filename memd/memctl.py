@@ -6,6 +6,7 @@ Exit codes (also in `memctl --help`):
      corrupted pages, drain timed out with sequences still running, memd refused
   2  memd cannot be reached, a file cannot be read, or the command line is wrong
   130 interrupted
+  141 the reader of its output went away (memctl snapshot | head); nothing is said
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ EXIT_CODES = """exit codes:
   0    done
   1    bad news or refused: check found violations, scrub corrupted pages, a drain timed out, memd refused
   2    memd unreachable, a file unreadable, or a wrong command line
-  130  interrupted"""
+  130  interrupted
+  141  the reader of the output went away (memctl snapshot | head)"""
 
 
 worker_id = proto_id("worker", "memctl workers")
