@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -20,45 +21,49 @@ import uvloop
 
 from inferd.checkpoint import CheckpointError
 from inferd.http_server import HttpFrontDoor, HttpStartError
+from inferd.sampling import MAX_SEED
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
+from shared.command_line import Ignored, Parser, entry_point
 from shared.config import Layers, add_config_flags
 from shared.decoding import RequestDecoder
+from shared.flag_types import count, number, port
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
+from shared.unix_socket import SocketPathError, claim
+
+if TYPE_CHECKING:
+    from inferd.service import MemdLink
 
 log = structlog.get_logger("inferd")
 
 
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1: {text}")
-    return value
+TINY_MAX = 1 << 16        # make-tiny-model's sizes: past this a "tiny" model fills memory rather than a test
+
+
+class StartupError(RuntimeError):
+    """inferd cannot start, or go on, as configured; the message says why in one line."""
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The whole command line, and `serve`'s part of it (the settings a config file may hold)."""
-    p = argparse.ArgumentParser(prog="inferd", description="kvpool's inference worker.")
+    p = Parser(prog="inferd", description="kvpool's inference worker.", version=True)
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over memd's pool")
     serve.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory")
     serve.add_argument("--memd", help="memd address (default: $MEMD_ADDRESS, else the per-user socket)")
     serve.add_argument("--listen", help=f"unix:PATH or HOST:PORT (default: {addr.default_address('inferd')})")
-    serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences in one batch (default: 16)")
-    serve.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward pass (default: 512)")
-    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    serve.add_argument("--max-num-seqs", type=count(), default=16, help="sequences in one batch (default: 16)")
+    serve.add_argument("--max-batch-tokens", type=count(), default=512, help="tokens per forward pass (default: 512)")
+    serve.add_argument("--block-size", type=count(), default=16, help="tokens per KV block (default: 16)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    serve.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--threads", type=count(), help="torch CPU threads (default: torch's)")
     serve.add_argument("--audit-kv", action="store_true",
                        help="before every pass, check that no one else wrote the K/V a running sequence reads "
                             "(a turn that finds it changed fails, naming the page); slower: for tests and "
                             "investigations")
-    serve.add_argument("--verify-reuse", type=fraction, default=0.0, metavar="FRACTION",
+    serve.add_argument("--verify-reuse", type=number(at_least=0, at_most=1), default=0.0, metavar="FRACTION",
                        help="recompute this fraction of the prefix-cache hits of requests without a session and "
                             "compare the K/V memd handed over; a mismatch is logged and counted, and those blocks "
                             "leave memd's prefix cache (default: 0, off)")
@@ -72,7 +77,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--chat-template", type=Path, metavar="FILE",
                        help="a Jinja chat template instead of the checkpoint's (default: tokenizer_config.json's "
                             "chat_template, or chat_template.jinja)")
-    serve.add_argument("--metrics-port", type=int, default=0,
+    serve.add_argument("--metrics-port", type=port, default=0,
                        help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -81,12 +86,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--arch", choices=sorted(ARCH_CLASSES), default="llama")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--hidden", type=int, default=64)
-    tiny.add_argument("--layers", type=int, default=2)
-    tiny.add_argument("--heads", type=int, default=4)
-    tiny.add_argument("--kv-heads", type=int, default=2)
-    tiny.add_argument("--vocab", type=int, default=512)
+    tiny.add_argument("--seed", type=number(int, at_least=0, at_most=MAX_SEED), default=0)
+    tiny.add_argument("--hidden", type=count(TINY_MAX), default=64)
+    tiny.add_argument("--layers", type=count(TINY_MAX), default=2)
+    tiny.add_argument("--heads", type=count(TINY_MAX), default=4)
+    tiny.add_argument("--kv-heads", type=count(TINY_MAX), default=2)
+    tiny.add_argument("--vocab", type=count(TINY_MAX), default=512)
     tiny.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     return p, serve
 
@@ -96,29 +101,28 @@ async def serve(args: argparse.Namespace) -> None:
     from grpc_reflection.v1alpha import reflection
 
     from inferd.metrics import InferdMetrics
-    from inferd.service import InferdService, MemdLink
+    from inferd.service import AttachRefused, InferdService, MemdLink
     from shared.rpc import inferd_pb2
     from shared.rpc import inferd_pb2_grpc as pb_grpc
 
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv,
-                    verify_reuse=args.verify_reuse)
     target = addr.resolve(args.listen, "inferd")
     sock_path = addr.unix_path(target)
     if sock_path is not None:
-        sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()
+        claim(sock_path, "inferd")          # before the model loads: a second inferd there is refused at once
+    link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv,
+                    verify_reuse=args.verify_reuse)
     metrics = None
     if args.metrics_port or args.http:
         metrics = InferdMetrics(link, asyncio.get_running_loop())
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
     http = HttpFrontDoor.listen(args, link, metrics) if args.http else None
-    server = grpc.aio.server(interceptors=[RequestDecoder()])
+    # No SO_REUSEPORT: a second inferd on a TCP port in use must fail to bind, not share the port.
+    server = grpc.aio.server(interceptors=[RequestDecoder()], options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_InferdServicer_to_server(InferdService(link, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -131,13 +135,34 @@ async def serve(args: argparse.Namespace) -> None:
         for name in ("", inferd_service):
             await health_servicer.set(name, status)
     link.on_serving = serving
-    port = server.add_insecure_port(target)
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError:
+        raise StartupError(f"cannot listen on {target} (in use by another process?)") from None
     if sock_path is None and target.endswith(":0"):
         target = f"{target[:-2]}:{port}"
+    try:
+        await _serve(args, link, server, health_servicer, http, target, sock_path)
+    except AttachRefused as exc:
+        raise StartupError(str(exc)) from None
+    finally:
+        if sock_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                sock_path.unlink()
+
+
+async def _serve(args: argparse.Namespace, link: MemdLink, server: grpc.aio.Server, health_servicer: Any,
+                 http: HttpFrontDoor | None, target: str, sock_path: Path | None) -> None:
+    """Attach to memd, then serve until SIGTERM; a refusal memd will repeat ends inferd (AttachRefused)."""
     linking = asyncio.create_task(link.run(), name="memd-link")
-    await link.attached.wait()
+    attached = asyncio.create_task(link.attached.wait())
+    await asyncio.wait({linking, attached}, return_when=asyncio.FIRST_COMPLETED)
+    if linking.done():
+        attached.cancel()
+        linking.result()                    # raises what ended it
     await server.start()
     stop = asyncio.Event()
+    linking.add_done_callback(lambda _: stop.set())
     if http is not None:
         http.start(on_crash=stop.set)
     if sock_path is not None:
@@ -157,14 +182,22 @@ async def serve(args: argparse.Namespace) -> None:
     link.on_serving = None
     await health_servicer.enter_graceful_shutdown()
     await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http is not None else []))
+    if linking.done() and not linking.cancelled():
+        linking.result()                    # memd refused a re-attach for good: exit non-zero, with its message
     linking.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await linking
-    if sock_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()
 
 
+# Settings that do nothing in some company: inferd says so at start rather than leave the operator guessing.
+IGNORED = (
+    Ignored("metrics_host", "metrics are off without --metrics-port", without="metrics_port"),
+    *(Ignored(flag, "it configures the HTTP API, which is off without --http", without="http")
+      for flag in ("api_key", "served_model_name", "chat_template")),
+)
+
+
+@entry_point("inferd")
 def main(argv: list[str] | None = None) -> int:
     parser, serve_parser = build_parser()
     layers = Layers(serve_parser, "INFERD")
@@ -173,17 +206,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
                                   heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, dtype=args.dtype)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, RuntimeError) as exc:      # RuntimeError: torch out of memory
             print(f"inferd: {exc}", file=sys.stderr)
             return 1
         print(f"wrote a tiny {args.arch} checkpoint to {out}")
         return 0
-    if (done := layers.settle(args, "inferd")) is not None:
+    if (done := layers.settle(args, "inferd", IGNORED)) is not None:
         return done
     configure(args.log_level, args.log_format)
     try:
         uvloop.run(serve(args))
-    except (CheckpointError, MetricsPortError, HttpStartError) as exc:
+    except (CheckpointError, MetricsPortError, HttpStartError, SocketPathError, StartupError) as exc:
         print(f"inferd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -21,13 +21,13 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from shared import address as addr
+from shared.command_line import Parser, entry_point
+from shared.flag_types import UINT32_MAX, number, timeout
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
 
-UINT32_MAX = 2**32 - 1       # max_tokens and top_k are uint32: protobuf raises ValueError past it
 MAX_SEED = 2**63 - 1         # inferd's torch generators take a signed 64-bit seed (inferd.sampling.MAX_SEED)
 MAX_TEMPERATURE = 100.0      # SamplingParams.check refuses more
-MAX_TIMEOUT_S = 365 * 86400.0
 
 
 class BadInput(argparse.ArgumentTypeError):
@@ -64,34 +64,10 @@ def address(value: str) -> str:
     return _utf8(value)
 
 
-def _int_in(value: str, low: int, high: int, note: str = "") -> int:
-    n = int(value)
-    if not low <= n <= high:
-        raise BadInput(f"must be an integer in [{low}, {high}]{note}: {value}")
-    return n
-
-
-def max_tokens(value: str) -> int:
-    """In [1, 2**32-1]: 0 on the wire means inferd's default (64), and the field is a uint32."""
-    return _int_in(value, 1, UINT32_MAX)
-
-
-def top_k(value: str) -> int:
-    """In [0, 2**32-1] (0: no limit): the field is a uint32."""
-    return _int_in(value, 0, UINT32_MAX, " (0: no limit)")
-
-
-def seed(value: str) -> int:
-    """In [0, 2**63-1]: the field is a uint64, and inferd's generators take a signed 64-bit seed."""
-    return _int_in(value, 0, MAX_SEED)
-
-
-def temperature(value: str) -> float:
-    """In [0, 100] (0: greedy), as inferd's SamplingParams.check allows; NaN and inf fail the comparison."""
-    t = float(value)
-    if not 0.0 <= t <= MAX_TEMPERATURE:
-        raise BadInput(f"must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy): {value}")
-    return t
+max_tokens = number(int, at_least=1, at_most=UINT32_MAX)     # 0 on the wire means inferd's default (64)
+top_k = number(int, at_least=0, at_most=UINT32_MAX)          # 0: no limit
+seed = number(int, at_least=0, at_most=MAX_SEED)             # a uint64, but inferd's generators are signed
+temperature = number(float, at_least=0, at_most=MAX_TEMPERATURE)     # 0: greedy, as SamplingParams.check allows
 
 
 def top_p(value: str) -> float:
@@ -102,18 +78,9 @@ def top_p(value: str) -> float:
     return p
 
 
-def timeout(value: str) -> float:
-    """Positive seconds, at most a year: gRPC turns a NaN, or a deadline past int64 nanoseconds (about 7e9 s
-    from now), into one already expired, and a zero or negative one fails every call."""
-    s = float(value)
-    if not 0.0 < s <= MAX_TIMEOUT_S:
-        raise BadInput(f"must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] (a year): {value}")
-    return s
-
-
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inferctl", description="Generate text with a running inferd.")
+    p = Parser(prog="inferctl", description="Generate text with a running inferd.", version=True)
     p.add_argument("--address", type=address,
                    help="inferd address (default: $INFERD_ADDRESS, else the per-user socket)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -186,8 +153,9 @@ async def run(args: argparse.Namespace, target: str) -> int:
                     raise BadInput(f"a message on standard input is {err}") from None
                 result = await generate(stub, request_of(args, message, session), sys.stdout,
                                         args.timeout)
+                print()              # the reply's line ends on stdout, where a script reads the replies
                 u = result["usage"]
-                print(f"\n  [{u['completion_tokens']} tokens, {u['cached_tokens']} of {u['prompt_tokens']} prompt "
+                print(f"  [{u['completion_tokens']} tokens, {u['cached_tokens']} of {u['prompt_tokens']} prompt "
                       f"tokens cached, first token {u['ttft_ms']:.1f} ms]", file=sys.stderr)
     return 0
 
@@ -201,6 +169,7 @@ def _lines(stdin: TextIO) -> TextIO:
     return stdin
 
 
+@entry_point("inferctl")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

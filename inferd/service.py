@@ -47,6 +47,15 @@ def checked_request_id(given: str | None) -> str:
     return given
 
 
+class AttachRefused(RuntimeError):
+    """memd refused this worker in a way no retry changes (its block size does not fit memd's pages)."""
+
+
+# memd's answers to Attach that say the request itself is wrong: retrying it every 5 s forever would hide the
+# mistake from systemd. Anything else (memd down, restarting, its token being rewritten) passes.
+PERMANENT_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT}
+
+
 class MemdLink:
     def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
                  max_batch_tokens: int = 512, dtype: str | None = None, audit_kv: bool = False,
@@ -77,6 +86,8 @@ class MemdLink:
                                                  bytes_per_token=self.config.bytes_per_token,
                                                  name=f"inferd:{os.getpid()}")
             except (MemdError, OSError, RuntimeError) as err:
+                if isinstance(err, MemdError) and err.code in PERMANENT_REFUSALS:
+                    raise AttachRefused(f"memd refused this worker: {err.message}") from None
                 log.warning("memd unavailable; retrying", error=str(err), retry_in_s=backoff)
                 if self._carried and asyncio.get_running_loop().time() - self._carried_at > CARRY_S:
                     self._fail_carried()

@@ -137,4 +137,8 @@ def make_tiny_model(out: Path, *, arch: str = "llama", seed: int = 0, hidden: in
                                         ("v", kv_heads * head_dim))}
     torch_dtype = getattr(torch, dtype)
     save_file({k: v.to(torch_dtype).contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    # Readable by whoever serves it, like any checkpoint (the service user is not the one who made it):
+    # safetensors writes its file 0600.
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"):
+        (out / name).chmod(0o644)
     return out

@@ -23,6 +23,7 @@ from kvroute.metrics import RouteMetrics
 from kvroute.proxy import Router
 from kvroute.workers import Workers
 from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
+from shared.command_line import Parser, entry_point
 from shared.flag_types import number
 from shared.http_listener import EmbeddedServer, HttpListenError, address_of, bind_http
 from shared.logs import configure
@@ -40,8 +41,8 @@ def worker_url(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvroute", description="kvpool's router: OpenAI requests to the worker that "
-                                                            "holds their KV.")
+    p = Parser(prog="kvroute", description="kvpool's router: OpenAI requests to the worker that holds their KV.",
+               version=True)
     p.add_argument("--http", required=True, metavar="HOST:PORT", help="where to serve the OpenAI-compatible API")
     p.add_argument("--worker", type=worker_url, action="append", required=True, metavar="URL",
                    help="an inferd HTTP endpoint (inferd serve --http), e.g. http://10.0.0.5:8000; once per worker")
@@ -127,6 +128,7 @@ async def serve(args: argparse.Namespace) -> None:
         await directory.drain()
 
 
+@entry_point("kvroute")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(args.log_level, args.log_format)

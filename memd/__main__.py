@@ -10,11 +10,8 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import math
 import os
 import signal
-import socket
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,14 +46,17 @@ from memd.swap import SwapMemory, allocate_swap
 from memd.wiring import Parts, Policy, new_manager, wire
 from shared import address as addr
 from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
+from shared.command_line import Ignored, Parser, entry_point
 from shared.config import Layers, add_config_flags
 from shared.decoding import RequestDecoder
+from shared.flag_types import byte_size, count, number, port, seconds, seconds_or_zero
 from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_shape
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
+from shared.unix_socket import SocketPathError, claim
 
 log = structlog.get_logger("memd")
 MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
@@ -67,69 +67,28 @@ class StartupError(RuntimeError):
     """memd cannot start as configured; the message says why in one line."""
 
 
-def size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number: {text}")
-    return value
-
-
-def positive(text: str) -> float:
-    value = finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1: {text}")
-    return value
-
-
-def decay(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1: {text}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memd", description="kvpool's KV block pool daemon.")
+    p = Parser(prog="memd", description="kvpool's KV block pool daemon.", version=True)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    p.add_argument("--pool-bytes", type=size_arg, default=parse_size("256MiB"),
+    p.add_argument("--pool-bytes", type=byte_size(), default=parse_size("256MiB"),
                    help="memory for KV pages, e.g. 64MiB, 20GiB (default: 256MiB)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--block-bytes", type=size_arg, help="bytes of one page (default: 64KiB)")
+    size.add_argument("--block-bytes", type=byte_size(), help="bytes of one page (default: 64KiB)")
     size.add_argument("--model", type=Path, help="Hugging Face model dir: derive the page from its config.json")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --model (default: 16)")
+    p.add_argument("--block-size", type=count(), default=16, help="tokens per block with --model (default: 16)")
     p.add_argument("--dtype", help="KV dtype with --model (default: the config's torch_dtype)")
     p.add_argument("--listen", help=f"unix:PATH or HOST:PORT (default: {addr.default_address()})")
-    p.add_argument("--lease-timeout", type=positive, default=10.0,
+    p.add_argument("--lease-timeout", type=seconds, default=10.0,
                    help="seconds without heartbeats before a worker is reclaimed (default: 10)")
-    p.add_argument("--heat-decay", type=decay, default=0.9, help="heat factor per interval, in (0, 1] (default: 0.9)")
-    p.add_argument("--heat-interval", type=positive, default=10.0, help="seconds per heat decay (default: 10)")
-    p.add_argument("--swap-ratio", type=non_negative, default=0.3,
+    p.add_argument("--heat-decay", type=number(above=0, at_most=1), default=0.9,
+                   help="heat factor per interval, in (0, 1] (default: 0.9)")
+    p.add_argument("--heat-interval", type=seconds, default=10.0, help="seconds per heat decay (default: 10)")
+    p.add_argument("--swap-ratio", type=number(at_least=0), default=0.3,
                    help="host swap tier as a fraction of the pool, allocated and locked at start-up (default: 0.3)")
     p.add_argument("--disable-swap", action="store_true", help="no swap tier: evicted sequences are dropped")
-    p.add_argument("--idle-ttl", type=non_negative, default=300.0,
+    p.add_argument("--idle-ttl", type=seconds_or_zero, default=300.0,
                    help="drop parked and swapped sequences idle this many seconds; 0 = never (default: 300)")
-    p.add_argument("--free-watermark", type=fraction, default=0.02,
+    p.add_argument("--free-watermark", type=number(at_least=0, below=1), default=0.02,
                    help="keep this fraction of blocks free by evicting cold parked sequences (default: 0.02)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="never share blocks between sequences by content: every new sequence computes its whole "
@@ -145,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "socket, none on TCP)")
     p.add_argument("--journal-fsync", default="never", choices=["never", "always"],
                    help="fsync the journal after every change: only worth it on a disk, not on tmpfs (default: never)")
-    p.add_argument("--scrub-interval", type=non_negative, default=0.0,
+    p.add_argument("--scrub-interval", type=seconds_or_zero, default=0.0,
                    help="check every parked, cached and swapped page against its checksum this often, in "
                         "seconds, as memctl scrub does; 0 = only when asked (default: 0)")
-    p.add_argument("--scrub-rate", type=positive, default=200.0,
+    p.add_argument("--scrub-rate", type=number(above=0), default=200.0,
                    help="MB/s a periodic scrub hashes at most (default: 200)")
     cluster = p.add_argument_group("cluster tier (Mooncake Store; needs kvpool[cluster])")
     cluster.add_argument("--cluster-master", metavar="HOST:PORT",
@@ -159,17 +118,30 @@ def build_parser() -> argparse.ArgumentParser:
                               "--cluster-master)")
     cluster.add_argument("--cluster-host", default="",
                          help="this host's name or address for the store's transfer engine (default: the host name)")
-    cluster.add_argument("--cluster-segment", type=size_arg, default=parse_size("256MiB"),
+    cluster.add_argument("--cluster-segment", type=byte_size(), default=parse_size("256MiB"),
                          help="memory this memd contributes to the store (default: 256MiB)")
-    cluster.add_argument("--cluster-replicas", type=int, default=2,
+    cluster.add_argument("--cluster-replicas", type=count(), default=2,
                          help="copies of each object, on different hosts' segments (default: 2)")
-    p.add_argument("--metrics-port", type=int, default=0,
+    p.add_argument("--metrics-port", type=port, default=0,
                    help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     add_config_flags(p, "MEMD")
     return p
+
+
+# Settings that do nothing in some company: memd says so at start rather than leave the operator guessing.
+IGNORED = (
+    Ignored("block_size", "it sizes the page from --model (with --block-bytes each worker says its own)",
+            without="model"),
+    Ignored("dtype", "it sizes the page from --model", without="model"),
+    Ignored("swap_ratio", "--disable-swap leaves no swap tier", alongside="disable_swap"),
+    Ignored("scrub_rate", "it paces the periodic scrub, which --scrub-interval turns on", without="scrub_interval"),
+    Ignored("metrics_host", "metrics are off without --metrics-port", without="metrics_port"),
+    *(Ignored(flag, "the cluster tier is off without --cluster-master", without="cluster_master")
+      for flag in ("cluster_metadata", "cluster_host", "cluster_segment", "cluster_replicas")),
+)
 
 
 def plan(args: argparse.Namespace) -> PoolGeometry:
@@ -180,26 +152,16 @@ def plan(args: argparse.Namespace) -> PoolGeometry:
 
 
 def prepare_socket(target: str) -> Path | None:
-    """Make the socket's directory; refuse if another memd answers there, clear a stale file."""
+    """The Unix socket to listen on, free to bind (shared/unix_socket.py); None for TCP."""
     path = addr.unix_path(target)
     if path is None:
         return None
     if len(os.fsencode(f"{path}.fd")) >= MAX_UNIX_PATH:
         raise StartupError(f"socket path {path} is too long for a Unix socket (with .fd, under {MAX_UNIX_PATH} bytes)")
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if path.exists() or path.is_symlink():
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                try:
-                    probe.connect(str(path))
-                except OSError:
-                    path.unlink()        # left by a memd that died
-                else:
-                    raise StartupError(f"another memd is already listening on {path}")
-    except PermissionError as exc:
-        raise StartupError(f"cannot use {path}: {exc.strerror}") from None
+        claim(path, "memd")
+    except SocketPathError as exc:
+        raise StartupError(str(exc)) from None
     return path
 
 
@@ -375,8 +337,6 @@ async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Part
     """--cluster-master: join the Mooncake store; parked sessions are published to it from now on."""
     if not args.cluster_metadata:
         raise StartupError("--cluster-master needs --cluster-metadata (the store's HTTP metadata server URL)")
-    if args.cluster_replicas < 1:
-        raise StartupError(f"--cluster-replicas must be at least 1, not {args.cluster_replicas}")
     if not isinstance(memory, ShmMemory):
         raise StartupError("the cluster tier serves CPU (shared-memory) pools for now; use --device cpu")
     config = ClusterConfig(args.cluster_master, args.cluster_metadata, args.cluster_host, args.cluster_segment,
@@ -466,7 +426,7 @@ async def start_fd_server(memory: PoolMemory, sock_path: Path | None,
     if memory.backend != "shm":
         return None
     fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
-    fd_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd_path.parent.mkdir(mode=0o700, exist_ok=True)      # beside the socket, or kvpool's runtime directory
     fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
     await fd_server.start()
     stack.push_async_callback(fd_server.close)
@@ -525,11 +485,12 @@ def _unlink(path: Path) -> None:
         path.unlink()
 
 
+@entry_point("memd")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     layers = Layers(parser, "MEMD")
     args = parser.parse_args(argv)
-    if (done := layers.settle(args, "memd")) is not None:
+    if (done := layers.settle(args, "memd", IGNORED)) is not None:
         return done
     configure(args.log_level, args.log_format)
     try:

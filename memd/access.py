@@ -65,7 +65,8 @@ def _token(path: Path, mode: int, keep: bool) -> str:
             if stat.S_IMODE(info.st_mode) & ~mode:
                 raise AccessError(f"{path} is open to more users than it should be: chmod {mode:o} {path}")
             return read_token(path)
-        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if not path.parent.is_dir():         # made by no one but the operator: a typo must not become a directory
+            raise AccessError(f"cannot write the token file {path}: the directory {path.parent} does not exist")
         folder = path.parent.lstat()
         if folder.st_uid not in (os.getuid(), 0) or folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise AccessError(f"{path.parent} must belong to memd's user and be writable by it alone")

@@ -43,9 +43,14 @@ class PositionError(InvalidArgument):
 
 
 class OpError(KvError):
-    """An error of one operation of a Step; says which, so a worker can retry without it."""
+    """An error of one operation of a Step; says which, so a worker can retry without it.
+
+    The index travels beside the message (gRPC trailing metadata), not in it:
+    the message reaches operators and clients ("free: no session 'x'"), who
+    never saw the Step it was part of.
+    """
 
     def __init__(self, index: int, what: str, cause: KvError) -> None:
-        super().__init__(f"op {index} ({what}): {cause}")
+        super().__init__(f"{what}: {cause}")
         self.index, self.cause = index, cause
         self.code = cause.code

@@ -6,6 +6,7 @@ Exit codes (also in `memctl --help`):
      corrupted pages, drain timed out with sequences still running, memd refused
   2  memd cannot be reached, a file cannot be read, or the command line is wrong
   130 interrupted
+  141 the reader of its output went away (memctl snapshot | head); nothing is said
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import shtab
 from memd import snapshots, views
 from shared import address as addr
 from shared.client import MemdAdmin, MemdError
+from shared.command_line import Parser, entry_point
+from shared.flag_types import UINT64_MAX, count, number, proto_id, seconds, seconds_or_zero, timeout, wait
 from shared.tokens import TokenError
 
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -27,39 +30,20 @@ EXIT_CODES = """exit codes:
   0    done
   1    bad news or refused: check found violations, scrub corrupted pages, a drain timed out, memd refused
   2    memd unreachable, a file unreadable, or a wrong command line
-  130  interrupted"""
+  130  interrupted
+  141  the reader of the output went away (memctl snapshot | head)"""
 
 
-def worker_id(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a worker id from 1 (memctl workers lists them): {text}")
-    return value
-
-
-def seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds from 0: {text}")
-    return value
-
-
-def mb_per_s(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of MB/s from 0 (0: no limit): {text}")
-    return value
+worker_id = proto_id("worker", "memctl workers")
+seq_id = proto_id("sequence", "memctl sequences")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memctl", description="Inspect and steer a running memd.", epilog=EXIT_CODES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="memctl", description="Inspect and steer a running memd.", epilog=EXIT_CODES,
+               formatter_class=argparse.RawDescriptionHelpFormatter, version=True)
     p.add_argument("--address", help="memd address (default: $MEMD_ADDRESS, else the per-user socket)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for memd (default: 10)")
-    as_json = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--timeout", type=timeout, default=10.0, help="seconds to wait for memd (default: 10)")
+    as_json = Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print one JSON document")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("stats", parents=[as_json], help="pool usage, sequences by state, workers, counters")
@@ -80,11 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                            description="A running sequence is revoked: its worker preempts it, then memd "
                                        "swaps or drops it and the worker recomputes or swaps it back in later.")
     target = evict.add_mutually_exclusive_group(required=True)
-    target.add_argument("--seq", type=int, help="sequence id")
+    target.add_argument("--seq", type=seq_id, metavar="ID", help="sequence id")
     target.add_argument("--session", help="session id")
-    target.add_argument("--idle", type=seconds, metavar="SECONDS",
+    target.add_argument("--idle", type=seconds_or_zero, metavar="SECONDS",
                         help="every parked or swapped sequence idle this long")
-    target.add_argument("--blocks", type=int, metavar="N", help="the coldest parked sequences until N blocks are free")
+    target.add_argument("--blocks", type=count(UINT64_MAX), metavar="N",
+                        help="the coldest parked sequences until N blocks are free")
     target.add_argument("--worker", type=worker_id, metavar="ID", help="every sequence running on this worker")
     mode = evict.add_mutually_exclusive_group()
     mode.add_argument("--swap", dest="mode", action="store_const", const="swap",
@@ -98,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "passes first.")
     drain.add_argument("--worker", type=worker_id, metavar="ID",
                        help="one worker (default: every worker, and new ones)")
-    drain.add_argument("--wait", type=seconds, default=300.0, metavar="SECONDS",
+    drain.add_argument("--wait", type=wait, metavar="SECONDS",
                        help="wait this long for running sequences to end (default: 300; 0: do not wait)")
     drain.add_argument("--undo", action="store_true", help="end the drain: admit requests again")
     sub.add_parser("check", parents=[as_json], help="verify the invariants; exit 1 listing violations")
@@ -109,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "is never reused: its sequences keep their tokens and recompute from "
                                        "before it. Exit 0 all intact, 1 corrupted pages found (each listed), "
                                        "2 memd unreachable.")
-    scrub.add_argument("--rate", type=mb_per_s, default=0.0, metavar="MB/s",
+    scrub.add_argument("--rate", type=number(at_least=0), default=0.0, metavar="MB/s",
                        help="hash at most this many MB per second (default: 0, as fast as one thread goes)")
     top = sub.add_parser("top", help="a live view: pool, swap, sequences, workers, hot and cold sequences, RPC rate")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
+    top.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes (default: 1)")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     completion = sub.add_parser("completion", help="print a shell completion script",
                                 description="bash: memctl completion bash > /etc/bash_completion.d/memctl\n"
@@ -193,8 +178,20 @@ def offline(args: argparse.Namespace) -> int | None:
     return None
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with what no flag's type can see: flags that mean nothing together."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "drain":
+        if args.undo and args.wait is not None:
+            parser.error("drain --wait means nothing with --undo: ending a drain returns at once")
+        args.wait = (0.0 if args.undo else 300.0) if args.wait is None else args.wait
+    return args
+
+
+@entry_point("memctl")
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         if (done := offline(args)) is not None:
             return done
@@ -209,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"memctl: {err.code.name.lower().replace('_', ' ')}: {err.message}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise                            # entry_point: the reader went away, nothing to say
     except OSError as err:
         print(f"memctl: {err}", file=sys.stderr)
         return 2

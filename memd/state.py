@@ -75,8 +75,12 @@ class StateDir:
 
     def lock(self) -> None:
         try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # The directory itself, never its parents: a typo in --state-dir must not become a directory tree.
+            self.path.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            raise StateError(f"cannot use the state directory {self.path}: its parent {self.path.parent} "
+                             "does not exist") from None
         except OSError as exc:
             raise StateError(f"cannot use the state directory {self.path}: {exc.strerror}") from None
         try:

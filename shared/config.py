@@ -14,9 +14,11 @@ import json
 import os
 import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from shared.command_line import Ignored, ignored
 
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "UNSET"})()
 NOT_SETTINGS = {"help", "config", "print_config", "command"}
@@ -79,8 +81,11 @@ class Layers:
                 self.sources[dest] = "default"
         return args
 
-    def settle(self, args: argparse.Namespace, program: str) -> int | None:
-        """What a daemon's main() does with its layers: an exit code when it should stop here, else None."""
+    def settle(self, args: argparse.Namespace, program: str, rules: Iterable[Ignored] = ()) -> int | None:
+        """What a daemon's main() does with its layers: an exit code when it should stop here, else None.
+
+        `rules`: settings that do nothing in some company; each one given there is warned about.
+        """
         try:
             self.resolve(args)
         except ConfigError as exc:
@@ -89,10 +94,16 @@ class Layers:
         for name in self.unknown_variables():
             print(f"{program}: warning: ${name} is not a setting of {program}; ignored "
                   f"(see {program} --print-config)", file=sys.stderr)
+        for warning in ignored(self.given(), rules):
+            print(f"{program}: warning: {warning}", file=sys.stderr)
         if args.print_config:
             sys.stdout.write(self.render(args))
             return 0
         return None
+
+    def given(self) -> set[str]:
+        """The settings some layer set (after resolve): the rest kept their defaults."""
+        return {dest for dest, source in self.sources.items() if source != "default"}
 
     def unknown_variables(self, environ: Mapping[str, str] | None = None) -> list[str]:
         """Prefixed variables that set nothing: a typo, or a leftover such as MEMD_ARGS from an old unit file."""
@@ -137,6 +148,8 @@ class Layers:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not valid TOML: not UTF-8 text") from None
         values = {}
         for key, value in table.items():
             dest = key.replace("-", "_")
@@ -160,7 +173,7 @@ class Layers:
         try:
             converted = action.type(str(value)) if callable(action.type) else value  # type: ignore[misc]
         except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
-            raise ConfigError(f"{where}: {exc or 'invalid value'} ({value!r})") from None
+            raise ConfigError(f"{where}: {exc or f'invalid value {value!r}'}") from None   # exc names the value
         if action.choices is not None and converted not in action.choices:
             raise ConfigError(f"{where}: {converted!r} is not one of {', '.join(map(str, action.choices))}")
         return converted

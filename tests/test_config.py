@@ -55,7 +55,7 @@ def test_a_flag_overrides_the_file_even_across_exclusive_choices(tmp_path):
     ('pool-bytes = "lots"\n', "pool-bytes: not a size"),
     ('device = "cpu"\nlog-level = "loud"\n', "'loud' is not one of debug, info, warning, error"),
     ("disable-swap = 3\n", "disable-swap: expected true or false"),
-    ("heat-decay = 1.5\n", "heat-decay: must be above 0 and at most 1"),
+    ("heat-decay = 1.5\n", "heat-decay: must be a number above 0 and at most 1: 1.5"),
     ("pool-bytes = [1, 2]\n", "expected a single value"),
     ("pool-bytes = \n", "is not valid TOML"),
 ])
@@ -74,7 +74,7 @@ def test_variables_that_set_nothing_are_pointed_out():
 
 
 def test_a_bad_environment_value_is_named():
-    with pytest.raises(ConfigError, match=r"\$MEMD_SWAP_RATIO: must not be negative"):
+    with pytest.raises(ConfigError, match=r"\$MEMD_SWAP_RATIO: must be a number at least 0: -1"):
         settle([], {"MEMD_SWAP_RATIO": "-1"})
 
 

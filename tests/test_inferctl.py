@@ -63,9 +63,8 @@ def test_bad_flag_is_one_argparse_error(command: str, flag: str, value: str, cap
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = err.strip().splitlines()
-    assert lines[0].startswith("usage:")
-    assert [line for line in lines if "error:" in line] == [lines[-1]]
-    assert lines[-1].startswith(f"inferctl {command}: error: argument {flag}: ")
+    assert len(lines) == 1                   # no usage block: the one line that matters, naming the flag
+    assert lines[0].startswith(f"inferctl {command}: error: argument {flag}: ")
 
 
 @pytest.mark.parametrize("argv", [

@@ -66,7 +66,7 @@ async def test_refused_step_gets_its_status_and_changes_nothing(memd, scene, cas
     with pytest.raises(MemdError) as err:
         await scene[who].step(*build(scene))
     assert err.value.code.name == code
-    assert err.value.op_index == 0 and err.value.message.startswith("op 0 (")
+    assert err.value.op_index == 0 and not err.value.message.startswith("op ")   # the index is metadata
     assert await fingerprint(memd) == before
     async with memd.admin() as admin:
         assert (await admin.check()).ok

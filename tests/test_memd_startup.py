@@ -129,7 +129,7 @@ async def test_a_swap_tier_larger_than_memory_or_a_bad_latency_setting_fails_at_
     rc, err = await run_memd("--device", "cpu", "--pool-bytes", "64MiB", "--swap-ratio", "100000", *listen)
     assert rc == 1 and err.startswith("memd: swap tier of ") and "--disable-swap" in err
     rc, err = await run_memd("--swap-ratio", "-1")
-    assert rc == 2 and "must not be negative" in err
+    assert rc == 2 and "must be a number at least 0: -1" in err
     rc, err = await run_memd("--free-watermark", "1.5")
     assert rc == 2 and "below 1" in err
     proc = await asyncio.create_subprocess_exec(
