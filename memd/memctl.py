@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--session", help="session id")
     target.add_argument("--idle", type=seconds, metavar="SECONDS",
                         help="every parked or swapped sequence idle this long")
-    target.add_argument("--blocks", type=int, metavar="N", help="the coldest parked sequences until N blocks are free")
+    target.add_argument("--blocks", type=int, metavar="N", help="the coldest parked sequences until at least N "
+                                                                 "blocks are free (none if N already are)")
     target.add_argument("--worker", type=worker_id, metavar="ID", help="every sequence running on this worker")
     mode = evict.add_mutually_exclusive_group()
     mode.add_argument("--swap", dest="mode", action="store_const", const="swap",
@@ -153,7 +154,7 @@ async def run(args: argparse.Namespace) -> int:
             reply = await admin.evict(seq_id=args.seq, session_id=args.session, idle_s=args.idle, blocks=args.blocks,
                                       worker_id=args.worker, mode=args.mode or "swap")
             data = views.evicted_dict(reply)
-            show(args, data, views.render_evicted(data))
+            show(args, data, views.render_evicted(data, args.blocks))
         elif args.command == "drain":
             data = views.drained_dict(await admin.drain(args.worker or 0, undo=args.undo, wait_s=args.wait),
                                       args.undo)

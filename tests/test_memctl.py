@@ -27,9 +27,9 @@ async def memctl(*args: str, env: dict[str, str] | None = None) -> tuple[int, st
     return proc.returncode, out.decode(), err.decode()
 
 
-async def park_a_session(memd, session: str = "chat", tokens: int = 40) -> int:
+async def park_a_session(memd, session: str = "chat", tokens: int = 40, first: int = 0) -> int:
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
-        opened, = await client.step(Open(list(range(tokens)), session_id=session))
+        opened, = await client.step(Open(list(range(first, first + tokens)), session_id=session))
         await client.step(Extend(opened.seq_id, commit_to=tokens), Park(opened.seq_id))
     return opened.seq_id
 
@@ -83,7 +83,7 @@ async def test_snapshot_json_to_a_file(memd, tmp_path):
 async def test_evict_drop_releases_the_pages_and_keeps_the_tokens(memd):
     seq_id = await park_a_session(memd)
     rc, out, _ = await memctl("--address", memd.address, "evict", "--session", "chat", "--drop")
-    assert rc == 0 and out.strip() == f"dropped {seq_id}: 3 block(s) freed"
+    assert rc == 0 and out.strip() == f"dropped {seq_id}: 3 block(s) freed, 64 now free"
     rc, out, _ = await memctl("--address", memd.address, "stats", "--json")
     stats = json.loads(out)
     assert stats["used_blocks"] == 0 and stats["sequences"]["dropped"] == 1
@@ -101,7 +101,7 @@ async def test_evict_drop_releases_the_pages_and_keeps_the_tokens(memd):
 async def test_evict_swaps_out_by_default_and_a_resume_swaps_back_in(memd):
     seq_id = await park_a_session(memd)
     rc, out, _ = await memctl("--address", memd.address, "evict", "--session", "chat")
-    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed"
+    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed, 64 now free"
     rc, out, _ = await memctl("--address", memd.address, "stats", "--json")
     stats = json.loads(out)
     assert stats["sequences"]["swapped"] == 1 and stats["swapped_blocks"] == 3
@@ -115,11 +115,26 @@ async def test_evict_swaps_out_by_default_and_a_resume_swaps_back_in(memd):
     stats = json.loads(out)
     assert stats["counters"]["swap_ins"] == 1 and stats["swap_free_blocks"] == 19
     rc, out, _ = await memctl("--address", memd.address, "evict", "--idle", "0")     # parked again at the close
-    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed"
+    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed, 64 now free"
     rc, out, _ = await memctl("--address", memd.address, "evict", "--idle", "0")
     assert rc == 0 and out.strip().startswith("evicted nothing")
     rc, _, _ = await memctl("--address", memd.address, "check")
     assert rc == 0
+
+
+async def test_evict_blocks_asks_for_room_and_leaves_a_pool_with_enough_free_alone(memd):
+    # 64 pages, 3 parked sessions of 3 pages each: 55 free. Asking for 50 free must not empty the cache.
+    parked = [await park_a_session(memd, f"chat-{i}", first=100 * i) for i in range(3)]
+    rc, out, err = await memctl("--address", memd.address, "evict", "--blocks", "50")
+    assert rc == 0, err
+    assert out.strip() == "evicted nothing: 55 blocks are free already (asked for 50)"
+    rc, out, _ = await memctl("--address", memd.address, "sequences", "--state", "parked", "--json")
+    assert sorted(s["seq_id"] for s in json.loads(out)) == sorted(parked)
+    rc, out, _ = await memctl("--address", memd.address, "evict", "--blocks", "57", "--json")
+    assert rc == 0 and json.loads(out)["blocks_freed"] == 3 and json.loads(out)["free_blocks"] == 58
+    rc, out, err = await memctl("--address", memd.address, "evict", "--blocks", "65")
+    assert rc == 1 and err.strip() == "memctl: invalid argument: evict --blocks takes 1 to 64, the blocks in the " \
+                                      "pool, not 65"
 
 
 async def test_evict_errors_are_one_line(memd):
@@ -241,7 +256,8 @@ def test_completion_scripts_know_the_commands():
 async def test_evict_and_check_answer_in_json_too(memd):
     seq_id = await park_a_session(memd)
     rc, out, _ = await memctl("--address", memd.address, "evict", "--seq", str(seq_id), "--drop", "--json")
-    assert rc == 0 and json.loads(out) == {"swapped": [], "dropped": [seq_id], "revoked": [], "blocks_freed": 3}
+    assert rc == 0 and json.loads(out) == {"swapped": [], "dropped": [seq_id], "revoked": [], "blocks_freed": 3,
+                                        "free_blocks": 64}
     rc, out, _ = await memctl("--address", memd.address, "check", "--json")
     assert rc == 0 and json.loads(out) == {"ok": True, "violations": []}
 
