@@ -22,7 +22,6 @@ from shared import address as addr
 from shared.client import MemdAdmin, MemdError
 from shared.tokens import TokenError
 
-UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 EXIT_CODES = """exit codes:
   0    done
   1    bad news or refused: check found violations, scrub corrupted pages, a drain timed out, memd refused
@@ -57,7 +56,8 @@ def mb_per_s(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memctl", description="Inspect and steer a running memd.", epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", help="memd address (default: $MEMD_ADDRESS, else the per-user socket)")
+    p.add_argument("--address", help="memd address (default: $MEMD_ADDRESS, else the per-user socket if it "
+                                     "exists, else memd.service's /run/memd/memd.sock)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for memd (default: 10)")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print one JSON document")
@@ -127,8 +127,8 @@ def show(args: argparse.Namespace, data: object, text: str) -> None:
     print(views.as_json(data) if getattr(args, "json", False) else text)
 
 
-async def run(args: argparse.Namespace) -> int:
-    async with MemdAdmin(args.address, timeout_s=args.timeout) as admin:
+async def run(args: argparse.Namespace, target: str) -> int:
+    async with MemdAdmin(target, timeout_s=args.timeout) as admin:
         if args.command == "stats":
             data = views.stats_dict(await admin.stats())
             show(args, data, views.render_stats(data))
@@ -196,17 +196,20 @@ def offline(args: argparse.Namespace) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    target = addr.connect_target(args.address)
     try:
         if (done := offline(args)) is not None:
             return done
-        return asyncio.run(run(args))
+        return asyncio.run(run(args, target))
     except (snapshots.SnapshotError, TokenError) as err:
         print(f"memctl: {err}", file=sys.stderr)
         return 2
     except MemdError as err:
-        if err.code in UNREACHABLE:
-            print(f"memctl: memd is not reachable at {addr.resolve(args.address)}: {err.message}",
-                  file=sys.stderr)
+        if err.code is grpc.StatusCode.UNAVAILABLE:
+            print(f"memctl: {addr.not_reachable('memd', target, err.message)}", file=sys.stderr)
+            return 2
+        if err.code is grpc.StatusCode.DEADLINE_EXCEEDED:      # connected but slow, or a TCP peer that never says
+            print(f"memctl: memd at {target} did not answer within {args.timeout:g} s (--timeout)", file=sys.stderr)
             return 2
         print(f"memctl: {err.code.name.lower().replace('_', ' ')}: {err.message}", file=sys.stderr)
         return 1

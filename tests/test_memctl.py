@@ -6,7 +6,6 @@ import asyncio
 import csv
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -14,17 +13,14 @@ import pytest
 
 from shared.client import MemdClient
 from shared.ops import Extend, Open, Park
+from tests.clis import run_cli, unit_host_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 16
 
 
-async def memctl(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "memd.memctl", *args, cwd=ROOT, env={**os.environ, **(env or {})},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await proc.communicate()
-    return proc.returncode, out.decode(), err.decode()
+async def memctl(*args: str, env: dict[str, str] | None = None, system_run: Path | None = None) -> tuple[int, str, str]:
+    return await run_cli("memd.memctl", *args, env=env, system_run=system_run)
 
 
 async def park_a_session(memd, session: str = "chat", tokens: int = 40, first: int = 0) -> int:
@@ -158,6 +154,30 @@ async def test_memctl_without_memd_says_so_in_one_line(tmp_path):
         assert rc == 2, command
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
         assert err.startswith(f"memctl: memd is not reachable at {address}")
+
+
+async def test_memctl_finds_the_memd_of_the_unit_when_the_per_user_socket_is_missing(memd_factory, tmp_path):
+    # `sudo memctl stats` on a systemd host: root's own socket does not exist, memd.service's does.
+    run = tmp_path / "run"
+    unit = f"unix:{run}/memd/memd.sock"
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB", "--listen", unit)
+    env = unit_host_env(tmp_path)
+    rc, out, err = await memctl("stats", "--json", env=env, system_run=run)
+    assert rc == 0, err
+    assert json.loads(out)["total_blocks"] == 64
+    rc, out, err = await memctl("evict", "--seq", "12345", env=env, system_run=run)     # memd refuses: it answered
+    assert rc == 1 and err.strip() == "memctl: not found: no sequence 12345"
+    rc, _, err = await memctl("--address", "unix:/nonexistent/memd.sock", "stats", env=env, system_run=run)
+    assert rc == 2 and "/nonexistent/memd.sock" in err                                   # a named address wins
+    await memd.kill()                                     # its socket file stays, nobody listens
+    rc, out, err = await memctl("stats", env=env, system_run=run)
+    assert rc == 2 and out == ""
+    assert err == (f"memctl: memd is not reachable at {unit} (connection refused): give --address or set "
+                   "MEMD_ADDRESS\n")
+    rc, out, err = await memctl("stats", env=env, system_run=tmp_path / "no-units")     # no unit either
+    assert rc == 2
+    assert err == (f"memctl: memd is not reachable at unix:{tmp_path}/user-runtime/kvpool/memd.sock (no such "
+                   "file or directory): give --address or set MEMD_ADDRESS\n")
 
 
 async def test_workers_and_sequences_list_what_memd_holds(memd):
