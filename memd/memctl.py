@@ -112,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "2 memd unreachable.")
     scrub.add_argument("--rate", type=mb_per_s, default=0.0, metavar="MB/s",
                        help="hash at most this many MB per second (default: 0, as fast as one thread goes)")
-    top = sub.add_parser("top", help="a live view: pool, swap, sequences, workers, hot and cold sequences, RPC rate")
+    top = sub.add_parser("top", help="a live view (q quits): pool, swap, sequences, workers, hot and cold sequences, "
+                                     "RPC rate")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
-    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--once", action="store_true", help="print one frame now (rates since memd started) and exit")
     completion = sub.add_parser("completion", help="print a shell completion script",
                                 description="bash: memctl completion bash > /etc/bash_completion.d/memctl\n"
                                             "zsh:  memctl completion zsh > \"${fpath[1]}/_memctl\"",

@@ -6,6 +6,7 @@ import asyncio
 import csv
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -251,16 +252,72 @@ async def test_diff_refuses_what_is_not_a_snapshot_in_one_line(memd, tmp_path):
     assert rc == 2 and err.strip() == f"memctl: cannot read {tmp_path / 'none'}: No such file or directory"
 
 
-async def test_top_once_shows_pool_workers_heat_and_rpc_rates(memd):
+async def test_top_once_prints_one_frame_at_once_that_reads_without_colour_and_fits_the_width(memd):
     await park_a_session(memd, "cold")
     async with await MemdClient.attach(memd.address, block_size=BS, name="inferd@top"):
-        rc, out, err = await memctl("--address", memd.address, "top", "--once", "--interval", "0.3",
-                                    env={"COLUMNS": "120"})
+        # A day's interval: --once must not wait for a second reading (the test would time out).
+        rc, out, err = await memctl("--address", memd.address, "top", "--once", "--interval", "86400",
+                                    env={"COLUMNS": "72"})
     assert rc == 0, err
-    assert "pool" in out and "64 blocks" in out.replace("/64 blocks", " 64 blocks")
-    assert "calls per second" in out and "Stats" in out and "Snapshot" in out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 72
+    pool = next(line for line in lines if line.startswith("pool "))
+    assert len(pool) == 72 and (pool.count("█"), pool.count("░")) == (3, 57)     # 3 of 64 used, on 60 columns
+    assert "3 used, 61 free (0 cached) of 64 blocks" in out and "0 used, 19 free of 19 slots" in out
+    assert "calls per second (since memd started)" in out and "Stats" in out
     assert "inferd@top" in out
     assert "coldest parked" in out and "cold" in out
+    rc, out, _ = await memctl("--address", memd.address, "top", "--once", env={"COLUMNS": "40"})
+    assert rc == 0 and max(map(len, out.splitlines())) <= 40
+
+
+async def test_top_in_a_terminal_redraws_the_whole_frame_on_a_resize_and_quits_on_q(memd):
+    import fcntl
+    import pty
+    import re
+    import signal
+    import struct
+    import termios
+
+    def set_size(fd: int, columns: int) -> None:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+
+    master, terminal = pty.openpty()
+    set_size(terminal, 100)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {"TERM": "xterm-256color"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "memd.memctl", "--address", memd.address, "top", "--interval", "86400", cwd=ROOT,
+        env=env, stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True)
+    loop = asyncio.get_running_loop()
+
+    async def next_frame() -> list[str]:
+        """The lines of the next frame drawn, escape sequences taken out."""
+        seen = b""
+        while b"coldest parked" not in seen:        # the last section: the lines above it are all there
+            seen += await asyncio.wait_for(loop.run_in_executor(None, os.read, master, 1 << 16), 30)
+        drawn = seen[seen.rindex(b"\x1b[H"):]           # each frame is drawn from the top left corner
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn.decode(errors="replace"))
+        return text.split("\r\n")
+    try:
+        first = await next_frame()
+        assert any(line.startswith("pool ") and len(line) == 100 for line in first)
+        attrs = termios.tcgetattr(terminal)
+        assert not attrs[3] & (termios.ICANON | termios.ECHO)          # cbreak: keys come one by one, unechoed
+        set_size(terminal, 60)
+        proc.send_signal(signal.SIGWINCH)
+        resized = await next_frame()            # at once, though the next reading is a day away
+        assert any(line.startswith("pool ") and len(line) == 60 for line in resized)
+        assert max(len(line.rstrip()) for line in resized) <= 60
+        os.write(master, b"q")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        attrs = termios.tcgetattr(terminal)
+        assert attrs[3] & termios.ICANON and attrs[3] & termios.ECHO       # the terminal given back as it was
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        os.close(master)
+        os.close(terminal)
 
 
 @pytest.mark.processes
