@@ -19,6 +19,7 @@ ENV = {"memd": "MEMD_ADDRESS", "inferd": "INFERD_ADDRESS"}
 # systemd's RuntimeDirectory= root: memd.service serves on SYSTEM_RUN/memd/memd.sock, inferd@NAME on
 # SYSTEM_RUN/inferd/NAME/inferd.sock. A module constant so that tests can stand a folder in for /run.
 SYSTEM_RUN = Path("/run")
+UNIT_RUNNING = {"memd": "memd.service", "inferd": "exactly one inferd@NAME"}
 # Trailing metadata on a status a kvpool daemon sends itself. gRPC also says UNAVAILABLE when no server
 # answered at all, the code a draining or detached inferd refuses with: this key tells the two apart.
 ANSWERED_KEY = "kvpool-answered"
@@ -86,6 +87,8 @@ def not_reachable(service: str, target: str, details: str) -> str:
     """One sentence for an operator: where the client looked, gRPC's reason in its last words, the way out."""
     reason = details.rsplit(": ", 1)[-1].rstrip("]").strip()
     reason = reason[:1].lower() + reason[1:]
+    if target == default_address(service) and unit_socket(service) is None:
+        reason += f"; nor does {UNIT_RUNNING[service]} run"       # the unit's socket was tried too
     return f"{service} is not reachable at {target} ({reason}): give --address or set {ENV[service]}"
 
 

@@ -178,7 +178,7 @@ async def test_memctl_finds_the_memd_of_the_unit_when_the_per_user_socket_is_mis
     rc, out, err = await memctl("stats", env=env, system_run=tmp_path / "no-units")     # no unit either
     assert rc == 2
     assert err == (f"memctl: memd is not reachable at unix:{tmp_path}/user-runtime/kvpool/memd.sock (no such "
-                   "file or directory): give --address or set MEMD_ADDRESS\n")
+                   "file or directory; nor does memd.service run): give --address or set MEMD_ADDRESS\n")
 
 
 async def test_workers_and_sequences_list_what_memd_holds(memd):
