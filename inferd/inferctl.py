@@ -82,7 +82,8 @@ def top_p(value: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="inferctl", description="Generate text with a running inferd.", version=True)
     p.add_argument("--address", type=address,
-                   help="inferd address (default: $INFERD_ADDRESS, else the per-user socket)")
+                   help="inferd address (default: $INFERD_ADDRESS, else the per-user socket if it exists, "
+                        "else the one inferd@NAME unit's /run/inferd/NAME/inferd.sock)")
     sub = p.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="one completion, streamed")
     gen.add_argument("prompt", type=utf8_text)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        target = address(addr.resolve(args.address, "inferd"))
+        target = address(addr.connect_target(args.address, "inferd"))
     except BadInput as err:    # only $INFERD_ADDRESS gets here: --address was checked by its type
         parser.error(f"${addr.ENV['inferd']}: {err}")
     try:
@@ -183,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inferctl: {err}", file=sys.stderr)
         return 1
     except grpc.aio.AioRpcError as err:
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
-            print(f"inferctl: inferd is not reachable at {target}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNAVAILABLE and not addr.answered(err):
+            print(f"inferctl: {addr.not_reachable('inferd', target, err.details())}", file=sys.stderr)
             return 2
         print(f"inferctl: {err.code().name.lower().replace('_', ' ')}: {err.details()}", file=sys.stderr)
         return 1

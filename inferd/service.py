@@ -27,6 +27,7 @@ from inferd.metrics import InferdMetrics
 from inferd.model import PagedDecoder
 from inferd.sampling import BadParams, SamplingParams
 from inferd.scheduler import GenerationError, Request, Scheduler
+from shared import address as addr
 from shared.client import MemdClient, MemdError
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
@@ -36,6 +37,12 @@ log = structlog.get_logger("inferd")
 DEFAULT_MAX_TOKENS = 64
 CARRY_S = 30.0      # how long requests that had not started wait for memd to come back
 REQUEST_ID_KEY = "x-request-id"
+
+
+async def _refuse(context: grpc.aio.ServicerContext, err: GenerationError) -> None:
+    """Fail the call with the error's status, marked as inferd's own: a draining or detached worker answers
+    UNAVAILABLE, and its client must not report it as one nobody could reach."""
+    await context.abort(getattr(grpc.StatusCode, err.code), err.message, trailing_metadata=addr.ANSWERED)
 
 
 def checked_request_id(given: str | None) -> str:
@@ -198,7 +205,7 @@ class InferdService(pb_grpc.InferdServicer):
         except BadParams as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except GenerationError as err:
-            await context.abort(getattr(grpc.StatusCode, err.code), err.message)
+            await _refuse(context, err)
         remaining = request.params.n
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
@@ -211,7 +218,7 @@ class InferdService(pb_grpc.InferdServicer):
                     remaining = 0
                     log.info("request failed", request=request_id, session=request.session_id, seq=request.seq_id,
                              code=event.error.code, error=event.error.message)
-                    await context.abort(getattr(grpc.StatusCode, event.error.code), event.error.message)
+                    await _refuse(context, event.error)
                 if event.finish_reason is not None:
                     remaining -= 1
                     log.info("request finished", request=request_id, session=request.session_id, seq=request.seq_id,
@@ -236,5 +243,5 @@ class InferdService(pb_grpc.InferdServicer):
         try:
             await self._scheduler().reset(msg.session_id)
         except GenerationError as err:
-            await context.abort(getattr(grpc.StatusCode, err.code), err.message)
+            await _refuse(context, err)
         return pb.ResetReply()

@@ -262,7 +262,7 @@ def check_room(state: StateDir, needed: int) -> None:
     if needed - have > free - (16 << 20):      # and room for the journal
         raise StartupError(f"the state directory {state.path} has {format_size(free)} free; the pool and swap tier "
                            f"need {format_size(needed)}: give its file system room (tmpfs size=), point --state-dir "
-                           "at /dev/shm, or use --state-dir none")
+                           "at a directory of memd's own on /dev/shm, or use --state-dir none")
 
 
 async def run_pool(startup: Startup) -> None:

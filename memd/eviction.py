@@ -212,13 +212,13 @@ class Evictor:
         return Evicted(dropped=[seq.seq_id], blocks_freed=freed)
 
     def make_room(self, blocks: int, *, reason: EvictionReason, mode: str = "swap",
-                  exclude: frozenset[int] = frozenset(), count_in_flight: bool = True,
+                  exclude: frozenset[int] = frozenset(),
                   plan: list[tuple[Sequence, int, bool]] | None = None) -> Evicted:
         """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free.
 
         `plan`: one the caller already made (`plan`, with the same `exclude`), not made again.
         """
-        target = blocks - (self.freeing_soon() if count_in_flight else 0)
+        target = blocks - self.freeing_soon()
         done = Evicted()
         for seq, gain, worth in plan if plan is not None else self.plan(time.monotonic(), exclude):
             if target <= 0:
@@ -260,9 +260,12 @@ class Evictor:
             raise InvalidArgument(f"eviction mode {mode!r}: use swap or drop")
         m, done = self.m, Evicted()
         if blocks is not None:
-            if blocks <= 0:
-                raise InvalidArgument("evict --blocks needs a positive number")
-            return self.make_room(blocks, reason=EvictionReason.FORCED, mode=mode, count_in_flight=False)
+            if not 0 < blocks <= m.pool.num_blocks:
+                raise InvalidArgument(f"evict --blocks takes 1 to {m.pool.num_blocks}, the blocks in the pool, "
+                                      f"not {blocks}")
+            # Until `blocks` are free, not `blocks` more: an operator asking for room for one long prompt
+            # must not swap out every parked session of a nearly empty pool.
+            return self.make_room(blocks - m.pool.num_free, reason=EvictionReason.FORCED, mode=mode)
         if worker_id is not None:
             if worker_id not in m.workers:
                 raise NotFound(f"no worker {worker_id}")

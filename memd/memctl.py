@@ -25,7 +25,6 @@ from shared.command_line import Parser, entry_point
 from shared.flag_types import UINT64_MAX, count, number, proto_id, seconds, seconds_or_zero, timeout, wait
 from shared.tokens import TokenError
 
-UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 EXIT_CODES = """exit codes:
   0    done
   1    bad news or refused: check found violations, scrub corrupted pages, a drain timed out, memd refused
@@ -41,7 +40,8 @@ seq_id = proto_id("sequence", "memctl sequences")
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="memctl", description="Inspect and steer a running memd.", epilog=EXIT_CODES,
                formatter_class=argparse.RawDescriptionHelpFormatter, version=True)
-    p.add_argument("--address", help="memd address (default: $MEMD_ADDRESS, else the per-user socket)")
+    p.add_argument("--address", help="memd address (default: $MEMD_ADDRESS, else the per-user socket if it "
+                                     "exists, else memd.service's /run/memd/memd.sock)")
     p.add_argument("--timeout", type=timeout, default=10.0, help="seconds to wait for memd (default: 10)")
     as_json = Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print one JSON document")
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--idle", type=seconds_or_zero, metavar="SECONDS",
                         help="every parked or swapped sequence idle this long")
     target.add_argument("--blocks", type=count(UINT64_MAX), metavar="N",
-                        help="the coldest parked sequences until N blocks are free")
+                        help="the coldest parked sequences until at least N blocks are free (none if N already are)")
     target.add_argument("--worker", type=worker_id, metavar="ID", help="every sequence running on this worker")
     mode = evict.add_mutually_exclusive_group()
     mode.add_argument("--swap", dest="mode", action="store_const", const="swap",
@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "2 memd unreachable.")
     scrub.add_argument("--rate", type=number(at_least=0), default=0.0, metavar="MB/s",
                        help="hash at most this many MB per second (default: 0, as fast as one thread goes)")
-    top = sub.add_parser("top", help="a live view: pool, swap, sequences, workers, hot and cold sequences, RPC rate")
+    top = sub.add_parser("top", help="a live view (q quits): pool, swap, sequences, workers, hot and cold sequences, "
+                                     "RPC rate")
     top.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes (default: 1)")
-    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--once", action="store_true", help="print one frame now (rates since memd started) and exit")
     completion = sub.add_parser("completion", help="print a shell completion script",
                                 description="bash: memctl completion bash > /etc/bash_completion.d/memctl\n"
                                             "zsh:  memctl completion zsh > \"${fpath[1]}/_memctl\"",
@@ -111,8 +112,8 @@ def show(args: argparse.Namespace, data: object, text: str) -> None:
     print(views.as_json(data) if getattr(args, "json", False) else text)
 
 
-async def run(args: argparse.Namespace) -> int:
-    async with MemdAdmin(args.address, timeout_s=args.timeout) as admin:
+async def run(args: argparse.Namespace, target: str) -> int:
+    async with MemdAdmin(target, timeout_s=args.timeout) as admin:
         if args.command == "stats":
             data = views.stats_dict(await admin.stats())
             show(args, data, views.render_stats(data))
@@ -138,7 +139,7 @@ async def run(args: argparse.Namespace) -> int:
             reply = await admin.evict(seq_id=args.seq, session_id=args.session, idle_s=args.idle, blocks=args.blocks,
                                       worker_id=args.worker, mode=args.mode or "swap")
             data = views.evicted_dict(reply)
-            show(args, data, views.render_evicted(data))
+            show(args, data, views.render_evicted(data, args.blocks))
         elif args.command == "drain":
             data = views.drained_dict(await admin.drain(args.worker or 0, undo=args.undo, wait_s=args.wait),
                                       args.undo)
@@ -192,17 +193,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 @entry_point("memctl")
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    target = addr.connect_target(args.address)
     try:
         if (done := offline(args)) is not None:
             return done
-        return asyncio.run(run(args))
+        return asyncio.run(run(args, target))
     except (snapshots.SnapshotError, TokenError) as err:
         print(f"memctl: {err}", file=sys.stderr)
         return 2
     except MemdError as err:
-        if err.code in UNREACHABLE:
-            print(f"memctl: memd is not reachable at {addr.resolve(args.address)}: {err.message}",
-                  file=sys.stderr)
+        if err.code is grpc.StatusCode.UNAVAILABLE:
+            print(f"memctl: {addr.not_reachable('memd', target, err.message)}", file=sys.stderr)
+            return 2
+        if err.code is grpc.StatusCode.DEADLINE_EXCEEDED:      # connected but slow, or a TCP peer that never says
+            print(f"memctl: memd at {target} did not answer within {args.timeout:g} s (--timeout)", file=sys.stderr)
             return 2
         print(f"memctl: {err.code.name.lower().replace('_', ' ')}: {err.message}", file=sys.stderr)
         return 1

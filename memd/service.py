@@ -218,7 +218,7 @@ class MemdService(pb_grpc.MemdServicer):
         log.info("evicted", reason="forced", target=target, swapped=swapped, dropped=evicted.dropped,
                  revoked=revoked, blocks_freed=freed)
         return pb.EvictReply(seq_ids=swapped + evicted.dropped + revoked, blocks_freed=freed, swapped=swapped,
-                             dropped=evicted.dropped, revoked=revoked)
+                             dropped=evicted.dropped, revoked=revoked, free_blocks=m.pool.num_free)
 
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckReply:
         violations = self.manager.violations()

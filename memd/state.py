@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,7 @@ class StateDir:
         try:
             # The directory itself, never its parents: a typo in --state-dir must not become a directory tree.
             self.path.mkdir(mode=0o700, exist_ok=True)
+            self._check_private()
             fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
             raise StateError(f"cannot use the state directory {self.path}: its parent {self.path.parent} "
@@ -93,6 +95,19 @@ class StateDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+
+    def _check_private(self) -> None:
+        """Refuse a directory someone else could have made: in a shared place such as /dev/shm another user may
+        take the name first, and whoever can write there can read and replace the pool's pages."""
+        st = os.lstat(self.path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise StateError(f"the state directory {self.path} is not a directory (a symbolic link?)")
+        if st.st_uid != os.geteuid():
+            raise StateError(f"the state directory {self.path} belongs to uid {st.st_uid}, not to memd's user "
+                             f"(uid {os.geteuid()}): remove it, or give memd another --state-dir")
+        if st.st_mode & 0o022:
+            raise StateError(f"the state directory {self.path} may be written by others (mode "
+                             f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it, or give memd another --state-dir")
 
     def forget(self) -> None:
         """Remove the directory this memd made and never served from (a start that failed)."""

@@ -1,17 +1,31 @@
-"""memctl top: a live view of one memd, redrawn every interval.
+"""memctl top: a live view of one memd, redrawn every interval; `q` quits.
 
 Rates (RPCs and Steps per second) are differences of memd's counters between
-two readings, so the first frame comes one interval after start.
+two readings. The first frame, and the only one of `--once`, comes at once
+with averages since memd started: there is nothing earlier to subtract.
+
+The view holds the whole terminal (the alternate screen, as top does) and is
+drawn whole at its current size on every refresh and at once on a resize, so
+a smaller window never keeps pieces of a wider frame. Bars say used and free
+with different characters and in numbers, so they read right without colour.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import os
+import signal
+import sys
+import termios
+import tty
+from collections.abc import Iterator
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
-from rich.progress_bar import ProgressBar
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -20,11 +34,15 @@ from shared.client import MemdAdmin
 from shared.sizes import format_size
 
 HOT_ROWS = 5
+USED, FREE = "█", "░"
+QUIT_KEYS = {"q", "Q"}
+# A reading of memd at its start: every counter zero. Rates against it are averages since then.
+START = {"stats": {"rpcs": {}, "counters": {}}, "uptime": 0.0}
 
 
 async def reading(admin: MemdAdmin) -> dict[str, Any]:
-    stats = stats_dict(await admin.stats())
     snap = await admin.snapshot(blocks=False)
+    stats = stats_dict(await admin.stats())
     return {"stats": stats, "uptime": stats["uptime_s"], "workers": workers_list(snap),
             "sequences": sequences_list(snap)}
 
@@ -39,25 +57,46 @@ def rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def bar(label: str, used: int, total: int, detail: str) -> Table:
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(width=6)
-    grid.add_column(width=40)
-    grid.add_column()
-    share = used / total if total else 0.0
-    grid.add_row(label, ProgressBar(total=max(total, 1), completed=used, width=40),
-                 f"{100 * share:5.1f}%  {detail}")
+class Bar:
+    """`used` of `total` as USED characters then FREE ones, as wide as the space it is given."""
+
+    def __init__(self, used: int, total: int) -> None:
+        self.used, self.total = used, total
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(10, options.max_width)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        # The nearest, but never an empty bar for a pool with something in it, nor a full one with room left.
+        filled = (2 * width * self.used + self.total) // (2 * self.total) if self.total else 0
+        if self.used and not filled:
+            filled = 1
+        elif filled == width and self.used < self.total:
+            filled = width - 1
+        yield Text.assemble((USED * filled, "magenta"), (FREE * (width - filled), "green"))
+
+
+def bar(label: str, used: int, total: int, unit: str, extra: str = "") -> Table:
+    """A bar as wide as the terminal allows, its share used beside it, and the counts on the line below."""
+    grid = Table.grid(padding=(0, 1), expand=True)
+    grid.add_column(width=4, no_wrap=True)
+    grid.add_column(ratio=1)
+    grid.add_column(width=6, justify="right", no_wrap=True)
+    share = math.floor(1000 * used / total) / 10 if total else 0.0     # never 100% while a block is free
+    grid.add_row(label, Bar(used, total), "<0.1%" if used and not share else f"{share:.1f}%")
+    grid.add_row("", Text(f"{used} used, {total - used} free{extra} of {total} {unit}"), "")
     return grid
 
 
-def frame(now: dict[str, Any], per_s: dict[str, float], address: str) -> Group:
+def frame(now: dict[str, Any], per_s: dict[str, float], address: str, period: str) -> Group:
     s = now["stats"]
     header = Text(f"memd at {address}: {format_size(s['pool_bytes'])} on {s['device']}, up {s['uptime_s']:.0f} s"
                   + ("  [draining]" if s["draining"] else ""), style="bold")
-    pool = bar("pool", s["used_blocks"], s["total_blocks"],
-               f"{s['used_blocks']}/{s['total_blocks']} blocks, {s['cached_blocks']} cached")
-    swap = bar("swap", s["swap_total_blocks"] - s["swap_free_blocks"], s["swap_total_blocks"],
-               f"{s['swapped_blocks']}/{s['swap_total_blocks']} slots" if s["swap_total_blocks"] else "off")
+    legend = Text(f"{USED} used  {FREE} free        q quits", style="dim")
+    pool = bar("pool", s["used_blocks"], s["total_blocks"], "blocks", f" ({s['cached_blocks']} cached)")
+    swap = (bar("swap", s["swap_total_blocks"] - s["swap_free_blocks"], s["swap_total_blocks"], "slots")
+            if s["swap_total_blocks"] else Text("swap off"))
     seqs = Text("sequences  " + "  ".join(f"{state} {n}" for state, n in s["sequences"].items()))
     c = s["counters"]
     pressure = Text(f"pressure   swap-outs {c['swap_outs']}  swap-ins {c['swap_ins']}  drops {c['drops']}  "
@@ -78,8 +117,9 @@ def frame(now: dict[str, Any], per_s: dict[str, float], address: str) -> Group:
     held = [q for q in now["sequences"] if q["state"] in ("running", "parked")]
     hot = sorted(held, key=lambda q: -q["heat"])[:HOT_ROWS]
     cold = sorted((q for q in held if q["state"] == "parked"), key=lambda q: q["heat"])[:HOT_ROWS]
-    return Group(header, pool, swap, seqs, pressure, *section("calls per second", rpc), *section("workers", workers),
-                 *section("hottest", heat_table(hot)), *section("coldest parked (evicted first)", heat_table(cold)))
+    return Group(header, legend, pool, swap, seqs, pressure, *section(f"calls per second ({period})", rpc),
+                 *section("workers", workers), *section("hottest", heat_table(hot)),
+                 *section("coldest parked (evicted first)", heat_table(cold)))
 
 
 def section(title: str, body: Table) -> tuple[Text, Text, Table]:
@@ -96,18 +136,49 @@ def heat_table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
+@contextlib.contextmanager
+def keys_and_resizes(events: asyncio.Queue[str]) -> Iterator[None]:
+    """Put each key typed (stdin in cbreak mode, when it is a terminal) and "resize" (SIGWINCH) on `events`.
+
+    cbreak, not raw: keys arrive unbuffered and unechoed, and Ctrl-C still interrupts.
+    """
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGWINCH, events.put_nowait, "resize")
+    fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else None
+    saved = termios.tcgetattr(fd) if fd is not None else None
+    try:
+        if fd is not None:
+            tty.setcbreak(fd)
+            loop.add_reader(fd, lambda: [events.put_nowait(k) for k in os.read(fd, 64).decode(errors="ignore")])
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGWINCH)
+        if fd is not None:
+            loop.remove_reader(fd)
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
 async def top(admin: MemdAdmin, interval_s: float, once: bool, console: Console | None = None) -> None:
-    """Redraw every `interval_s` until interrupted; `once`: print a single frame (for scripts and logs)."""
+    """Redraw every `interval_s` until `q` or an interrupt; `once`: print one frame now (for scripts and logs)."""
     console = console or Console()
-    before = await reading(admin)
-    await asyncio.sleep(interval_s)      # a rate needs two readings
     now = await reading(admin)
+    view = frame(now, rates(START, now), admin.target, "since memd started")
     if once:
-        console.print(frame(now, rates(before, now), admin.target))
+        console.print(view)
         return
-    with Live(frame(now, rates(before, now), admin.target), console=console, auto_refresh=False) as live:
+    loop, events = asyncio.get_running_loop(), asyncio.Queue[str]()
+    with keys_and_resizes(events), Live(view, console=console, screen=True, auto_refresh=False) as live:
+        due = loop.time() + interval_s
         while True:
-            before = now
-            await asyncio.sleep(interval_s)      # the refresh period
-            now = await reading(admin)
-            live.update(frame(now, rates(before, now), admin.target), refresh=True)
+            try:
+                event = await asyncio.wait_for(events.get(), max(due - loop.time(), 0.0))
+            except TimeoutError:
+                before, now = now, await reading(admin)
+                view = frame(now, rates(before, now), admin.target, f"last {interval_s:g} s")
+                due = loop.time() + interval_s
+            else:
+                if event in QUIT_KEYS:
+                    return
+                if event != "resize":
+                    continue              # any other key: nothing to do
+            live.update(view, refresh=True)     # a resize redraws the same reading at the new size

@@ -131,18 +131,26 @@ def render_sequences(rows: list[dict[str, Any]]) -> str:
 
 def evicted_dict(reply: pb.EvictReply) -> dict[str, Any]:
     return {"swapped": list(reply.swapped), "dropped": list(reply.dropped), "revoked": list(reply.revoked),
-            "blocks_freed": reply.blocks_freed}
+            "blocks_freed": reply.blocks_freed, "free_blocks": reply.free_blocks}
 
 
-def render_evicted(data: dict[str, Any]) -> str:
+def render_evicted(data: dict[str, Any], wanted_free: int | None = None) -> str:
+    """`wanted_free`: the N of `evict --blocks N`, so the operator reads whether the room asked for is there."""
+    free = f"{data['free_blocks']} now free"
+    if wanted_free is not None and data["free_blocks"] < wanted_free:
+        free += f", short of the {wanted_free} asked for: running sequences or swap-outs in flight hold the rest"
     if not (data["swapped"] or data["dropped"] or data["revoked"]):
-        return "evicted nothing: no sequence matched (or all were already swapped or dropped)"
+        if wanted_free is None:
+            return "evicted nothing: no sequence matched (or all were already swapped or dropped)"
+        if data["free_blocks"] >= wanted_free:
+            return f"evicted nothing: {data['free_blocks']} blocks are free already (asked for {wanted_free})"
+        return f"evicted nothing: {free}"
     parts = []
     for label, key in (("swapped out", "swapped"), ("dropped", "dropped"),
                        ("revoked (running; their workers give them up)", "revoked")):
         if data[key]:
             parts.append(f"{label} {', '.join(map(str, data[key]))}")
-    return f"{'; '.join(parts)}: {data['blocks_freed']} block(s) freed"
+    return f"{'; '.join(parts)}: {data['blocks_freed']} block(s) freed, {free}"
 
 
 def scrubbed_dict(reply: pb.ScrubReply) -> dict[str, Any]:

@@ -72,12 +72,19 @@ async def test_evict_blocks_takes_the_coldest_parked_sequences_until_enough_is_f
         warm = await park(client, "warm", start=100)
         await heat_up(client, "warm", 2)
         cold = await park(client, "cold", start=200)
-    async with memd.admin() as admin:
-        reply = await admin.evict(blocks=4, mode="swap")          # 3 pages each: two sequences go
-        assert sorted(reply.swapped) == sorted([cold, warm]) and reply.blocks_freed == 6
-        reply = await admin.evict(blocks=1, mode="drop")
-        assert reply.dropped == [hot] and reply.blocks_freed == 3
-        assert (await admin.check()).ok
+        big, = await client.step(Open([], reserve=52 * BS))        # 3 pages each parked: 3 of 64 left free
+        async with memd.admin() as admin:
+            reply = await admin.evict(blocks=3, mode="swap")      # already free: nothing goes
+            assert list(reply.seq_ids) == [] and reply.free_blocks == 3
+            reply = await admin.evict(blocks=8, mode="swap")      # 5 more: two sequences go
+            assert sorted(reply.swapped) == sorted([cold, warm]) and reply.blocks_freed == 6
+            assert reply.free_blocks == 9
+            reply = await admin.evict(blocks=10, mode="drop")
+            assert reply.dropped == [hot] and reply.blocks_freed == 3 and reply.free_blocks == 12
+            reply = await admin.evict(blocks=64, mode="drop")     # the rest runs: nothing to take
+            assert list(reply.seq_ids) == [] and reply.free_blocks == 12
+            assert (await admin.check()).ok
+        await client.step(Free(big.seq_id))
     assert await states(memd) == {hot: "dropped", warm: "swapped", cold: "swapped"}
 
 

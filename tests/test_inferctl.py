@@ -117,7 +117,8 @@ def test_unreachable_address_fails_in_one_line(tmp_path: Path, capsys: pytest.Ca
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.count("\n") == 1
-    assert err.startswith(f"inferctl: inferd is not reachable at {target}: ")
+    assert err == (f"inferctl: inferd is not reachable at {target} (no such file or directory): give --address or "
+                   "set INFERD_ADDRESS\n")
 
 
 def test_chat_message_not_utf8_fails_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],

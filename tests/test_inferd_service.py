@@ -14,6 +14,7 @@ import pytest
 
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
+from tests.clis import run_cli, unit_host_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -312,6 +313,39 @@ async def test_a_drain_refuses_new_requests_lets_running_ones_finish_and_undo_en
     assert states["running"] == 0 and used == 0 and ok
     rc, _, err = await memctl(memd.address, "drain", "--worker", "999")
     assert rc == 1 and err.strip() == "memctl: not found: no worker 999 is attached (memctl workers)"
+
+
+async def test_inferctl_finds_the_one_worker_unit_and_tells_a_draining_worker_from_an_unreachable_one(
+        memd_factory, inferd_factory, model_dir, tmp_path):
+    from inferd.scheduler import DRAINING
+    run = tmp_path / "run"
+    unit = f"unix:{run}/inferd/w1/inferd.sock"             # inferd@w1's socket; the user's own does not exist
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    inferd = await inferd_factory(model_dir, memd.address, "--listen", unit)
+    env = unit_host_env(tmp_path)
+
+    async def inferctl_on_this_host(*args: str) -> tuple[int, str, str]:
+        return await run_cli("inferd.inferctl", *args, env=env, system_run=run)
+    rc, out, err = await inferctl_on_this_host("generate", "Hello", "--max-tokens", "3", "--ignore-eos", "--json")
+    assert rc == 0 and len(json.loads(out)["token_ids"]) == 3, err
+    (run / "inferd" / "w2").mkdir()                        # two workers: picking one would be a guess
+    rc, _, err = await inferctl_on_this_host("reset", "s")
+    assert rc == 2 and f"{tmp_path}/user-runtime/kvpool/inferd.sock" in err
+    (run / "inferd" / "w2").rmdir()
+    rc, _, _ = await memctl(memd.address, "drain", "--wait", "0")
+    assert rc == 0
+
+    async def not_serving() -> bool:
+        return await health(inferd) == "NOT_SERVING"
+    await wait_until(not_serving)
+    rc, out, err = await inferctl_on_this_host("generate", "Hello", "--max-tokens", "3")
+    assert (rc, out, err) == (1, "", f"inferctl: unavailable: {DRAINING}\n")        # it answered: a refusal
+    await inferd.kill()                                    # the socket file stays, nobody listens
+    rc, out, err = await inferctl_on_this_host("generate", "Hello", "--max-tokens", "3")
+    assert (rc, out) == (2, "")
+    assert err == (f"inferctl: inferd is not reachable at {unit} (connection refused): give --address or set "
+                   "INFERD_ADDRESS\n")
 
 
 async def test_a_request_carries_its_id_into_the_logs_of_both_daemons(memd_factory, inferd_factory, model_dir):

@@ -14,22 +14,19 @@ import pytest
 
 from shared.client import MemdClient
 from shared.ops import Extend, Open, Park
+from tests.clis import run_cli, unit_host_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 16
 
 
-async def memctl(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "memd.memctl", *args, cwd=ROOT, env={**os.environ, **(env or {})},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await proc.communicate()
-    return proc.returncode, out.decode(), err.decode()
+async def memctl(*args: str, env: dict[str, str] | None = None, system_run: Path | None = None) -> tuple[int, str, str]:
+    return await run_cli("memd.memctl", *args, env=env, system_run=system_run)
 
 
-async def park_a_session(memd, session: str = "chat", tokens: int = 40) -> int:
+async def park_a_session(memd, session: str = "chat", tokens: int = 40, first: int = 0) -> int:
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
-        opened, = await client.step(Open(list(range(tokens)), session_id=session))
+        opened, = await client.step(Open(list(range(first, first + tokens)), session_id=session))
         await client.step(Extend(opened.seq_id, commit_to=tokens), Park(opened.seq_id))
     return opened.seq_id
 
@@ -83,7 +80,7 @@ async def test_snapshot_json_to_a_file(memd, tmp_path):
 async def test_evict_drop_releases_the_pages_and_keeps_the_tokens(memd):
     seq_id = await park_a_session(memd)
     rc, out, _ = await memctl("--address", memd.address, "evict", "--session", "chat", "--drop")
-    assert rc == 0 and out.strip() == f"dropped {seq_id}: 3 block(s) freed"
+    assert rc == 0 and out.strip() == f"dropped {seq_id}: 3 block(s) freed, 64 now free"
     rc, out, _ = await memctl("--address", memd.address, "stats", "--json")
     stats = json.loads(out)
     assert stats["used_blocks"] == 0 and stats["sequences"]["dropped"] == 1
@@ -101,7 +98,7 @@ async def test_evict_drop_releases_the_pages_and_keeps_the_tokens(memd):
 async def test_evict_swaps_out_by_default_and_a_resume_swaps_back_in(memd):
     seq_id = await park_a_session(memd)
     rc, out, _ = await memctl("--address", memd.address, "evict", "--session", "chat")
-    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed"
+    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed, 64 now free"
     rc, out, _ = await memctl("--address", memd.address, "stats", "--json")
     stats = json.loads(out)
     assert stats["sequences"]["swapped"] == 1 and stats["swapped_blocks"] == 3
@@ -115,11 +112,26 @@ async def test_evict_swaps_out_by_default_and_a_resume_swaps_back_in(memd):
     stats = json.loads(out)
     assert stats["counters"]["swap_ins"] == 1 and stats["swap_free_blocks"] == 19
     rc, out, _ = await memctl("--address", memd.address, "evict", "--idle", "0")     # parked again at the close
-    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed"
+    assert rc == 0 and out.strip() == f"swapped out {seq_id}: 3 block(s) freed, 64 now free"
     rc, out, _ = await memctl("--address", memd.address, "evict", "--idle", "0")
     assert rc == 0 and out.strip().startswith("evicted nothing")
     rc, _, _ = await memctl("--address", memd.address, "check")
     assert rc == 0
+
+
+async def test_evict_blocks_asks_for_room_and_leaves_a_pool_with_enough_free_alone(memd):
+    # 64 pages, 3 parked sessions of 3 pages each: 55 free. Asking for 50 free must not empty the cache.
+    parked = [await park_a_session(memd, f"chat-{i}", first=100 * i) for i in range(3)]
+    rc, out, err = await memctl("--address", memd.address, "evict", "--blocks", "50")
+    assert rc == 0, err
+    assert out.strip() == "evicted nothing: 55 blocks are free already (asked for 50)"
+    rc, out, _ = await memctl("--address", memd.address, "sequences", "--state", "parked", "--json")
+    assert sorted(s["seq_id"] for s in json.loads(out)) == sorted(parked)
+    rc, out, _ = await memctl("--address", memd.address, "evict", "--blocks", "57", "--json")
+    assert rc == 0 and json.loads(out)["blocks_freed"] == 3 and json.loads(out)["free_blocks"] == 58
+    rc, out, err = await memctl("--address", memd.address, "evict", "--blocks", "65")
+    assert rc == 1 and err.strip() == "memctl: invalid argument: evict --blocks takes 1 to 64, the blocks in the " \
+                                      "pool, not 65"
 
 
 async def test_evict_errors_are_one_line(memd):
@@ -143,6 +155,30 @@ async def test_memctl_without_memd_says_so_in_one_line(tmp_path):
         assert rc == 2, command
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
         assert err.startswith(f"memctl: memd is not reachable at {address}")
+
+
+async def test_memctl_finds_the_memd_of_the_unit_when_the_per_user_socket_is_missing(memd_factory, tmp_path):
+    # `sudo memctl stats` on a systemd host: root's own socket does not exist, memd.service's does.
+    run = tmp_path / "run"
+    unit = f"unix:{run}/memd/memd.sock"
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB", "--listen", unit)
+    env = unit_host_env(tmp_path)
+    rc, out, err = await memctl("stats", "--json", env=env, system_run=run)
+    assert rc == 0, err
+    assert json.loads(out)["total_blocks"] == 64
+    rc, out, err = await memctl("evict", "--seq", "12345", env=env, system_run=run)     # memd refuses: it answered
+    assert rc == 1 and err.strip() == "memctl: not found: no sequence 12345"
+    rc, _, err = await memctl("--address", "unix:/nonexistent/memd.sock", "stats", env=env, system_run=run)
+    assert rc == 2 and "/nonexistent/memd.sock" in err                                   # a named address wins
+    await memd.kill()                                     # its socket file stays, nobody listens
+    rc, out, err = await memctl("stats", env=env, system_run=run)
+    assert rc == 2 and out == ""
+    assert err == (f"memctl: memd is not reachable at {unit} (connection refused): give --address or set "
+                   "MEMD_ADDRESS\n")
+    rc, out, err = await memctl("stats", env=env, system_run=tmp_path / "no-units")     # no unit either
+    assert rc == 2
+    assert err == (f"memctl: memd is not reachable at unix:{tmp_path}/user-runtime/kvpool/memd.sock (no such "
+                   "file or directory; nor does memd.service run): give --address or set MEMD_ADDRESS\n")
 
 
 async def test_workers_and_sequences_list_what_memd_holds(memd):
@@ -216,16 +252,72 @@ async def test_diff_refuses_what_is_not_a_snapshot_in_one_line(memd, tmp_path):
     assert rc == 2 and err.strip() == f"memctl: cannot read {tmp_path / 'none'}: No such file or directory"
 
 
-async def test_top_once_shows_pool_workers_heat_and_rpc_rates(memd):
+async def test_top_once_prints_one_frame_at_once_that_reads_without_colour_and_fits_the_width(memd):
     await park_a_session(memd, "cold")
     async with await MemdClient.attach(memd.address, block_size=BS, name="inferd@top"):
-        rc, out, err = await memctl("--address", memd.address, "top", "--once", "--interval", "0.3",
-                                    env={"COLUMNS": "120"})
+        # A day's interval: --once must not wait for a second reading (the test would time out).
+        rc, out, err = await memctl("--address", memd.address, "top", "--once", "--interval", "86400",
+                                    env={"COLUMNS": "72"})
     assert rc == 0, err
-    assert "pool" in out and "64 blocks" in out.replace("/64 blocks", " 64 blocks")
-    assert "calls per second" in out and "Stats" in out and "Snapshot" in out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 72
+    pool = next(line for line in lines if line.startswith("pool "))
+    assert len(pool) == 72 and (pool.count("█"), pool.count("░")) == (3, 57)     # 3 of 64 used, on 60 columns
+    assert "3 used, 61 free (0 cached) of 64 blocks" in out and "0 used, 19 free of 19 slots" in out
+    assert "calls per second (since memd started)" in out and "Stats" in out
     assert "inferd@top" in out
     assert "coldest parked" in out and "cold" in out
+    rc, out, _ = await memctl("--address", memd.address, "top", "--once", env={"COLUMNS": "40"})
+    assert rc == 0 and max(map(len, out.splitlines())) <= 40
+
+
+async def test_top_in_a_terminal_redraws_the_whole_frame_on_a_resize_and_quits_on_q(memd):
+    import fcntl
+    import pty
+    import re
+    import signal
+    import struct
+    import termios
+
+    def set_size(fd: int, columns: int) -> None:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+
+    master, terminal = pty.openpty()
+    set_size(terminal, 100)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {"TERM": "xterm-256color"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "memd.memctl", "--address", memd.address, "top", "--interval", "86400", cwd=ROOT,
+        env=env, stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True)
+    loop = asyncio.get_running_loop()
+
+    async def next_frame() -> list[str]:
+        """The lines of the next frame drawn, escape sequences taken out."""
+        seen = b""
+        while b"coldest parked" not in seen:        # the last section: the lines above it are all there
+            seen += await asyncio.wait_for(loop.run_in_executor(None, os.read, master, 1 << 16), 30)
+        drawn = seen[seen.rindex(b"\x1b[H"):]           # each frame is drawn from the top left corner
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn.decode(errors="replace"))
+        return text.split("\r\n")
+    try:
+        first = await next_frame()
+        assert any(line.startswith("pool ") and len(line) == 100 for line in first)
+        attrs = termios.tcgetattr(terminal)
+        assert not attrs[3] & (termios.ICANON | termios.ECHO)          # cbreak: keys come one by one, unechoed
+        set_size(terminal, 60)
+        proc.send_signal(signal.SIGWINCH)
+        resized = await next_frame()            # at once, though the next reading is a day away
+        assert any(line.startswith("pool ") and len(line) == 60 for line in resized)
+        assert max(len(line.rstrip()) for line in resized) <= 60
+        os.write(master, b"q")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        attrs = termios.tcgetattr(terminal)
+        assert attrs[3] & termios.ICANON and attrs[3] & termios.ECHO       # the terminal given back as it was
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        os.close(master)
+        os.close(terminal)
 
 
 @pytest.mark.processes
@@ -241,7 +333,8 @@ def test_completion_scripts_know_the_commands():
 async def test_evict_and_check_answer_in_json_too(memd):
     seq_id = await park_a_session(memd)
     rc, out, _ = await memctl("--address", memd.address, "evict", "--seq", str(seq_id), "--drop", "--json")
-    assert rc == 0 and json.loads(out) == {"swapped": [], "dropped": [seq_id], "revoked": [], "blocks_freed": 3}
+    assert rc == 0 and json.loads(out) == {"swapped": [], "dropped": [seq_id], "revoked": [], "blocks_freed": 3,
+                                        "free_blocks": 64}
     rc, out, _ = await memctl("--address", memd.address, "check", "--json")
     assert rc == 0 and json.loads(out) == {"ok": True, "violations": []}
 

@@ -121,6 +121,19 @@ async def test_a_state_dir_serves_one_memd_at_a_time(memd_factory, tmp_path):
     assert rc == 1 and err.strip().startswith(f"memd: the state directory {state} is in use by another memd")
 
 
+@pytest.mark.processes
+async def test_a_state_dir_others_may_write_to_is_refused(tmp_path):
+    # /dev/shm is everyone's: a directory another user made there first must not receive the pool.
+    state = tmp_path / "shared"
+    state.mkdir(mode=0o777)
+    state.chmod(0o777)
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB",
+                             "--listen", f"unix:{tmp_path}/m.sock", "--state-dir", str(state))
+    assert rc == 1 and err.strip() == (f"memd: the state directory {state} may be written by others (mode 777): "
+                                       "chmod go-w it, or give memd another --state-dir")
+    assert list(state.iterdir()) == []
+
+
 async def test_a_journal_that_is_not_one_is_discarded_and_memd_starts_empty(memd_factory, tmp_path):
     state = tmp_path / "state"
     state.mkdir()

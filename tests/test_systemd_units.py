@@ -2,7 +2,8 @@
 
 verify fails on a missing ExecStart binary but only warns on unknown keys or
 bad values, so every line it prints counts as a failure here. ExecStart is
-pointed at this checkout's installed scripts, as the install comment says.
+pointed at this checkout's installed scripts instead of /opt/kvpool/bin, where
+the README's install puts them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "systemd"
 ANALYZE = shutil.which("systemd-analyze")
+INSTALLED = "/opt/kvpool"          # the virtual environment of the README's install
 pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed (.ci/run installs it)")
 
 
@@ -34,7 +37,7 @@ def installed(tmp_path: Path, edit: str = "") -> Path:
     """The units with ExecStart at this venv's scripts, plus `edit` appended to [Service] of memd."""
     bindir = Path(sys.executable).parent
     for unit in UNITS.glob("*.service"):
-        text = unit.read_text().replace("/usr/local/bin/", f"{bindir}/")
+        text = unit.read_text().replace(f"{INSTALLED}/bin/", f"{bindir}/")
         if edit and unit.name == "memd.service":
             text = text.replace("[Service]\n", f"[Service]\n{edit}\n")
         (tmp_path / unit.name).write_text(text)
@@ -74,5 +77,46 @@ def test_the_units_run_hardened_as_users_of_their_own():
     assert "SupplementaryGroups=kvpool" in (UNITS / "inferd@.service").read_text().splitlines()
     memd = (UNITS / "memd.service").read_text()
     assert "LimitMEMLOCK=infinity" in memd and "RuntimeDirectory=memd" in memd
-    inferd = (UNITS / "inferd@.service").read_text()
-    assert "BindsTo=memd.service" in inferd and "After=memd.service" in inferd
+
+
+def settings(unit: str) -> dict[str, list[str]]:
+    """Each key of a unit file with its values, in order (a key may repeat)."""
+    found: dict[str, list[str]] = {}
+    for line in (UNITS / unit).read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            found.setdefault(key, []).append(value)
+    return found
+
+
+def test_a_memd_restart_leaves_the_workers_running():
+    # BindsTo= or Requires= would stop or restart every worker with memd; inferd re-attaches by itself.
+    inferd = settings("inferd@.service")
+    assert inferd["Wants"] == ["memd.service"] and inferd["After"] == ["memd.service"]
+    assert "BindsTo" not in inferd and "Requires" not in inferd and "PartOf" not in inferd
+
+
+def test_each_setting_has_one_place_the_config_file():
+    # A flag on ExecStart would silently beat the same key in the TOML file and hide from --print-config.
+    for unit, config in (("memd.service", "/etc/kvpool/memd.toml"), ("inferd@.service", "/etc/kvpool/inferd-%i.toml")):
+        exec_start, = settings(unit)["ExecStart"]
+        assert exec_start.split()[-2:] == ["--config", config], unit
+        assert all(not word.startswith("--") or word == "--config" for word in exec_start.split()), unit
+
+
+def test_the_example_configs_meet_at_memds_socket_inside_its_runtime_directory():
+    memd = tomllib.loads((UNITS / "memd.toml.example").read_text())
+    inferd = tomllib.loads((UNITS / "inferd.toml.example").read_text())
+    runtime, = settings("memd.service")["RuntimeDirectory"]
+    assert memd["listen"] == inferd["memd"] == f"unix:/run/{runtime}/memd.sock"
+    assert "listen" not in inferd            # the worker's socket is its unit's: $RUNTIME_DIRECTORY/inferd.sock
+
+
+def test_the_units_run_what_the_install_installs():
+    for unit in UNITS.glob("*.service"):
+        unit_settings = settings(unit.name)
+        assert unit_settings["ExecStart"][0].startswith(f"{INSTALLED}/bin/"), unit.name
+        assert unit_settings["Documentation"] == [f"file://{INSTALLED}/share/doc/kvpool/README.md"], unit.name
+    readme = (ROOT / "README.md").read_text()
+    assert f"python3 -m venv {INSTALLED}" in readme
+    assert f"install -Dm644 README.md {INSTALLED}/share/doc/kvpool/README.md" in readme

@@ -390,18 +390,20 @@ class EvictRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., idle_s: _Optional[float] = ..., blocks: _Optional[int] = ..., worker_id: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class EvictReply(_message.Message):
-    __slots__ = ("seq_ids", "blocks_freed", "swapped", "dropped", "revoked")
+    __slots__ = ("seq_ids", "blocks_freed", "swapped", "dropped", "revoked", "free_blocks")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     blocks_freed: int
     swapped: _containers.RepeatedScalarFieldContainer[int]
     dropped: _containers.RepeatedScalarFieldContainer[int]
     revoked: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., blocks_freed: _Optional[int] = ..., swapped: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., revoked: _Optional[_Iterable[int]] = ...) -> None: ...
+    free_blocks: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., blocks_freed: _Optional[int] = ..., swapped: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., revoked: _Optional[_Iterable[int]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ()
