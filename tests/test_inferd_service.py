@@ -322,6 +322,7 @@ async def test_inferctl_finds_the_one_worker_unit_and_tells_a_draining_worker_fr
     unit = f"unix:{run}/inferd/w1/inferd.sock"             # inferd@w1's socket; the user's own does not exist
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
                               "--block-size", "16")
+    (run / "inferd" / "w1").mkdir(parents=True)          # RuntimeDirectory=inferd/%i: systemd makes it
     inferd = await inferd_factory(model_dir, memd.address, "--listen", unit)
     env = unit_host_env(tmp_path)
 

@@ -161,6 +161,7 @@ async def test_memctl_finds_the_memd_of_the_unit_when_the_per_user_socket_is_mis
     # `sudo memctl stats` on a systemd host: root's own socket does not exist, memd.service's does.
     run = tmp_path / "run"
     unit = f"unix:{run}/memd/memd.sock"
+    (run / "memd").mkdir(parents=True)                    # RuntimeDirectory=memd: systemd makes it, memd does not
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB", "--listen", unit)
     env = unit_host_env(tmp_path)
     rc, out, err = await memctl("stats", "--json", env=env, system_run=run)
