@@ -350,6 +350,16 @@ def serve_hf_anchor(model_dir: Path, threads: int) -> None:
 
 # ---- both, interleaved ---------------------------------------------------------
 
+async def both(i: int, kv_run: Callable[[], Awaitable[Any]], hf_run: Callable[[], Any]) -> tuple[Any, Any]:
+    """One measurement on each system, back to back; which goes first alternates with `i`. transformers
+    answers from its own process: this one waits on a thread, so the event loop (memd heartbeats) goes on."""
+    if i % 2:
+        hf_out = await asyncio.to_thread(hf_run)
+        return await kv_run(), hf_out
+    kv_out = await kv_run()
+    return kv_out, await asyncio.to_thread(hf_run)
+
+
 async def bench(model_dir: Path, address: str, sizes: Sizes, work: dict) -> dict:
     """Every measurement runs on both systems back to back, alternating which goes first, so that
     whatever else this machine does at the time weighs on both alike. transformers runs in its own
@@ -373,13 +383,6 @@ async def _bench(anchor: HfAnchor, model_dir: Path, address: str, sizes: Sizes, 
     res: dict[str, Any] = {"kv_single": [], "hf_single": [], "kv_batch": [], "hf_batch": [],
                            "reuse": [], "recompute": [], "hf_prefill": [], "meter_1": Meter(),
                            "meter_16": Meter(), "eos": config.eos_token_ids}
-
-    async def both(i: int, kv_run: Callable[[], Any], hf_run: Callable[[], Any]) -> tuple[Any, Any]:
-        if i % 2:
-            hf_out = await asyncio.to_thread(hf_run)
-            return await kv_run(), hf_out
-        kv_out = await kv_run()
-        return kv_out, await asyncio.to_thread(hf_run)
 
     try:
         for prompts in work["warmup"]:        # first calls of each shape: allocator, kernels, lazy inits

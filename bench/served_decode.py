@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_inferd import BLOCK_SIZE, CONCURRENT, MAX_BATCH_TOKENS, START_TIMEOUT_S, HfAnchor, Run, decode_rate
+from bench_inferd import BLOCK_SIZE, CONCURRENT, MAX_BATCH_TOKENS, START_TIMEOUT_S, HfAnchor, Run, both, decode_rate
 
 from shared.launch import free_port, spawn_ready
 
@@ -55,13 +55,6 @@ async def _measure(url: str, anchor: HfAnchor, work: dict, n: int) -> dict[str, 
 
         async def kv_batch(prompts: list[list[int]], tokens: int) -> list[Run]:
             return list(await asyncio.gather(*[stream_one(client, model, p, tokens) for p in prompts]))
-
-        async def both(i: int, kv: object, hf: object) -> tuple[object, object]:
-            if i % 2:
-                theirs = await asyncio.to_thread(hf)           # type: ignore[arg-type]
-                return await kv(), theirs                      # type: ignore[operator]
-            ours = await kv()                                  # type: ignore[operator]
-            return ours, await asyncio.to_thread(hf)           # type: ignore[arg-type]
 
         for prompts in work["warmup"]:
             await both(0, lambda p=prompts: kv_batch(p, 8), lambda p=prompts: anchor.generate(p, 8))

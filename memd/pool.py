@@ -70,7 +70,7 @@ class FreeQueue:
         return self._len
 
     def __contains__(self, block: int) -> bool:
-        return self._prev[block] >= 0
+        return 0 <= block < self._end and self._prev[block] >= 0
 
     def __iter__(self) -> Iterator[int]:
         node, seen = self._next[self._end], 0
@@ -208,7 +208,10 @@ class BlockPool:
         self.free.relink(block, *links)
 
     def allocate_n(self, n: int) -> tuple[list[int], list[int]]:
-        """`n` blocks with ref count 1 for new content (as `allocate` n times), and those whose pages must be zeroed."""
+        """`n` blocks with ref count 1 for new content (as `allocate` n times), and those whose pages must be zeroed.
+
+        PoolExhausted, with nothing changed, when fewer than `n` are free.
+        """
         if n > len(self.free):
             raise PoolExhausted(n, len(self.free))
         if n == 0:
@@ -225,7 +228,7 @@ class BlockPool:
                     del by_hash[digest]
                     self.hash_of[block] = tokens_of[block] = None
         if self.undo is not None:
-            self.undo.record(self._undo_allocate_n, blocks, evicted, was_dirty, get(self.last_access),
+            self.undo.record(self._undo_allocate_n, tuple(blocks), evicted, was_dirty, get(self.last_access),
                              get(self.checksum))
         ref, dirty, last_access, checksum, now = self.ref, self.dirty, self.last_access, self.checksum, time.monotonic()
         for block in blocks:
@@ -233,7 +236,7 @@ class BlockPool:
             last_access[block], checksum[block] = now, 0
         return blocks, list(compress(blocks, was_dirty))
 
-    def _undo_allocate_n(self, blocks: list[int], evicted: list[tuple[int, bytes, tuple[int, ...]]],
+    def _undo_allocate_n(self, blocks: tuple[int, ...], evicted: list[tuple[int, bytes, tuple[int, ...]]],
                          was_dirty: tuple[int, ...], last_access: tuple[float, ...],
                          checksum: tuple[int, ...]) -> None:
         for block, dirty, touched, check in zip(blocks, was_dirty, last_access, checksum, strict=True):
@@ -241,7 +244,7 @@ class BlockPool:
         for block, digest, tokens in evicted:
             self.hash_of[block], self.tokens_of[block] = digest, tokens
             self.by_hash[digest] = block
-        self.free.put_front(blocks)
+        self.free.put_front(list(blocks))
 
     def release_n(self, blocks: list[int]) -> int:
         """Drop one reference from each of `blocks` (as `decref` of each in turn); returns how many became free."""
@@ -266,7 +269,7 @@ class BlockPool:
         self.free.put_back(cached)
         return len(uncached) + len(cached)
 
-    def _undo_release_n(self, blocks: list[int], last_access: tuple[float, ...]) -> None:
+    def _undo_release_n(self, blocks: tuple[int, ...], last_access: tuple[float, ...]) -> None:
         for block, touched in zip(blocks, last_access, strict=True):
             if not self.ref[block]:
                 self.free.remove(block)
@@ -356,6 +359,8 @@ class BlockPool:
             problems.append(f"free queue holds {len(seen)} blocks but counts {len(self.free)}")
         for block in range(self.num_blocks):
             ref, queued = self.ref[block], block in seen
+            if (block in self.free) != queued:
+                problems.append(f"block {block} is {'' if queued else 'not '}in the free queue but marked otherwise")
             if ref < 0:
                 problems.append(f"block {block} has negative ref count {ref}")
             if (ref == 0) != queued:

@@ -110,8 +110,6 @@ class StepOps:
     def _fetch_blocks(self, txn: _Txn, seq: Sequence, keys: list[str], checksums: list[int]) -> int:
         """Fresh pages for the next full blocks of `seq`, filled from the cluster store once the Step stands;
         they count as committed (a page that does not land intact cuts the sequence there). Returns how many."""
-        if len(keys) > self.pool.num_free:
-            raise PoolExhausted(len(keys), self.pool.num_free)
         first, bs = len(seq.block_ids), seq.block_size
         blocks, _ = self.pool.allocate_n(len(keys))
         seq.block_ids += blocks
@@ -421,8 +419,6 @@ class StepOps:
         needed = blocks_for(num_tokens, seq.block_size) - len(seq.block_ids)
         if needed <= 0:
             return
-        if needed > self.pool.num_free:
-            raise PoolExhausted(needed, self.pool.num_free)
         blocks, dirty = self.pool.allocate_n(needed)
         txn.outcome.effects += map(Zero, dirty)
         seq.block_ids += blocks

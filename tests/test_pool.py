@@ -322,6 +322,13 @@ def test_violations_report_a_queue_whose_length_disagrees_with_its_links():
     assert "free queue holds 3 blocks but counts 4" in pool.violations()
 
 
+def test_violations_report_a_queued_block_marked_as_out_of_the_queue():
+    pool = BlockPool(3)
+    pool.free._prev[1] = -1                         # reachable from its neighbours, but marked as taken
+    assert "block 1 is in the free queue but marked otherwise" in pool.violations()
+    assert 1 not in pool.free and 3 not in pool.free and -1 not in pool.free    # nor the sentinel, nor out of range
+
+
 # ---- BlockPool: undo-log rollback --------------------------------------------
 #
 # An op is (name, k); k picks the target among the blocks the op is valid for,
