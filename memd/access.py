@@ -25,12 +25,15 @@ import grpc
 import structlog
 
 from memd.interceptors import MEMD_SERVICE
+from shared.rpc import memd_pb2 as pb
 from shared.tokens import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_KEY, TokenError, read_token
 
 log = structlog.get_logger("memd")
 
 ADMIN_METHODS = frozenset({"Snapshot", "Evict", "Drain", "Scrub"})
-STREAMING_METHODS = frozenset({"Session"})
+# How each method streams, (requests, replies): a refusal must be a handler of the same kind.
+_KINDS = {m.name: (m.client_streaming, m.server_streaming)
+          for m in pb.DESCRIPTOR.services_by_name["Memd"].methods}
 
 
 class AccessError(RuntimeError):
@@ -90,16 +93,13 @@ def remove_if_ours(path: Path, token: str) -> None:
         pass
 
 
-def _deny(code: grpc.StatusCode, message: str, streaming: bool) -> grpc.RpcMethodHandler:
-    async def unary(request: bytes, context: grpc.aio.ServicerContext) -> None:
+def _deny(code: grpc.StatusCode, message: str, method: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    async def stream(requests: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
-
-    if streaming:
-        return grpc.stream_stream_rpc_method_handler(stream)
-    return grpc.unary_unary_rpc_method_handler(unary)
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[_KINDS.get(method, (False, False))](refuse)
 
 
 class AccessControl(grpc.aio.ServerInterceptor):
@@ -121,16 +121,15 @@ class AccessControl(grpc.aio.ServerInterceptor):
             return await continuation(details)
         token = next((v for k, v in details.invocation_metadata or () if k == TOKEN_KEY), None)
         role = self.role(token)
-        streaming = method in STREAMING_METHODS
         c = self.credentials
         if role is None:
             reason = "no token" if token is None else "a wrong token"
             log.warning("call refused", method=method, reason=reason)
             hint = (f"members of memd's group read it from {c.worker_file}, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
                     if token is None else "memd writes new tokens at every start: read the file again")
-            return _deny(grpc.StatusCode.UNAUTHENTICATED, f"{method} with {reason}: {hint}", streaming)
+            return _deny(grpc.StatusCode.UNAUTHENTICATED, f"{method} with {reason}: {hint}", method)
         if method in ADMIN_METHODS and role != "admin":
             log.warning("call refused", method=method, reason="not an admin")
             return _deny(grpc.StatusCode.PERMISSION_DENIED,
-                         f"{method} needs the admin token ({c.admin_file}, readable by memd's user only)", streaming)
+                         f"{method} needs the admin token ({c.admin_file}, readable by memd's user only)", method)
         return await continuation(details)

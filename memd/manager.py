@@ -122,6 +122,9 @@ class KvManager(StepOps):
         # For the journal (memd.journal), which alone takes them (`take_changes`): sequences changed
         # since, those of them whose token ids were cut back, and pids whose fence changed.
         self._changed: set[int] = set()
+        # Sequences changed, one set per reader that copies them a slice at a time between Steps
+        # (memd.state_copy): it copies them again at the end.
+        self.watches: list[set[int]] = []
         self._tokens_cut: set[int] = set()
         self._fences_changed: set[int] = set()
         # Pages a worker that may still be running could write late (its turns' unwritten tails), kept
@@ -190,7 +193,7 @@ class KvManager(StepOps):
                 self._park(seq, held)
             seq.preempted_by = None
             seq.interrupted = True               # its turn failed: the retry of it replaces it (_retry_turn)
-            self._changed.add(seq.seq_id)
+            self._note(seq.seq_id)
             parked += 1
         if held and worker is not None:
             self.fences.setdefault(worker.pid, []).extend(held)
@@ -230,7 +233,7 @@ class KvManager(StepOps):
         now = time.monotonic()
         for seq in txn.touched.values():
             self._touch(seq, now)
-        self._changed.update(txn.touched)
+        self._note_all(txn.touched)
         self._filling.update(out.filling)
         self.counters.update(txn.counters)
         self.counters["steps"] += 1
@@ -277,7 +280,7 @@ class KvManager(StepOps):
                 self._offer(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
                 self.pool.checksum[b.block] = sums.get(b.block, 0)    # a full block: what it holds from now on
         self._filling -= outcome.filling
-        self._changed |= outcome.filling
+        self._note_all(outcome.filling)
 
     def _distrust(self, outcome: StepOutcome, seq: Sequence, index: int) -> None:
         """Block `index` of a running sequence failed its check: its K/V from there on is recomputed.
@@ -293,7 +296,7 @@ class KvManager(StepOps):
         del seq.hashes[index:]
         self.release_blocks(seq.block_ids[index:])
         del seq.block_ids[index:]
-        self._changed.add(seq.seq_id)
+        self._note(seq.seq_id)
         for result in outcome.results:
             if result.seq_id == seq.seq_id:
                 result.num_committed = min(result.num_committed, seq.num_committed)
@@ -428,7 +431,7 @@ class KvManager(StepOps):
 
     def forget(self, seq: Sequence, undo: UndoLog | None = None) -> None:
         """The sequence is gone from memd (it holds nothing now: `release` or a Free let go of its pages)."""
-        self._changed.add(seq.seq_id)
+        self._note(seq.seq_id)
         del self.seqs[seq.seq_id]
         if seq.session_id:
             del self.sessions[seq.session_id]
@@ -454,7 +457,7 @@ class KvManager(StepOps):
             fence += seq.block_ids[keep:]
         del seq.block_ids[keep:]
         seq.state, seq.owner = SeqState.PARKED, None
-        self._changed.add(seq.seq_id)
+        self._note(seq.seq_id)
 
     def _offer(self, block: int, digest: bytes, tokens: tuple[int, ...]) -> None:
         """A full, committed block joins the prefix cache (unless the cache is off)."""
@@ -476,7 +479,7 @@ class KvManager(StepOps):
             assert self.swap is not None
             self.swap.give(seq.slots)
         seq.block_ids, seq.slots = [], []
-        self._changed.add(seq.seq_id)
+        self._note(seq.seq_id)
         return freed
 
     def evictable(self, seq: Sequence) -> bool:
@@ -485,7 +488,17 @@ class KvManager(StepOps):
 
     def mark_changed(self, seq: Sequence) -> None:
         """For the eviction policy, which changes sequences outside Steps: the journal must record it."""
-        self._changed.add(seq.seq_id)
+        self._note(seq.seq_id)
+
+    def _note(self, seq_id: int) -> None:
+        self._changed.add(seq_id)
+        for watch in self.watches:
+            watch.add(seq_id)
+
+    def _note_all(self, seq_ids: Iterable[int]) -> None:
+        self._changed.update(seq_ids)
+        for watch in self.watches:
+            watch.update(seq_ids)
 
     def _touch(self, seq: Sequence, now: float) -> None:
         seq.heat = self.heat(seq, now) + 1.0

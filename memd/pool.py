@@ -166,6 +166,9 @@ class BlockPool:
         # committed block's until the page is handed out again, a parked partial block's until resumed.
         self.checksum = [0] * num_blocks
         self.undo: UndoLog | None = None
+        # Blocks whose ref count, access time or prefix hash changed, one set per reader that copies the pool
+        # a slice at a time between Steps (memd.state_copy): it copies them again at the end.
+        self.watches: list[set[int]] = []
 
     @property
     def num_free(self) -> int:
@@ -193,6 +196,8 @@ class BlockPool:
                                 self.last_access[block], self.checksum[block])
         self.last_access[block] = time.monotonic()
         self.checksum[block] = 0
+        for watch in self.watches:
+            watch.add(block)
         return block, bool(was_dirty)
 
     def _undo_allocate(self, block: int, links: tuple[int, int], old_hash: bytes | None,
@@ -217,6 +222,8 @@ class BlockPool:
         if n == 0:
             return [], []
         blocks = self.free.take_front(n)
+        for watch in self.watches:
+            watch.update(blocks)
         get = itemgetter(*blocks) if n > 1 else lambda values: (values[blocks[0]],)
         hashes, was_dirty = get(self.hash_of), get(self.dirty)
         evicted = []
@@ -252,6 +259,8 @@ class BlockPool:
         if self.undo is not None:                # a copy: the caller may reuse its list
             self.undo.record(self._undo_release_n, tuple(blocks), itemgetter(*blocks)(last_access)
                              if len(blocks) > 1 else tuple(last_access[b] for b in blocks))
+        for watch in self.watches:
+            watch.update(blocks)
         uncached: list[int] = []
         cached: list[int] = []
         now = time.monotonic()
@@ -277,6 +286,8 @@ class BlockPool:
             self.last_access[block] = touched
 
     def incref(self, block: int) -> None:
+        for watch in self.watches:
+            watch.add(block)
         links = self.free.remove(block) if self.ref[block] == 0 else None
         self.ref[block] += 1
         if self.undo is not None:
@@ -291,6 +302,8 @@ class BlockPool:
 
     def decref(self, block: int) -> bool:
         """Drop one reference; True when the block became free."""
+        for watch in self.watches:
+            watch.add(block)
         self.ref[block] -= 1
         freed = self.ref[block] == 0
         if self.undo is not None:
@@ -315,6 +328,8 @@ class BlockPool:
             return
         self.hash_of[block], self.tokens_of[block] = digest, tokens
         self.by_hash[digest] = block
+        for watch in self.watches:
+            watch.add(block)
         if self.undo is not None:
             self.undo.record(self._undo_register, block, digest)
 
@@ -334,6 +349,8 @@ class BlockPool:
         if digest is not None:
             del self.by_hash[digest]
             self.hash_of[block] = self.tokens_of[block] = None
+            for watch in self.watches:
+                watch.add(block)
             if self.undo is not None:
                 self.undo.record(self._undo_unregister, block, digest, tokens)
 

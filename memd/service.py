@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
@@ -188,16 +188,22 @@ class MemdService(pb_grpc.MemdServicer):
             block_size=g.block_size, rpcs=dict(self.rpcs), draining=self.leases.drain_all,
             cluster=await self.cluster_status() if self.cluster_status is not None else "off")
 
-    async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> Serialized:
+    async def Snapshot(self, request: pb.SnapshotRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[Serialized]:
         log.debug("rpc", method="Snapshot")
-        m, now = self.manager, time.monotonic()
-        workers = [pb.WorkerRow(worker_id=w.worker_id, name=w.name, pid=w.pid, model=w.model,
-                                block_size=w.block_size, last_seen=w.last_seen,
-                                running=self.leases.running_on([w.worker_id]),
-                                draining=self.leases.is_draining(w.worker_id))
-                   for w in m.workers.values()]
-        view = SnapshotView.capture(m, request, workers, self.generation, now)   # one instant, on the loop
-        return Serialized(await asyncio.to_thread(view.serialized))              # the rows, off it
+        m = self.manager
+
+        def workers() -> list[pb.WorkerRow]:
+            return [pb.WorkerRow(worker_id=w.worker_id, name=w.name, pid=w.pid, model=w.model,
+                                 block_size=w.block_size, last_seen=w.last_seen,
+                                 running=self.leases.running_on([w.worker_id]),
+                                 draining=self.leases.is_draining(w.worker_id))
+                    for w in m.workers.values()]
+
+        view = await SnapshotView.take(m, request, workers, self.generation)   # of one instant, between Steps
+        async for reply in view.replies():
+            yield Serialized(reply)
+        await view.state.drop()
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:
         target = request.WhichOneof("target")

@@ -274,7 +274,13 @@ class MemdAdmin:
     async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0) -> pb.SnapshotReply:
         """Every block, sequence and worker; `blocks=False` leaves the blocks out, the rest filter sequences."""
         request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id)
-        return await self._call("Snapshot", request)  # type: ignore[return-value]
+        snapshot = pb.SnapshotReply()
+        try:
+            async for part in self._stub.Snapshot(request, timeout=self._timeout, metadata=self.metadata):
+                snapshot.MergeFrom(part)            # memd streams it in parts: merged, they are the snapshot
+        except grpc.aio.AioRpcError as err:
+            raise MemdError.from_rpc(err) from None
+        return snapshot
 
     async def drain(self, worker_id: int = 0, *, undo: bool = False, wait_s: float = 0.0) -> pb.DrainReply:
         """Stop (or, with `undo`, resume) admitting on a worker, or all; wait up to `wait_s` for RUNNING to end."""

@@ -168,7 +168,10 @@ class LocalAdmin:
 
     async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0) -> pb.SnapshotReply:
         request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id)
-        return pb.SnapshotReply.FromString((await self.service.Snapshot(request, _Context())).data)
+        snapshot = pb.SnapshotReply()
+        async for part in self.service.Snapshot(request, _Context()):
+            snapshot.MergeFromString(part.data)
+        return snapshot
 
     async def evict(self, seq_id: int | None = None, session_id: str | None = None, *, idle_s: float | None = None,
                     blocks: int | None = None, worker_id: int | None = None, mode: str = "swap") -> pb.EvictReply:

@@ -29,7 +29,7 @@ CALLS = {
                                        metadata=md),
     "Stats": lambda stub, md: stub.Stats(pb.StatsRequest(), metadata=md),
     "Check": lambda stub, md: stub.Check(pb.CheckRequest(), metadata=md),
-    "Snapshot": lambda stub, md: stub.Snapshot(pb.SnapshotRequest(), metadata=md),
+    "Snapshot": lambda stub, md: stub.Snapshot(pb.SnapshotRequest(), metadata=md).read(),   # a stream of parts
     "Evict": lambda stub, md: stub.Evict(pb.EvictRequest(session_id="chat", mode="drop"), metadata=md),
     "Drain": lambda stub, md: stub.Drain(pb.DrainRequest(), metadata=md),
 }

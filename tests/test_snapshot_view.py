@@ -1,10 +1,12 @@
-"""memd's snapshot, taken on the loop and built off it in chunks: the rows are what the pool holds (no processes)."""
+"""memd's snapshot, copied between Steps and streamed in parts: the rows are what the pool holds (no processes)."""
 
 from __future__ import annotations
 
-import time
+import asyncio
 
+from memd import state_copy
 from memd.snapshot_view import CHUNK_ROWS, SnapshotView
+from memd.state_copy import SeqCopy
 from shared.ops import Free, Open, Park
 from shared.rpc import memd_pb2 as pb
 
@@ -37,7 +39,7 @@ async def test_a_snapshot_of_more_blocks_than_a_chunk_shows_every_block_and_sequ
     assert not no_blocks.blocks and len(no_blocks.sequences) == 2 and no_blocks.workers[0].worker_id == client.worker_id
 
 
-async def test_the_chunked_reply_is_the_whole_reply_and_the_view_stays_as_it_was_taken(local_memd_factory):
+async def test_the_streamed_parts_merge_into_the_whole_reply_and_the_view_stays_as_it_was_taken(local_memd_factory):
     memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--block-bytes", "1KiB",
                                     "--state-dir", "none")
     client = await memd.attach(block_size=16)
@@ -46,18 +48,57 @@ async def test_the_chunked_reply_is_the_whole_reply_and_the_view_stays_as_it_was
     await client.step(Park(first.seq_id, commit_to=33))          # its full blocks enter the prefix cache
     opened = await client.step(*[Open(shared + [i], reserve=1) for i in range(1, CHUNK_ROWS + 100)])
     manager = memd.parts.manager
-    view = SnapshotView.capture(manager, pb.SnapshotRequest(), [pb.WorkerRow(worker_id=client.worker_id)], 7,
-                                time.monotonic())
-    before = view.serialized()
-    await client.step(*[Free(r.seq_id) for r in opened])          # the pool changes after the capture
-    assert view.serialized() == before
+    view = await SnapshotView.take(manager, pb.SnapshotRequest(), lambda: [pb.WorkerRow(worker_id=client.worker_id)],
+                                   7)
+    parts = [part async for part in view.replies()]
+    await client.step(*[Free(r.seq_id) for r in opened])          # the pool changes after the view was taken
+    assert [part async for part in view.replies()] == parts
+    assert len(parts) > 3                                         # header, block chunks, sequence chunks
 
-    reply = pb.SnapshotReply.FromString(before)
-    built_whole = pb.SnapshotReply(taken_at=view.taken_at, block_bytes=view.block_bytes, generation=7,
-                                   workers=view.workers, blocks=list(view._blocks()),
-                                   sequences=[view._seq_row(s) for s in view.seqs])
-    assert reply == built_whole and len(reply.sequences) == CHUNK_ROWS + 100 > CHUNK_ROWS
+    reply = pb.SnapshotReply()
+    for part in parts:
+        reply.MergeFromString(part)
+    assert len(reply.sequences) == CHUNK_ROWS + 100 > CHUNK_ROWS
     assert reply.generation == 7 and reply.block_bytes == 1024 and reply.taken_at == view.taken_at
+    assert [w.worker_id for w in reply.workers] == [client.worker_id]
     shared_rows = [row for row in reply.blocks if len(row.seq_ids) > 1]
     assert len(shared_rows) == 2 and all(row.ref_count == CHUNK_ROWS + 100 for row in shared_rows)
     assert {row.state for row in shared_rows} == {"parked,running"}
+
+
+async def test_a_copy_taken_in_slices_while_steps_run_is_the_state_of_its_last_instant(local_memd_factory,
+                                                                                      monkeypatch):
+    """Steps open, park and free sequences between the copy's slices; what it returns is the live state then."""
+    monkeypatch.setattr(state_copy, "SLICE_BLOCKS", 16)
+    monkeypatch.setattr(state_copy, "SLICE_SEQS", 2)
+    monkeypatch.setattr(state_copy, "SETTLE", 8)
+    memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "2MiB", "--block-bytes", "1KiB",
+                                    "--state-dir", "none")
+    client = await memd.attach(block_size=16)
+    manager, pool = memd.parts.manager, memd.parts.manager.pool
+    stop = asyncio.Event()
+
+    async def churn() -> None:
+        turn = 0
+        while not stop.is_set():
+            turn += 1
+            opened = await client.step(*[Open([turn, i] + list(range(40)), reserve=1) for i in range(3)])
+            await client.step(Park(opened[0].seq_id, commit_to=32), Free(opened[1].seq_id))
+            if turn % 4 == 0:
+                await client.step(*[Free(s.seq_id) for s in list(manager.seqs.values())[:6]])
+
+    task = asyncio.create_task(churn())
+    try:
+        for _ in range(6):
+            steps = manager.counters["steps"]
+            copy = await state_copy.take(manager)
+            # Nothing has run since the copy's last instant: it must be the live state, exactly.
+            assert copy.blocks is not None
+            assert list(copy.blocks.rows()) == [(ref, touched, digest is not None) for ref, touched, digest
+                                                in zip(pool.ref, pool.last_access, pool.hash_of, strict=True)]
+            assert copy.seqs == {seq_id: SeqCopy.of(seq) for seq_id, seq in manager.seqs.items()}
+            assert manager.counters["steps"] > steps                   # and Steps did run while it was taken
+    finally:
+        stop.set()
+        await task
+    assert not pool.watches and not manager.watches                     # no reader left behind

@@ -54,7 +54,7 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.StatsRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.StatsReply.FromString,
                 _registered_method=True)
-        self.Snapshot = channel.unary_unary(
+        self.Snapshot = channel.unary_stream(
                 '/kvpool.memd.v1.Memd/Snapshot',
                 request_serializer=shared_dot_rpc_dot_memd__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.SnapshotReply.FromString,
@@ -111,7 +111,9 @@ class MemdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Snapshot(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """State as of one instant, in parts: the first carries the header and the workers, the rest rows;
+        merged, they are one SnapshotReply. Steps go on while it streams.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -167,7 +169,7 @@ def add_MemdServicer_to_server(servicer, server):
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.StatsRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.StatsReply.SerializeToString,
             ),
-            'Snapshot': grpc.unary_unary_rpc_method_handler(
+            'Snapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.Snapshot,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.SnapshotRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.SnapshotReply.SerializeToString,
@@ -322,7 +324,7 @@ class Memd:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/kvpool.memd.v1.Memd/Snapshot',
