@@ -420,19 +420,20 @@ def bench_reclaim(ctx: mp.context.SpawnContext, memd: Memd, trials: int) -> list
     return out
 
 
-def bench_snapshot(tmp: Path, pool: str, sessions: int) -> dict:
-    """The longest a Step waits while `memctl snapshot` reads every block of a `pool` of 1 KiB pages.
+def bench_operator_calls(tmp: Path, pool: str, sessions: int) -> dict:
+    """The longest a Step waits while `memctl snapshot`, then `memctl check`, read every block of a `pool`
+    of 1 KiB pages.
 
     The pool holds `sessions` parked sessions of 4 blocks each, as a busy
     memd does. The probe Steps (open a sequence, free it) run back to back
     from this process; memctl runs as an operator runs it, in its own
-    process, and writes the snapshot to a file. The same number of Steps
+    process (the snapshot written to a file). The same number of Steps
     before it, with nothing else going on, is the quiet baseline. memd's
     resident memory is read meanwhile, against its size before.
     """
     memd = Memd(tmp, pool, "1KiB", "memd-snapshot", "--state-dir", "none")
     try:
-        return asyncio.run(_snapshot_probe(memd, tmp, sessions))
+        return asyncio.run(_operator_probe(memd, tmp, sessions))
     finally:
         memd.kill()
 
@@ -442,7 +443,7 @@ def _rss_bytes(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def _snapshot_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
+async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
     from shared.client import MemdClient
 
     client = await MemdClient.attach(memd.address, name="probe", block_size=BLOCK_SIZE, map_memory=False)
@@ -459,28 +460,29 @@ async def _snapshot_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
         return (time.perf_counter() - started) / 2
 
     quiet = [await one_step() for _ in range(200)]
-    steady = _rss_bytes(memd.proc.pid)
-    memctl = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "memd.memctl", "--address", memd.address, "snapshot", "-o", str(tmp / "snap.msgpack"),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    started = time.perf_counter()
-    done = asyncio.ensure_future(memctl.wait())
-    during: list[float] = []
-    peak = steady
-    while not done.done():
-        during.append(await one_step())
-        if len(during) % 16 == 0:
-            peak = max(peak, _rss_bytes(memd.proc.pid))
-    seconds = time.perf_counter() - started
-    err = (await memctl.stderr.read()).decode() if memctl.stderr else ""
-    if memctl.returncode != 0:
-        raise RuntimeError(f"memctl snapshot failed: {err.strip()}")
-    geometry = client.geometry
+    out = {"blocks": client.geometry.num_blocks, "sessions": sessions, "quiet_max_step_ms": max(quiet) * 1e3,
+           "quiet_p50_step_ms": statistics.median(quiet) * 1e3}
+    for call in (["snapshot", "-o", str(tmp / "snap.msgpack")], ["check"]):
+        steady = _rss_bytes(memd.proc.pid)
+        memctl = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "memd.memctl", "--address", memd.address, *call,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        started = time.perf_counter()
+        done = asyncio.ensure_future(memctl.wait())
+        during: list[float] = []
+        peak = steady
+        while not done.done():
+            during.append(await one_step())
+            if len(during) % 16 == 0:
+                peak = max(peak, _rss_bytes(memd.proc.pid))
+        seconds = time.perf_counter() - started
+        err = (await memctl.stderr.read()).decode() if memctl.stderr else ""
+        if memctl.returncode != 0:
+            raise RuntimeError(f"memctl {call[0]} failed: {err.strip()}")
+        out[call[0]] = {"seconds": seconds, "steps_during": len(during), "max_step_wait_ms": max(during) * 1e3,
+                        "memd_rss_mib": steady / 2**20, "memd_rss_ratio": peak / steady}
     await client.close()
-    return {"blocks": geometry.num_blocks, "sessions": sessions, "seconds": seconds, "steps_during": len(during),
-            "max_step_wait_ms": max(during) * 1e3, "quiet_max_step_ms": max(quiet) * 1e3,
-            "quiet_p50_step_ms": statistics.median(quiet) * 1e3, "memd_rss_mib": steady / 2**20,
-            "memd_rss_ratio": peak / steady}
+    return out
 
 
 def bench_startup(tmp: Path, pool: str) -> dict:
@@ -528,13 +530,16 @@ def report(res: dict) -> str:
     reclaim = table([["worker reclaim (SIGKILL -> log)", "trials", "min ms", "median ms", "max ms"],
                      ["running worker, 16 sequences", str(len(ms)), f"{min(ms):.2f}",
                       f"{statistics.median(ms):.2f}", f"{max(ms):.2f}"]])
-    snap = res["snapshot"]
-    snapshot = table([["memctl snapshot (its own process)", "blocks", "parked sessions", "seconds",
-                       "Steps meanwhile", "longest Step ms", "quiet: longest", "p50", "memd RSS MiB", "peak / steady"],
-                      ["every block, to a file", f"{snap['blocks']:,}", f"{snap['sessions']:,}",
-                       f"{snap['seconds']:.2f}", str(snap["steps_during"]), f"{snap['max_step_wait_ms']:.1f}",
-                       f"{snap['quiet_max_step_ms']:.1f}", f"{snap['quiet_p50_step_ms']:.2f}",
-                       f"{snap['memd_rss_mib']:.0f}", f"{snap['memd_rss_ratio']:.2f}x"]])
+    op = res["operator"]
+    calls = [["operator call (memctl, its own process)", "blocks", "parked sessions", "seconds", "Steps meanwhile",
+             "longest Step ms", "memd RSS MiB", "peak / steady"]]
+    for name, what in (("snapshot", "snapshot, every block, to a file"), ("check", "check, every invariant")):
+        o = op[name]
+        calls.append([what, f"{op['blocks']:,}", f"{op['sessions']:,}", f"{o['seconds']:.2f}", str(o["steps_during"]),
+                     f"{o['max_step_wait_ms']:.1f}", f"{o['memd_rss_mib']:.0f}", f"{o['memd_rss_ratio']:.2f}x"])
+    calls.append(["quiet (before)", "", "", "", "",
+                  f"{op['quiet_max_step_ms']:.1f} (p50 {op['quiet_p50_step_ms']:.2f})", "", ""])
+    snapshot = table(calls)
     start = res["startup"]
     startup = table([[f"start-up to READY=1, {start['pool']} pool, default swap tier", "seconds"],
                      ["state directory on tmpfs (as the unit)", f"{start['state_dir']:.2f}"],
@@ -589,9 +594,11 @@ def main() -> None:
             res["step_rate_ratio_vs_echo"] = res["step_rpc"][0]["steps_per_s"] / res["echo"]["steps_per_s"]
         finally:
             memd.kill()
-        res["snapshot"] = bench_snapshot(Path(tmp), "100MiB" if args.quick else "1GiB", 512 if args.quick else 10_000)
-        res["snapshot_memd_rss_ratio"] = res["snapshot"]["memd_rss_ratio"]
-        res["snapshot_1m_max_step_wait_ms"] = res["snapshot"]["max_step_wait_ms"]
+        res["operator"] = bench_operator_calls(Path(tmp), "100MiB" if args.quick else "1GiB",
+                                               512 if args.quick else 10_000)
+        res["snapshot_1m_max_step_wait_ms"] = res["operator"]["snapshot"]["max_step_wait_ms"]
+        res["check_1m_max_step_wait_ms"] = res["operator"]["check"]["max_step_wait_ms"]
+        res["snapshot_memd_rss_ratio"] = res["operator"]["snapshot"]["memd_rss_ratio"]
         pool = "512MiB" if args.quick else "8GiB"
         res["startup"] = {"pool": pool, **bench_startup(Path(tmp), pool)}
         if not args.quick:

@@ -98,7 +98,7 @@ def forget_page(manager: KvManager, block: int, where: Where) -> None:
     if not holders:
         log.error("a cached page failed its check: it left the prefix cache", where=where.value, block=block)
     if not manager.pool.ref[block]:
-        manager.pool.checksum[block] = 0        # free and uncached: nothing to check until it is written again
+        manager.pool.set_checksum(block, 0)       # free and uncached: nothing to check until it is written again
 
 
 def slot_failed(manager: KvManager, seq: Sequence, index: int, where: Where) -> None:

@@ -278,7 +278,7 @@ class KvManager(StepOps):
                     and self.seqs.get(seq.seq_id) is seq:
                 bs = seq.block_size
                 self._offer(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
-                self.pool.checksum[b.block] = sums.get(b.block, 0)    # a full block: what it holds from now on
+                self.pool.set_checksum(b.block, sums.get(b.block, 0))    # a full block: what it holds from now on
         self._filling -= outcome.filling
         self._note_all(outcome.filling)
 

@@ -57,7 +57,7 @@ class FreeQueue:
     A block out of the queue has previous -1: membership costs no third array to keep up to date.
     """
 
-    __slots__ = ("_end", "_len", "_next", "_prev")
+    __slots__ = ("_end", "_len", "_next", "_prev", "watches")
 
     def __init__(self, num_blocks: int) -> None:
         end = num_blocks                          # the sentinel node
@@ -65,6 +65,9 @@ class FreeQueue:
         self._next = list(range(1, num_blocks + 1)) + [0 if num_blocks else end]
         self._prev = [end] + list(range(num_blocks - 1)) + [num_blocks - 1 if num_blocks else end]
         self._len = num_blocks
+        # Nodes whose links changed (the sentinel's too), per reader copying the links a slice at a time:
+        # shared with the pool that owns the queue (BlockPool.watches).
+        self.watches: list[set[int]] = []
 
     def __len__(self) -> int:
         return self._len
@@ -84,6 +87,8 @@ class FreeQueue:
         self._next[prev] = block
         self._prev[nxt] = block
         self._len += 1
+        for watch in self.watches:
+            watch.update((block, prev, nxt))
 
     def push_front(self, block: int) -> None:
         self._insert_after(block, self._end)
@@ -98,6 +103,8 @@ class FreeQueue:
         self._prev[nxt] = prev
         self._prev[block] = -1
         self._len -= 1
+        for watch in self.watches:
+            watch.update((block, prev, nxt))
         return prev, nxt
 
     def relink(self, block: int, prev: int, nxt: int) -> None:
@@ -110,6 +117,8 @@ class FreeQueue:
         self._next[prev] = block
         self._prev[nxt] = block
         self._len += 1
+        for watch in self.watches:
+            watch.update((block, prev, nxt))
 
     def first(self) -> int:
         return self._next[self._end]
@@ -125,6 +134,9 @@ class FreeQueue:
         after = nxt[node]
         nxt[self._end], prv[after] = after, self._end
         self._len -= n
+        for watch in self.watches:
+            watch.update(taken)
+            watch.update((self._end, after))
         return taken
 
     def put_front(self, blocks: list[int]) -> None:
@@ -140,6 +152,9 @@ class FreeQueue:
     def _link_run(self, blocks: list[int], prev: int) -> None:
         nxt, prv = self._next, self._prev
         last = nxt[prev]
+        for watch in self.watches:
+            watch.update(blocks)
+            watch.update((prev, last))
         for block in blocks:
             nxt[prev] = block
             prv[block] = prev
@@ -166,9 +181,9 @@ class BlockPool:
         # committed block's until the page is handed out again, a parked partial block's until resumed.
         self.checksum = [0] * num_blocks
         self.undo: UndoLog | None = None
-        # Blocks whose ref count, access time or prefix hash changed, one set per reader that copies the pool
-        # a slice at a time between Steps (memd.state_copy): it copies them again at the end.
-        self.watches: list[set[int]] = []
+        # Blocks whose ref count, access time, prefix hash, checksum or queue links changed, one set per reader
+        # that copies the pool a slice at a time between Steps (memd.state_copy): it copies them again at the end.
+        self.watches: list[set[int]] = self.free.watches
 
     @property
     def num_free(self) -> int:
@@ -342,6 +357,8 @@ class BlockPool:
         if self.undo is not None:
             self.undo.record(self.checksum.__setitem__, block, self.checksum[block])
         self.checksum[block] = checksum
+        for watch in self.watches:
+            watch.add(block)
 
     def unregister(self, block: int) -> None:
         """Take a block out of the prefix cache: its page failed a check."""
@@ -366,36 +383,16 @@ class BlockPool:
         return block
 
     def violations(self) -> list[str]:
-        problems: list[str] = []
-        seen: set[int] = set()
-        for block in self.free:
-            if block in seen:
-                problems.append(f"block {block} is in the free queue twice")
-            seen.add(block)
-        if len(seen) != len(self.free):
-            problems.append(f"free queue holds {len(seen)} blocks but counts {len(self.free)}")
-        for block in range(self.num_blocks):
-            ref, queued = self.ref[block], block in seen
-            if (block in self.free) != queued:
-                problems.append(f"block {block} is {'' if queued else 'not '}in the free queue but marked otherwise")
-            if ref < 0:
-                problems.append(f"block {block} has negative ref count {ref}")
-            if (ref == 0) != queued:
-                where = "in" if queued else "not in"
-                problems.append(f"block {block} has ref count {ref} but is {where} the free queue")
-            digest = self.hash_of[block]
-            if digest is not None and self.by_hash.get(digest) != block:
-                problems.append(f"block {block} carries a hash the prefix index does not map to it")
-        for digest, block in self.by_hash.items():
-            if self.hash_of[block] != digest:
-                problems.append(f"prefix index maps a hash to block {block}, which carries another")
-        return problems
+        """The pool's own invariants (memd.invariants: the manager's include these)."""
+        from memd.invariants import pool_violations  # it checks a copy of the pool, made by memd.state_copy
+
+        return pool_violations(self)
 
 
 class SwapSlots:
     """Which slots are free: a stack, so a swap-out of k blocks mostly gets k consecutive slots."""
 
-    __slots__ = ("_free", "checksum", "in_copy", "num_slots")
+    __slots__ = ("_free", "checksum", "in_copy", "low_marks", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -404,6 +401,9 @@ class SwapSlots:
         self._free = list(range(num_slots - 1, -1, -1))
         # Owned by a copy, by no sequence: a swap-out's target, or a swap-in's source until read.
         self.in_copy: set[int] = set()
+        # The fewest free slots since a reader began copying the free stack a slice at a time
+        # (memd.state_copy), one per reader: the stack changes at its top only, so below that it is as copied.
+        self.low_marks: list[list[int]] = []
 
     @property
     def num_free(self) -> int:
@@ -418,6 +418,8 @@ class SwapSlots:
         taken = self._free[-count:][::-1]
         del self._free[-count:]
         self.in_copy.update(taken)
+        for mark in self.low_marks:
+            mark[0] = min(mark[0], len(self._free))
         return taken
 
     def assign(self, slots: Iterable[int]) -> None:
@@ -428,10 +430,13 @@ class SwapSlots:
         """Mark slots as held by a sequence (one recovered from the journal)."""
         taken = set(slots)
         self._free = [slot for slot in self._free if slot not in taken]
+        for mark in self.low_marks:
+            mark[0] = 0
 
     def give(self, slots: list[int]) -> None:
         self.in_copy.difference_update(slots)
         self._free.extend(reversed(slots))
 
-    def free_slots(self) -> list[int]:
-        return list(self._free)
+    def free_slots(self, start: int = 0, end: int | None = None) -> list[int]:
+        """The free stack, bottom first (a part of it: from `start` to `end`)."""
+        return self._free[start:end]

@@ -22,11 +22,13 @@ from memd.errors import InvalidArgument, KvError, OpError
 from memd.fdpass import FdServer
 from memd.fences import FenceWatch
 from memd.interceptors import Serialized
+from memd.invariants import violations_between_steps
 from memd.leases import Leases, Notice, revocation
 from memd.manager import KvManager
 from memd.memory import PoolMemory
 from memd.scrub import Scrubber
 from memd.snapshot_view import SnapshotView
+from memd.state_copy import Pacer
 from memd.step_outcome import StepOutcome
 from memd.step_runner import StepRunner
 from shared.logs import enabled
@@ -201,8 +203,10 @@ class MemdService(pb_grpc.MemdServicer):
                     for w in m.workers.values()]
 
         view = await SnapshotView.take(m, request, workers, self.generation)   # of one instant, between Steps
+        pacer = Pacer()
         async for reply in view.replies():
             yield Serialized(reply)
+            await pacer.pause()
         await view.state.drop()
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:
@@ -227,7 +231,7 @@ class MemdService(pb_grpc.MemdServicer):
                              dropped=evicted.dropped, revoked=revoked, free_blocks=m.pool.num_free)
 
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckReply:
-        violations = self.manager.violations()
+        violations = await violations_between_steps(self.manager)       # of one instant, checked between Steps
         log.debug("rpc", method="Check", violations=len(violations))
         return pb.CheckReply(ok=not violations, violations=violations)
 

@@ -11,7 +11,6 @@ serves Steps between chunks, and memd never holds the whole reply.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -24,7 +23,7 @@ from memd.state_copy import SeqCopy, StateCopy
 from shared.rpc import memd_pb2 as pb
 
 CHUNK_ROWS = 512            # rows per reply message: about a millisecond to build and serialize
-SEQS_SLICE = 1024           # sequences indexed or filtered between two turns of the loop
+SEQS_SLICE = 512            # sequences indexed or filtered between two turns of the loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +56,7 @@ class SnapshotView:
             holders = await self._holders()
             for rows in _batched(self._blocks(holders), CHUNK_ROWS):
                 yield pb.SnapshotReply(blocks=rows).SerializeToString()
-        want, rows = self.request, []
+        want, rows, pacer = self.request, [], state_copy.Pacer()
         for n, s in enumerate(self.state.seqs.values(), 1):
             if (not want.state or s.state == want.state) \
                     and (not want.worker_id or (s.owner == want.worker_id and s.running)):
@@ -66,18 +65,19 @@ class SnapshotView:
                     yield pb.SnapshotReply(sequences=rows).SerializeToString()
                     rows = []
             if n % SEQS_SLICE == 0:                 # a filter may pass over many before it shows one
-                await asyncio.sleep(0)
+                await pacer.pause()
         if rows:
             yield pb.SnapshotReply(sequences=rows).SerializeToString()
 
     async def _holders(self) -> dict[int, list[SeqCopy]]:
         """Block -> the sequences whose tables name it."""
         holders: dict[int, list[SeqCopy]] = {}
+        pacer = state_copy.Pacer()
         for n, seq in enumerate(self.state.seqs.values(), 1):
             for block in seq.block_ids:
                 holders.setdefault(block, []).append(seq)
             if n % SEQS_SLICE == 0:
-                await asyncio.sleep(0)
+                await pacer.pause()
         return holders
 
     def _blocks(self, holders: dict[int, list[SeqCopy]]) -> Iterator[pb.BlockRow]:

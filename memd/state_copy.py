@@ -5,11 +5,16 @@ go held memd's event loop for 15-30 ms, and every worker's Step waited for
 it; ten thousand parked sequences cost as much again. So the copy is taken
 in slices of a fraction of a millisecond each, and the loop serves Steps in
 between. Meanwhile the pool and the manager note every block and sequence a
-Step changes (`BlockPool.watches`, `KvManager.watches`); those are copied
-again at the end, and the last of them in one go, with nothing awaited: the
-copy is the state of that last instant, as consistent as if it had been
-taken in one piece. Should Steps change state faster than the copy catches
-up, the re-copying repeats in slices until what is left is small.
+Step changes (`BlockPool.watches`, `KvManager.watches`, and the lowest the
+swap tier's free stack got, `SwapSlots.low_marks`); those are copied again
+at the end, and the last of them in one go, with nothing awaited: the copy
+is the state of that last instant, as consistent as if it had been taken in
+one piece. Should Steps change state faster than the copy catches up, the
+re-copying repeats in slices until what is left is small.
+
+`memctl snapshot` shows the copy; `memctl check` checks it (memd.invariants).
+The check's copy carries more per block (queue links, whether the prefix
+index agrees, whether a checksum is set) and per sequence.
 
 The per-block copies are flat arrays, not lists: the garbage collector walks
 every item of a list on each pass (12 ms for three lists of a million), and
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,14 +40,35 @@ if TYPE_CHECKING:
     from memd.pool import BlockPool
 
 SLICE_BLOCKS = 8_192           # pool entries copied between two turns of the loop: under a millisecond
-SLICE_SEQS = 1_024             # sequences copied between two turns of the loop
+CHECKED_SLICE_BLOCKS = 2_048   # the same for a check's copy, which looks each block's hash up
+SLICE_SEQS = 256               # sequences copied between two turns of the loop: about a millisecond
 SETTLE = 4_096                 # changed blocks and sequences few enough to copy again in one go
 MAX_ROUNDS = 16                # rounds of re-copying in slices before the last one is taken regardless
+MAX_PAUSE_S = 0.002            # the longest a slice waits for Steps to run before the next
+
+
+class Pacer:
+    """Between two slices, the loop is left to Steps for as long as the slice ran (two milliseconds at most).
+
+    Yielding one turn of the loop is not enough: a Step needs several turns
+    (the request read, the handler, the reply written), and would meet a
+    slice at each; at half the loop's time an operator call takes twice as
+    long, and a Step meets at most about one slice.
+    """
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    async def pause(self) -> None:
+        await asyncio.sleep(min(MAX_PAUSE_S, time.perf_counter() - self._since))
+        self._since = time.perf_counter()
 
 
 @dataclass(frozen=True, slots=True)
 class SeqCopy:
-    """One sequence's fields as the copy shows them (its block table copied: the live one grows)."""
+    """One sequence's fields as the copy shows and checks them (its tables copied: the live ones change)."""
 
     seq_id: int
     session_id: str
@@ -55,38 +82,71 @@ class SeqCopy:
     last_access: float
     heat: float                  # as of `heat_at`: decayed to the copy's instant by `StateCopy.heat`
     heat_at: float
-    swapped_blocks: int
+    slots: tuple[int, ...]
+    block_size: int
+    num_hashes: int
+    has_session: bool            # session_id is not None (an empty name is still a session)
 
     @classmethod
     def of(cls, s: Sequence) -> SeqCopy:
         return cls(s.seq_id, s.session_id or "", s.state.value, s.owner or 0, s.state is SeqState.RUNNING,
                    s.num_committed, len(s.token_ids), tuple(s.block_ids), s.model, s.last_access, s.heat,
-                   s.heat_at, len(s.slots))
+                   s.heat_at, tuple(s.slots), s.block_size, len(s.hashes), s.session_id is not None)
+
+    @property
+    def swapped_blocks(self) -> int:
+        return len(self.slots)
 
 
 class BlockCopy:
-    """Each block's ref count, access time and whether it carries a prefix hash, an array per slice."""
+    """Per block: ref count, access time, whether it carries a prefix hash; for a check, more. An array per slice."""
 
-    __slots__ = ("cached", "last_access", "ref", "slice")
+    __slots__ = ("cached", "checked", "hash_ok", "last_access", "next", "prev", "ref", "slice", "written")
 
-    def __init__(self, slice_blocks: int) -> None:
-        self.slice = slice_blocks
+    def __init__(self, slice_blocks: int, checked: bool) -> None:
+        self.slice, self.checked = slice_blocks, checked
         self.ref: list[array] = []
         self.last_access: list[array] = []
-        self.cached: list[bytes | bytearray] = []
+        self.cached: list[bytearray] = []
+        # For a check only: the free queue's links, whether the prefix index maps the block's hash to
+        # it (1 when it carries none), whether its page carries a checksum.
+        self.next: list[array] = []
+        self.prev: list[array] = []
+        self.hash_ok: list[bytearray] = []
+        self.written: list[bytearray] = []
 
     def add_slice(self, pool: BlockPool, start: int) -> None:
-        end = start + self.slice
+        end = min(start + self.slice, pool.num_blocks)
         self.ref.append(array("q", pool.ref[start:end]))
         self.last_access.append(array("d", pool.last_access[start:end]))
         self.cached.append(bytearray(map(bool, pool.hash_of[start:end])))    # a digest is never empty
+        if self.checked:
+            self.next.append(array("q", pool.free._next[start:end]))
+            self.prev.append(array("q", pool.free._prev[start:end]))
+            ok, get, hashes = bytearray(b"\x01") * (end - start), pool.by_hash.get, pool.hash_of
+            for block in itertools.compress(range(start, end), self.cached[-1]):
+                ok[block - start] = get(hashes[block]) == block          # type: ignore[arg-type]
+            self.hash_ok.append(ok)
+            self.written.append(bytearray(map(bool, pool.checksum[start:end])))
 
     def copy_again(self, pool: BlockPool, blocks: list[int] | set[int]) -> None:
-        ref, last_access, hash_of = pool.ref, pool.last_access, pool.hash_of
+        ref, last_access, hash_of, end = pool.ref, pool.last_access, pool.hash_of, pool.num_blocks
         for block in blocks:
+            if block >= end:
+                continue                         # the free queue's sentinel: `StateCopy.queue_ends`
             at, i = divmod(block, self.slice)
             self.ref[at][i], self.last_access[at][i] = ref[block], last_access[block]
-            self.cached[at][i] = hash_of[block] is not None
+            digest = hash_of[block]
+            self.cached[at][i] = digest is not None
+            if self.checked:
+                self.next[at][i], self.prev[at][i] = pool.free._next[block], pool.free._prev[block]
+                self.hash_ok[at][i] = digest is None or pool.by_hash.get(digest) == block
+                self.written[at][i] = bool(pool.checksum[block])
+
+    def value(self, column: list[array] | list[bytearray], block: int) -> int:
+        """One block's entry in one of the columns (`self.ref`, `self.written` ...)."""
+        at, i = divmod(block, self.slice)
+        return column[at][i]
 
     def rows(self) -> Iterator[tuple[int, float, int]]:
         """(ref count, last access, cached) of every block, in block order."""
@@ -95,15 +155,33 @@ class BlockCopy:
 
 
 @dataclass(slots=True)
+class SwapCopy:
+    """The swap tier's slots: the free stack (bottom first), the slots copies own, the swap-outs in flight."""
+
+    num_slots: int
+    free: list[int]
+    in_copy: frozenset[int] = frozenset()
+    jobs: dict[int, str] = field(default_factory=dict)   # seq id -> what is wrong with its swap-out ("": nothing)
+
+
+@dataclass(slots=True)
 class StateCopy:
     """The pool's per-block state (when asked for) and every sequence, as of one instant."""
 
     heat_decay: float
     heat_interval_s: float
+    num_blocks: int
     blocks: BlockCopy | None = None             # None: not asked for
     seqs: dict[int, SeqCopy] = field(default_factory=dict)
     fences: dict[int, tuple[int, ...]] = field(default_factory=dict)      # pid -> pages fenced for it
-    rounds: int = 0                            # of re-copying: how busy memd was meanwhile
+    # For a check: the rest of the instant.
+    sessions: dict[str, int] = field(default_factory=dict)
+    workers: frozenset[int] = frozenset()
+    queue_len: int = 0
+    queue_ends: tuple[int, int] = (0, 0)        # the sentinel's (next, prev): the first and last free block
+    num_hashed: int = 0                          # entries in the prefix index
+    swap: SwapCopy | None = None
+    rounds: int = 0                              # of re-copying: how busy memd was meanwhile
 
     def heat(self, seq: SeqCopy, now: float) -> float:
         """As `KvManager.heat` computed it at `now` (the copy's instant)."""
@@ -111,52 +189,111 @@ class StateCopy:
 
     async def drop(self) -> None:
         """Let go of the sequences a slice at a time: dropping 100k of them at once is milliseconds of the loop."""
+        pacer = Pacer()
         while self.seqs:
             for _ in range(min(SLICE_SEQS, len(self.seqs))):
                 self.seqs.popitem()
-            await asyncio.sleep(0)
+            await pacer.pause()
 
 
-async def take(manager: KvManager, *, blocks: bool = True) -> StateCopy:
+async def take(manager: KvManager, *, blocks: bool = True, checked: bool = False) -> StateCopy:
     """The copy; awaits between slices. When it returns, nothing has run since its last instant: the caller
-    may add what else it shows (workers, the time) before its next await, and it belongs to the same instant."""
-    pool = manager.pool
-    copy = StateCopy(manager.heat_decay, manager.heat_interval_s)
+    may add what else it shows (workers, the time) before its next await, and it belongs to the same instant.
+
+    `checked`: with what a check needs (implies `blocks`).
+    """
+    copy, pacer = StateCopy(manager.heat_decay, manager.heat_interval_s, manager.pool.num_blocks), Pacer()
+    for _ in _steps(manager, copy, blocks or checked, checked):
+        await pacer.pause()
+    return copy
+
+
+def take_now(manager: KvManager, *, blocks: bool = True, checked: bool = False) -> StateCopy:
+    """The copy in one go, for callers that may hold the loop (tests, start-up)."""
+    copy = StateCopy(manager.heat_decay, manager.heat_interval_s, manager.pool.num_blocks)
+    for _ in _steps(manager, copy, blocks or checked, checked):
+        pass
+    return copy
+
+
+def pool_now(pool: BlockPool) -> StateCopy:
+    """A check's copy of a pool alone (no sequences), in one go."""
+    copy = StateCopy(0.0, 1.0, pool.num_blocks, BlockCopy(CHECKED_SLICE_BLOCKS, checked=True))
+    for start in range(0, pool.num_blocks, CHECKED_SLICE_BLOCKS):
+        copy.blocks.add_slice(pool, start)          # type: ignore[union-attr]
+    _copy_pool_totals(pool, copy)
+    return copy
+
+
+def _copy_pool_totals(pool: BlockPool, copy: StateCopy) -> None:
+    copy.queue_len, copy.num_hashed = len(pool.free), len(pool.by_hash)
+    copy.queue_ends = (pool.free._next[pool.num_blocks], pool.free._prev[pool.num_blocks])
+
+
+def _steps(manager: KvManager, copy: StateCopy, blocks: bool, checked: bool) -> Iterator[None]:
+    """Copies into `copy`, yielding where the loop may run Steps; the last stretch yields nothing."""
+    pool, swap = manager.pool, manager.swap
     changed_blocks: set[int] = set()
     changed_seqs: set[int] = set()
+    low_mark = [swap.num_free if swap is not None else 0]
     pool.watches.append(changed_blocks)
     manager.watches.append(changed_seqs)
+    if swap is not None:
+        swap.low_marks.append(low_mark)
     try:
         if blocks:
-            copy.blocks = BlockCopy(SLICE_BLOCKS)
-            for start in range(0, pool.num_blocks, SLICE_BLOCKS):
+            copy.blocks = BlockCopy(CHECKED_SLICE_BLOCKS if checked else SLICE_BLOCKS, checked)
+            for start in range(0, pool.num_blocks, copy.blocks.slice):
                 copy.blocks.add_slice(pool, start)
-                await asyncio.sleep(0)
+                yield
         seq_ids = list(manager.seqs)           # ones created meanwhile are noted as changed
         for start in range(0, len(seq_ids), SLICE_SEQS):
             _copy_seqs(manager, copy, seq_ids[start:start + SLICE_SEQS])
-            await asyncio.sleep(0)
+            yield
+        free_slots: list[int] = []
+        if checked and swap is not None:
+            for start in range(0, swap.num_free, SLICE_BLOCKS):
+                free_slots += swap.free_slots(start, start + SLICE_BLOCKS)
+                yield
         while len(changed_blocks) + len(changed_seqs) > SETTLE and copy.rounds < MAX_ROUNDS:
             copy.rounds += 1
             again_blocks, again_seqs = sorted(changed_blocks), list(changed_seqs)
             changed_blocks.clear()
             changed_seqs.clear()
-            for start in range(0, len(again_blocks), SLICE_BLOCKS):
+            for start in range(0, len(again_blocks), CHECKED_SLICE_BLOCKS):
                 if copy.blocks is not None:
-                    copy.blocks.copy_again(pool, again_blocks[start:start + SLICE_BLOCKS])
-                await asyncio.sleep(0)
+                    copy.blocks.copy_again(pool, again_blocks[start:start + CHECKED_SLICE_BLOCKS])
+                yield
             for start in range(0, len(again_seqs), SLICE_SEQS):
                 _copy_seqs(manager, copy, again_seqs[start:start + SLICE_SEQS])
-                await asyncio.sleep(0)
-        # The last instant: nothing awaited from here on.
+                yield
+        # The last instant: nothing yielded from here on.
         if copy.blocks is not None:
             copy.blocks.copy_again(pool, changed_blocks)
         _copy_seqs(manager, copy, changed_seqs)
         copy.fences = {pid: tuple(pages) for pid, pages in manager.fences.items()}
-        return copy
+        if checked:
+            copy.sessions = dict(manager.sessions)
+            copy.workers = frozenset(manager.workers)
+            _copy_pool_totals(pool, copy)
+            if swap is not None:
+                kept = min(low_mark[0], len(free_slots))        # below it the stack is as it was copied
+                copy.swap = SwapCopy(swap.num_slots, free_slots[:kept] + swap.free_slots(kept),
+                                     frozenset(swap.in_copy),
+                                     {seq_id: _job_problem(manager, seq_id, job.seq, job.blocks)
+                                      for seq_id, job in manager.swap_jobs.items()})
     finally:                                   # by identity: another reader's set may be equal to ours
         pool.watches[:] = [w for w in pool.watches if w is not changed_blocks]
         manager.watches[:] = [w for w in manager.watches if w is not changed_seqs]
+        if swap is not None:
+            swap.low_marks[:] = [m for m in swap.low_marks if m is not low_mark]
+
+
+def _job_problem(manager: KvManager, seq_id: int, seq: Sequence, blocks: list[int]) -> str:
+    if manager.seqs.get(seq_id) is not seq or seq.state is not SeqState.PARKED:
+        return f"a swap-out is in flight for sequence {seq_id}, which is not parked"
+    return "" if blocks == seq.block_ids else \
+        f"the swap-out of sequence {seq_id} copies other blocks than the sequence holds"
 
 
 def _copy_seqs(manager: KvManager, copy: StateCopy, seq_ids: list[int] | set[int]) -> None:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from memd import state_copy
 from memd.snapshot_view import CHUNK_ROWS, SnapshotView
-from memd.state_copy import SeqCopy
 from shared.ops import Free, Open, Park
 from shared.rpc import memd_pb2 as pb
 
@@ -64,41 +60,3 @@ async def test_the_streamed_parts_merge_into_the_whole_reply_and_the_view_stays_
     shared_rows = [row for row in reply.blocks if len(row.seq_ids) > 1]
     assert len(shared_rows) == 2 and all(row.ref_count == CHUNK_ROWS + 100 for row in shared_rows)
     assert {row.state for row in shared_rows} == {"parked,running"}
-
-
-async def test_a_copy_taken_in_slices_while_steps_run_is_the_state_of_its_last_instant(local_memd_factory,
-                                                                                      monkeypatch):
-    """Steps open, park and free sequences between the copy's slices; what it returns is the live state then."""
-    monkeypatch.setattr(state_copy, "SLICE_BLOCKS", 16)
-    monkeypatch.setattr(state_copy, "SLICE_SEQS", 2)
-    monkeypatch.setattr(state_copy, "SETTLE", 8)
-    memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "2MiB", "--block-bytes", "1KiB",
-                                    "--state-dir", "none")
-    client = await memd.attach(block_size=16)
-    manager, pool = memd.parts.manager, memd.parts.manager.pool
-    stop = asyncio.Event()
-
-    async def churn() -> None:
-        turn = 0
-        while not stop.is_set():
-            turn += 1
-            opened = await client.step(*[Open([turn, i] + list(range(40)), reserve=1) for i in range(3)])
-            await client.step(Park(opened[0].seq_id, commit_to=32), Free(opened[1].seq_id))
-            if turn % 4 == 0:
-                await client.step(*[Free(s.seq_id) for s in list(manager.seqs.values())[:6]])
-
-    task = asyncio.create_task(churn())
-    try:
-        for _ in range(6):
-            steps = manager.counters["steps"]
-            copy = await state_copy.take(manager)
-            # Nothing has run since the copy's last instant: it must be the live state, exactly.
-            assert copy.blocks is not None
-            assert list(copy.blocks.rows()) == [(ref, touched, digest is not None) for ref, touched, digest
-                                                in zip(pool.ref, pool.last_access, pool.hash_of, strict=True)]
-            assert copy.seqs == {seq_id: SeqCopy.of(seq) for seq_id, seq in manager.seqs.items()}
-            assert manager.counters["steps"] > steps                   # and Steps did run while it was taken
-    finally:
-        stop.set()
-        await task
-    assert not pool.watches and not manager.watches                     # no reader left behind
