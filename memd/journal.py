@@ -10,6 +10,8 @@ the journal is rewritten from the live state, so the file stays about the
 size of the live state: a few hundred sequences per flush, beside the
 flushes' own records, so that no Step waits for all of them (tens of ms at
 10k sequences); the old journal stays whole until the new one replaces it.
+A rewrite that cannot be written is abandoned, not the journal: memd goes on
+appending to the old one and tries again after as many records once more.
 
 (Not to be confused with a Step's undo log, `memd.pool.UndoLog`, which lives
 in memory for the length of one Step.)
@@ -142,6 +144,8 @@ class WriteAheadLog:
         self._tokens_written: dict[int, int] = {}
         self.records = 0                     # appended since the last checkpoint
         self._rewrite: _Rewrite | None = None
+        self._rewrite_deferred = 0           # records before the next rewrite begins, past the usual threshold
+        self._rewrite_failing = False        # the last rewrite failed (warned once, until one completes)
 
     def checkpoint(self, manager: KvManager) -> None:
         """Rewrite the journal from the live state at once: a new file, renamed over the old one."""
@@ -169,7 +173,7 @@ class WriteAheadLog:
             os.close(self._fd)
         os.lseek(fd, 0, os.SEEK_END)
         self._fd = fd
-        self.records = 0
+        self.records = self._rewrite_deferred = 0
 
     def flush(self, manager: KvManager) -> None:
         """Append the sequences changed since the last flush; call before replying to whoever changed them."""
@@ -183,12 +187,17 @@ class WriteAheadLog:
                 if self.fsync:
                     os.fsync(self._fd)
                 self.records += len(parts)
-            if self._rewrite is not None:
-                self._advance_rewrite(manager, changes)
-            elif self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
-                self._start_rewrite(manager)
         except OSError as exc:
             self.give_up(exc)
+            return
+        # The journal in use is whole: a rewrite that fails costs the rewrite, not the journal.
+        try:
+            if self._rewrite is not None:
+                self._advance_rewrite(manager, changes)
+            elif self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)) + self._rewrite_deferred:
+                self._start_rewrite(manager)
+        except OSError as exc:
+            self._rewrite_failed(exc)
 
     def _change_records(self, manager: KvManager, changes: Changes, written: dict[int, int]) -> list[bytes]:
         """Records of what changed, for the file whose token counts are `written`."""
@@ -234,19 +243,38 @@ class WriteAheadLog:
         if self.fsync:
             os.fsync(rewrite.fd)
         os.replace(self._new_path(), self.state.journal)
-        if self.fsync:
-            self._fsync_dir()
-        os.close(self._fd)
+        # From here the new journal is the one in use, and a failure is the journal's own.
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         self._fd, self._tokens_written, self.records = rewrite.fd, rewrite.tokens_written, rewrite.records
-        self._rewrite = None
+        self._rewrite, self._rewrite_deferred = None, 0
+        if self._rewrite_failing:
+            self._rewrite_failing = False
+            log.info("the journal was rewritten again", journal=str(self.state.journal))
+        if self.fsync:
+            try:
+                self._fsync_dir()
+            except OSError as exc:
+                self.give_up(exc)
+
+    def _rewrite_failed(self, exc: OSError) -> None:
+        """journal.new could not be written: drop it, keep the journal in use (whole: a restart reads it),
+        and try again once as many records more have been appended."""
+        self._abandon_rewrite()
+        self._rewrite_deferred = self.records
+        if not self._rewrite_failing:
+            self._rewrite_failing = True
+            log.warning("cannot rewrite the journal: memd goes on appending to it and tries again later",
+                        journal=str(self.state.journal), error=exc.strerror or str(exc))
 
     def _abandon_rewrite(self) -> None:
+        """Close and remove journal.new: also one a rewrite could not open, or a memd before this one left."""
         if self._rewrite is not None:
             with contextlib.suppress(OSError):
                 os.close(self._rewrite.fd)
-            with contextlib.suppress(OSError):
-                self._new_path().unlink()
             self._rewrite = None
+        with contextlib.suppress(OSError):
+            self._new_path().unlink()
 
     def _fsync_dir(self) -> None:
         dir_fd = os.open(self.state.path, os.O_RDONLY)

@@ -8,6 +8,7 @@ after kill -9 would, and must give every sequence back as recovery promises
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
+from structlog.testing import capture_logs
 
 import memd.journal
 from memd.journal import WriteAheadLog
@@ -272,6 +274,53 @@ def test_the_journal_is_rewritten_a_chunk_per_flush_and_stays_whole_meanwhile(tm
     assert {s.seq_id: s.token_ids for s in recovered(state).seqs.values()} == \
         {s.seq_id: s.token_ids for s in manager.seqs.values()}
     assert read_records(state) == len(manager.seqs) + 4     # the live state, and what the last flushes changed
+    wal.close()
+
+
+@pytest.mark.parametrize("fails_at", ["its header", "its first chunk"])
+def test_a_rewrite_that_cannot_be_written_is_abandoned_and_the_journal_in_use_goes_on(tmp_path, monkeypatch,
+                                                                                      fails_at):
+    monkeypatch.setattr(memd.journal, "CHECKPOINT_RECORDS", 10)
+    monkeypatch.setattr(memd.journal, "REWRITE_CHUNK", 3)
+    state, manager, wal, worker = journaled(tmp_path)
+    opened = manager.step(worker, [Open([100 * i, 100 * i + 1], session_id=f"s{i}") for i in range(12)]).results
+    new, written, full = tmp_path / "journal.new", [], [True]
+
+    def write_all(fd: int, data: bytes, write=memd.journal._write_all) -> None:
+        if wal._rewrite is not None and fd == wal._rewrite.fd:     # journal.new, on a file system now full
+            written.append(len(data))
+            if full[0] and len(written) > (fails_at == "its first chunk"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(fd, data)
+
+    def one_flush(i: int) -> None:
+        manager.step(worker, [Extend(r.seq_id, append=[i] if j == i % 12 else [], commit_to=1)
+                              for j, r in enumerate(opened)])
+        wal.flush(manager)
+        assert {s.seq_id: s.token_ids for s in recovered(state).seqs.values()} == \
+            {s.seq_id: s.token_ids for s in manager.seqs.values()}        # every sequence, every token
+
+    monkeypatch.setattr(memd.journal, "_write_all", write_all)
+    with capture_logs() as logs:
+        for i in range(9):                      # 12 records a flush: the 5th (60 > 48) begins a rewrite
+            one_flush(i)
+            assert state.journal.exists() and new.exists() == (wal._rewrite is not None)
+    tries = len(written)
+    assert tries == 1 + (fails_at == "its first chunk")                # one try, then none for 48 records more
+    warned, = logs                              # once; the journal in use was never given up
+    assert (warned["log_level"], warned["event"], warned["error"]) == \
+        ("warning", "cannot rewrite the journal: memd goes on appending to it and tries again later",
+         os.strerror(errno.ENOSPC))
+
+    grown = read_records(state)
+    full[0] = False                             # room again: the next try succeeds
+    with capture_logs() as logs:
+        for i in range(9, 20):
+            one_flush(i)
+            if logs:
+                break
+    assert [e["event"] for e in logs] == ["the journal was rewritten again"] and not new.exists()
+    assert read_records(state) == len(manager.seqs) + 4 * 12 < grown     # the live state, the last 4 flushes
     wal.close()
 
 
