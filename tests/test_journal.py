@@ -26,7 +26,7 @@ from memd.manager import KvManager
 from memd.recovery import restore
 from memd.sequences import SeqState, blocks_for
 from memd.state import Layout, StateDir, StateError
-from shared.ops import Extend, Open, Park, Resume
+from shared.ops import Extend, Free, Open, Park, Resume
 from tests.test_manager_properties import NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
 
 LAYOUT = Layout("shm", NUM_BLOCKS, 4096, SWAP_SLOTS)
@@ -94,12 +94,12 @@ class JournaledMachine(KvManagerMachine):
                 assert fresh.pool.checksum[block] in (0, self.manager.pool.checksum[block])
         assert {b for blocks in fresh.fences.values() for b in blocks} == expected_fences(self.manager)
         assert fresh.violations() == []
-        # The restarted manager works: a new sequence gets an id never used before.
+        # The restarted manager works: a new sequence gets an id never handed out before, a freed one's included.
         for pid in list(fresh.fences):
             fresh.lift(pid)
         worker = attach(fresh, "m")
         opened, = fresh.step(worker, [Open([1, 2, 3])]).results
-        assert opened.seq_id > max(self.manager.seqs, default=0)
+        assert opened.seq_id == self.manager._next_seq
 
     @invariant()
     def the_journal_rebuilds_the_state(self) -> None:
@@ -191,6 +191,24 @@ def test_a_journal_that_cannot_be_written_is_given_up_and_removed_and_memd_goes_
     manager.step(worker, [Park(opened.seq_id, commit_to=5)])
     wal.flush(manager)                                  # nothing to write to, nothing raised
     assert not state.journal.exists() and not manager.take_changes().seq_ids
+
+
+def test_the_highest_sequence_id_handed_out_outlives_the_sequence_and_a_checkpoint(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    kept, = manager.step(worker, [Open([1, 2, 3], session_id="kept")]).results
+    wal.flush(manager)
+    gone, = manager.step(worker, [Open([4, 5, 6])]).results
+    manager.step(worker, [Free(gone.seq_id)])         # opened and freed between two flushes: no record of it
+    wal.flush(manager)
+    found = state.read()
+    assert found is not None and found.max_seq_id == gone.seq_id
+    wal.checkpoint(manager)                           # as a restarted memd begins: the live state alone
+    found = state.read()
+    assert found is not None and list(found.records) == [kept.seq_id] and found.max_seq_id == gone.seq_id
+    fresh = recovered(state)
+    again, = fresh.step(attach(fresh, "m"), [Open([7, 8])]).results
+    assert again.seq_id == gone.seq_id + 1
+    wal.close()
 
 
 def test_garbled_records_and_clashing_tables_are_never_trusted(tmp_path):
