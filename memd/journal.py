@@ -10,6 +10,8 @@ the journal is rewritten from the live state, so the file stays about the
 size of the live state: a few hundred sequences per flush, beside the
 flushes' own records, so that no Step waits for all of them (tens of ms at
 10k sequences); the old journal stays whole until the new one replaces it.
+A rewrite that cannot be written is abandoned, not the journal: memd goes on
+appending to the old one and tries again after as many records once more.
 
 (Not to be confused with a Step's undo log, `memd.pool.UndoLog`, which lives
 in memory for the length of one Step.)
@@ -47,7 +49,7 @@ class Recovered:
     header: dict[str, Any]
     records: dict[int, list[Any]]              # seq id -> its latest record
     fences: dict[int, list[int]] = field(default_factory=dict)    # pid -> pages fenced for it
-    max_seq_id: int = 0
+    max_seq_id: int = 0                         # the highest sequence id it handed out: none is handed out again
     torn: bool = False                          # the last record was cut short by the crash
 
 
@@ -71,7 +73,8 @@ def read_journal(path: Path) -> Recovered | None:
     if header[1].get("version") != VERSION:
         raise ValueError(f"{path} has journal version {header[1].get('version')}; "
                          f"this memd reads version {VERSION}")
-    found = Recovered(header[1], {})
+    mark = header[1].get("max_seq_id")
+    found = Recovered(header[1], {}, max_seq_id=mark if isinstance(mark, int) and mark > 0 else 0)
     tokens: dict[int, list[int]] = {}
     end = unpacker.tell()               # of the last whole record
     try:
@@ -91,7 +94,8 @@ def read_journal(path: Path) -> Recovered | None:
 #   (then owner_pid: the pid of the worker running it, 0 if none; then turn_id, the checksums of its swap
 #    slots in slot order (SWAPPED; else empty), and its pages' checksums in table order (0: unknown), each
 #    absent from older journals)
-# A removal: ["D", seq_id]
+# A removal: ["D", seq_id]; also of an id never recorded (a sequence opened and freed between two flushes),
+#   to carry the highest id handed out, which the header holds as of the journal's start (max_seq_id)
 # Fenced pages (KvManager.fences): ["F", pid, block_ids], [] once lifted
 SEQ_ID, STATE, MODEL, BLOCK_SIZE, SESSION, COMMITTED, BLOCKS, SLOTS, HEAT, HEAT_AT, LAST_ACCESS, TOKENS_FROM, \
     TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID, TURN_ID, SLOT_SUMS, BLOCK_SUMS = range(1, 21)
@@ -142,13 +146,16 @@ class WriteAheadLog:
         self._tokens_written: dict[int, int] = {}
         self.records = 0                     # appended since the last checkpoint
         self._rewrite: _Rewrite | None = None
+        self._rewrite_deferred = 0           # records before the next rewrite begins, past the usual threshold
+        self._rewrite_failing = False        # the last rewrite failed (warned once, until one completes)
+        self._max_seq_id = 0                 # the highest sequence id the journal names (header or records)
 
     def checkpoint(self, manager: KvManager) -> None:
         """Rewrite the journal from the live state at once: a new file, renamed over the old one."""
         self._abandon_rewrite()
         tmp = self._new_path()
-        parts = [_pack(["H", self.layout.header()])]
-        self._tokens_written = {}
+        parts = [self._header(manager)]
+        self._tokens_written, self._max_seq_id = {}, manager.max_seq_id
         manager.take_changes()               # all of it is in the checkpoint
         for seq in manager.seqs.values():
             parts.append(self._seq_record(seq, manager))
@@ -169,7 +176,7 @@ class WriteAheadLog:
             os.close(self._fd)
         os.lseek(fd, 0, os.SEEK_END)
         self._fd = fd
-        self.records = 0
+        self.records = self._rewrite_deferred = 0
 
     def flush(self, manager: KvManager) -> None:
         """Append the sequences changed since the last flush; call before replying to whoever changed them."""
@@ -177,18 +184,25 @@ class WriteAheadLog:
         if self._fd is None:
             return                           # persistence given up (a write failed): nothing to record
         parts = self._change_records(manager, changes, self._tokens_written)
+        mark = self._seq_id_mark(manager)
+        parts += mark
         try:
             if parts:
                 _write_all(self._fd, b"".join(parts))
                 if self.fsync:
                     os.fsync(self._fd)
                 self.records += len(parts)
-            if self._rewrite is not None:
-                self._advance_rewrite(manager, changes)
-            elif self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)):
-                self._start_rewrite(manager)
         except OSError as exc:
             self.give_up(exc)
+            return
+        # The journal in use is whole: a rewrite that fails costs the rewrite, not the journal.
+        try:
+            if self._rewrite is not None:
+                self._advance_rewrite(manager, changes, mark)
+            elif self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)) + self._rewrite_deferred:
+                self._start_rewrite(manager)
+        except OSError as exc:
+            self._rewrite_failed(exc)
 
     def _change_records(self, manager: KvManager, changes: Changes, written: dict[int, int]) -> list[bytes]:
         """Records of what changed, for the file whose token counts are `written`."""
@@ -203,22 +217,35 @@ class WriteAheadLog:
                                               written=written))
         return parts
 
+    def _header(self, manager: KvManager) -> bytes:
+        return _pack(["H", {**self.layout.header(), "max_seq_id": manager.max_seq_id}])
+
+    def _seq_id_mark(self, manager: KvManager) -> list[bytes]:
+        """A removal of the highest sequence id handed out, when no record names it: one opened and freed
+        since the last flush (or numbered by a Step that was refused) would otherwise be handed out again
+        after a restart. A live one's own record names it: it is new since the last flush, so its record is in
+        this one. The journal being rewritten gets the same removal: its header named the ids up to its start."""
+        issued = manager.max_seq_id
+        if issued <= self._max_seq_id:
+            return []
+        self._max_seq_id = issued
+        return [] if issued in manager.seqs else [_pack(["D", issued])]
+
     def _new_path(self) -> Path:
         return self.state.journal.with_name("journal.new")
 
     def _start_rewrite(self, manager: KvManager) -> None:
         fd = os.open(self._new_path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         self._rewrite = _Rewrite(fd, list(manager.seqs))
-        parts = [_pack(["H", self.layout.header()])] + [_pack(["F", pid, blocks])
-                                                       for pid, blocks in manager.fences.items()]
+        parts = [self._header(manager)] + [_pack(["F", pid, blocks]) for pid, blocks in manager.fences.items()]
         _write_all(fd, b"".join(parts))
 
-    def _advance_rewrite(self, manager: KvManager, changes: Changes) -> None:
+    def _advance_rewrite(self, manager: KvManager, changes: Changes, mark: list[bytes]) -> None:
         """This flush's changes, then the next chunk of sequences, into the new journal; in time order, so the
         last record of a sequence there is its latest. Once every sequence is in, the new journal takes over."""
         rewrite = self._rewrite
         assert rewrite is not None
-        parts = self._change_records(manager, changes, rewrite.tokens_written)
+        parts = self._change_records(manager, changes, rewrite.tokens_written) + mark
         chunk, rewrite.pending = rewrite.pending[-REWRITE_CHUNK:], rewrite.pending[:-REWRITE_CHUNK]
         parts += [self._seq_record(seq, manager, written=rewrite.tokens_written)
                   for seq_id in chunk if (seq := manager.seqs.get(seq_id)) is not None]
@@ -234,19 +261,38 @@ class WriteAheadLog:
         if self.fsync:
             os.fsync(rewrite.fd)
         os.replace(self._new_path(), self.state.journal)
-        if self.fsync:
-            self._fsync_dir()
-        os.close(self._fd)
+        # From here the new journal is the one in use, and a failure is the journal's own.
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         self._fd, self._tokens_written, self.records = rewrite.fd, rewrite.tokens_written, rewrite.records
-        self._rewrite = None
+        self._rewrite, self._rewrite_deferred = None, 0
+        if self._rewrite_failing:
+            self._rewrite_failing = False
+            log.info("the journal was rewritten again", journal=str(self.state.journal))
+        if self.fsync:
+            try:
+                self._fsync_dir()
+            except OSError as exc:
+                self.give_up(exc)
+
+    def _rewrite_failed(self, exc: OSError) -> None:
+        """journal.new could not be written: drop it, keep the journal in use (whole: a restart reads it),
+        and try again once as many records more have been appended."""
+        self._abandon_rewrite()
+        self._rewrite_deferred = self.records
+        if not self._rewrite_failing:
+            self._rewrite_failing = True
+            log.warning("cannot rewrite the journal: memd goes on appending to it and tries again later",
+                        journal=str(self.state.journal), error=exc.strerror or str(exc))
 
     def _abandon_rewrite(self) -> None:
+        """Close and remove journal.new: also one a rewrite could not open, or a memd before this one left."""
         if self._rewrite is not None:
             with contextlib.suppress(OSError):
                 os.close(self._rewrite.fd)
-            with contextlib.suppress(OSError):
-                self._new_path().unlink()
             self._rewrite = None
+        with contextlib.suppress(OSError):
+            self._new_path().unlink()
 
     def _fsync_dir(self) -> None:
         dir_fd = os.open(self.state.path, os.O_RDONLY)

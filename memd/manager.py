@@ -308,6 +308,12 @@ class KvManager(StepOps):
         """Whether a Step's effects are still filling this sequence's pages."""
         return seq_id in self._filling
 
+    @property
+    def max_seq_id(self) -> int:
+        """The highest sequence id handed out (0: none). Ids only grow: the journal keeps this across restarts,
+        so a worker or operator holding an old sequence's id can never reach a new one by it."""
+        return self._next_seq - 1
+
     def take_changes(self) -> Changes:
         """What changed since the last call, for the journal: the one consumer, which must write all of it."""
         changes = Changes(self._changed, self._tokens_cut, self._fences_changed)

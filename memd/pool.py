@@ -97,8 +97,15 @@ class FreeQueue:
         self._insert_after(block, self._prev[self._end])
 
     def remove(self, block: int) -> tuple[int, int]:
-        """Unlink `block`; returns its (prev, next) neighbours, which `relink` needs to undo it."""
+        """Unlink `block` (a block id, 0 <= block < num_blocks); returns its (prev, next) neighbours, which
+        `relink` needs to undo it.
+
+        ValueError for a block out of the queue: its previous is -1, so unlinking it would point the sentinel
+        (`_next[-1]`) at a stale neighbour and lose the blocks in between. The check costs one comparison.
+        """
         prev, nxt = self._prev[block], self._next[block]
+        if prev < 0:
+            raise ValueError(f"block {block} is not in the free queue")
         self._next[prev] = nxt
         self._prev[nxt] = prev
         self._prev[block] = -1

@@ -8,6 +8,7 @@ after kill -9 would, and must give every sequence back as recovery promises
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
+from structlog.testing import capture_logs
 
 import memd.journal
 from memd.journal import WriteAheadLog
@@ -24,7 +26,7 @@ from memd.manager import KvManager
 from memd.recovery import restore
 from memd.sequences import SeqState, blocks_for
 from memd.state import Layout, StateDir, StateError
-from shared.ops import Extend, Open, Park, Resume
+from shared.ops import Extend, Free, Open, Park, Resume
 from tests.test_manager_properties import NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
 
 LAYOUT = Layout("shm", NUM_BLOCKS, 4096, SWAP_SLOTS)
@@ -92,12 +94,12 @@ class JournaledMachine(KvManagerMachine):
                 assert fresh.pool.checksum[block] in (0, self.manager.pool.checksum[block])
         assert {b for blocks in fresh.fences.values() for b in blocks} == expected_fences(self.manager)
         assert fresh.violations() == []
-        # The restarted manager works: a new sequence gets an id never used before.
+        # The restarted manager works: a new sequence gets an id never handed out before, a freed one's included.
         for pid in list(fresh.fences):
             fresh.lift(pid)
         worker = attach(fresh, "m")
         opened, = fresh.step(worker, [Open([1, 2, 3])]).results
-        assert opened.seq_id > max(self.manager.seqs, default=0)
+        assert opened.seq_id == self.manager._next_seq
 
     @invariant()
     def the_journal_rebuilds_the_state(self) -> None:
@@ -191,6 +193,24 @@ def test_a_journal_that_cannot_be_written_is_given_up_and_removed_and_memd_goes_
     assert not state.journal.exists() and not manager.take_changes().seq_ids
 
 
+def test_the_highest_sequence_id_handed_out_outlives_the_sequence_and_a_checkpoint(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    kept, = manager.step(worker, [Open([1, 2, 3], session_id="kept")]).results
+    wal.flush(manager)
+    gone, = manager.step(worker, [Open([4, 5, 6])]).results
+    manager.step(worker, [Free(gone.seq_id)])         # opened and freed between two flushes: no record of it
+    wal.flush(manager)
+    found = state.read()
+    assert found is not None and found.max_seq_id == gone.seq_id
+    wal.checkpoint(manager)                           # as a restarted memd begins: the live state alone
+    found = state.read()
+    assert found is not None and list(found.records) == [kept.seq_id] and found.max_seq_id == gone.seq_id
+    fresh = recovered(state)
+    again, = fresh.step(attach(fresh, "m"), [Open([7, 8])]).results
+    assert again.seq_id == gone.seq_id + 1
+    wal.close()
+
+
 def test_garbled_records_and_clashing_tables_are_never_trusted(tmp_path):
     state, manager, wal, worker = journaled(tmp_path)
     for session in ("a", "b"):
@@ -272,6 +292,53 @@ def test_the_journal_is_rewritten_a_chunk_per_flush_and_stays_whole_meanwhile(tm
     assert {s.seq_id: s.token_ids for s in recovered(state).seqs.values()} == \
         {s.seq_id: s.token_ids for s in manager.seqs.values()}
     assert read_records(state) == len(manager.seqs) + 4     # the live state, and what the last flushes changed
+    wal.close()
+
+
+@pytest.mark.parametrize("fails_at", ["its header", "its first chunk"])
+def test_a_rewrite_that_cannot_be_written_is_abandoned_and_the_journal_in_use_goes_on(tmp_path, monkeypatch,
+                                                                                      fails_at):
+    monkeypatch.setattr(memd.journal, "CHECKPOINT_RECORDS", 10)
+    monkeypatch.setattr(memd.journal, "REWRITE_CHUNK", 3)
+    state, manager, wal, worker = journaled(tmp_path)
+    opened = manager.step(worker, [Open([100 * i, 100 * i + 1], session_id=f"s{i}") for i in range(12)]).results
+    new, written, full = tmp_path / "journal.new", [], [True]
+
+    def write_all(fd: int, data: bytes, write=memd.journal._write_all) -> None:
+        if wal._rewrite is not None and fd == wal._rewrite.fd:     # journal.new, on a file system now full
+            written.append(len(data))
+            if full[0] and len(written) > (fails_at == "its first chunk"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(fd, data)
+
+    def one_flush(i: int) -> None:
+        manager.step(worker, [Extend(r.seq_id, append=[i] if j == i % 12 else [], commit_to=1)
+                              for j, r in enumerate(opened)])
+        wal.flush(manager)
+        assert {s.seq_id: s.token_ids for s in recovered(state).seqs.values()} == \
+            {s.seq_id: s.token_ids for s in manager.seqs.values()}        # every sequence, every token
+
+    monkeypatch.setattr(memd.journal, "_write_all", write_all)
+    with capture_logs() as logs:
+        for i in range(9):                      # 12 records a flush: the 5th (60 > 48) begins a rewrite
+            one_flush(i)
+            assert state.journal.exists() and new.exists() == (wal._rewrite is not None)
+    tries = len(written)
+    assert tries == 1 + (fails_at == "its first chunk")                # one try, then none for 48 records more
+    warned, = logs                              # once; the journal in use was never given up
+    assert (warned["log_level"], warned["event"], warned["error"]) == \
+        ("warning", "cannot rewrite the journal: memd goes on appending to it and tries again later",
+         os.strerror(errno.ENOSPC))
+
+    grown = read_records(state)
+    full[0] = False                             # room again: the next try succeeds
+    with capture_logs() as logs:
+        for i in range(9, 20):
+            one_flush(i)
+            if logs:
+                break
+    assert [e["event"] for e in logs] == ["the journal was rewritten again"] and not new.exists()
+    assert read_records(state) == len(manager.seqs) + 4 * 12 < grown     # the live state, the last 4 flushes
     wal.close()
 
 

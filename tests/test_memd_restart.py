@@ -113,6 +113,32 @@ async def test_requests_running_when_memd_dies_fail_with_unavailable_and_queued_
         assert len(tokens) == 5                            # it never touched memd: it waited and ran
 
 
+async def test_a_freed_sequences_id_is_never_handed_out_again_after_restarts(memd_factory, spawn_worker):
+    flags = ("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB")
+    memd = await memd_factory(*flags)
+    worker = await spawn_worker(memd.address)
+    kept, = await worker.step({"kind": "open", "token_ids": list(range(40)), "session_id": "kept"})
+    await worker.step({"kind": "park", "seq_id": kept["seq_id"], "commit_to": 40})
+    gone, = await worker.step({"kind": "open", "token_ids": list(range(8))})
+    await worker.step({"kind": "free", "seq_id": gone["seq_id"]})      # the highest id handed out, now free
+
+    await memd.kill()
+    again = await memd_factory(*flags, "--listen", memd.address)        # journals the live state: "kept" alone
+    await again.log.wait_for("recovered the sequences of the memd before")
+    assert await again.stop() == 0
+    third = await memd_factory(*flags, "--listen", memd.address)        # reads what the second one journaled
+    recovered = await third.log.wait_for("recovered the sequences of the memd before")
+    assert recovered["sequences"] == {"parked": 1}
+
+    await worker.call("attach", address=third.address, block_size=16)
+    new, = await worker.step({"kind": "open", "token_ids": list(range(8))})
+    assert new["seq_id"] > gone["seq_id"]
+    error = await worker.step_error({"kind": "free", "seq_id": gone["seq_id"]})
+    assert error["code"] == "NOT_FOUND"              # whoever still holds the old id reaches nothing by it
+    states, _, ok = await memd_state(third)
+    assert states == {"running": 1, "parked": 1, "swapped": 0, "dropped": 0} and ok
+
+
 async def test_a_state_dir_serves_one_memd_at_a_time(memd_factory, tmp_path):
     state = tmp_path / "state"
     flags = ("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB", "--state-dir", str(state))

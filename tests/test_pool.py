@@ -81,6 +81,19 @@ def test_remove_from_the_middle_keeps_the_others_in_order():
     assert len(queue) == 2
 
 
+@pytest.mark.parametrize("taken", [[2], [0], [3], [1, 2]])
+def test_removing_a_block_that_is_not_in_the_queue_is_refused_and_changes_nothing(taken):
+    queue = FreeQueue(4)
+    for block in taken:
+        queue.remove(block)
+    before = list(queue)
+    with pytest.raises(ValueError, match=f"block {taken[-1]} is not in the free queue"):
+        queue.remove(taken[-1])
+    assert list(queue) == before and len(queue) == len(before)
+    assert [b for b in range(4) if b in queue] == sorted(before)
+    assert [pop_front(queue) for _ in before] == before
+
+
 def test_relink_in_reverse_order_of_removals_restores_each_position():
     queue = FreeQueue(6)
     links = {block: queue.remove(block) for block in (3, 4, 0, 5)}
