@@ -38,16 +38,25 @@ class PageCopier:
         Shielded: a client that cancels or times out must not leave its pages
         unzeroed, since memd has handed them out all the same.
         """
-        pages = pages_touched(effects)
-        small = len(effects) * self.block_bytes <= INLINE_EFFECT_BYTES and \
-            not any(isinstance(e, SwapIn | Fetch) for e in effects)
-        if small and self._busy.keys().isdisjoint(pages):
+        if self.inline(effects):
             return run_effects(self.memory, self.swap, effects)
+        pages = pages_touched(effects)
         self._busy.update(pages)
         job = asyncio.get_running_loop().run_in_executor(self._effects, run_effects, self.memory, self.swap,
                                                          effects, self.remote)
         job.add_done_callback(lambda _job: self._unbusy(pages))
         return await asyncio.shield(job)
+
+    def inline(self, effects: list[PageEffect]) -> bool:
+        """Whether `apply` would run these effects at once, on the loop: few bytes, and on no page that queued
+        effects still touch (those must land first)."""
+        return len(effects) * self.block_bytes <= INLINE_EFFECT_BYTES and \
+            not any(isinstance(e, SwapIn | Fetch) for e in effects) and \
+            (not self._busy or self._busy.keys().isdisjoint(pages_touched(effects)))
+
+    def apply_inline(self, effects: list[PageEffect]) -> list[int]:
+        """`apply` of effects `inline` accepts, without a coroutine."""
+        return run_effects(self.memory, self.swap, effects)
 
     async def queued_effects_done(self) -> None:
         """Returns once every effect queued so far has landed (the queue is FIFO: a no-op waits behind them)."""

@@ -61,8 +61,17 @@ class StepRunner:
             self.refused()
             raise
         self.persist()              # write-ahead: journaled before the worker may write a page it was given
-        # The Step is committed: what follows must finish even if the caller is cancelled.
-        await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))
+        if not outcome.evictions and not self._behind_earlier(outcome) and self.copier.inline(outcome.effects):
+            # Nothing to wait for (most decode Steps): done here, without a task and its turns of the loop.
+            try:
+                corrupt = self.copier.apply_inline(outcome.effects) if outcome.effects else []
+            except BaseException:
+                self._land(outcome, None)
+                raise
+            self._land(outcome, corrupt)
+        else:
+            # The Step is committed: what follows must finish even if the caller is cancelled.
+            await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))
         self.on_change()
         wanted = min(wanted_blocks, m.pool.num_blocks) - m.pool.num_free
         if wanted > 0:
@@ -107,23 +116,37 @@ class StepRunner:
                 named.add(self.manager.sessions[session])
         return frozenset(named)
 
+    def _behind_earlier(self, outcome: StepOutcome) -> bool:
+        """A sequence an earlier Step's copies still fill (its worker died waiting for a swap-in, and this is
+        the retry): this Step's effects wait for those."""
+        m = self.manager
+        return any(m.filling(r.seq_id) and r.seq_id not in outcome.filling for r in outcome.results)
+
     async def _after_commit(self, outcome: StepOutcome) -> None:
         """Page effects, then what they free: swap slots read, prefix blocks now written, preemptions."""
-        m = self.manager
-        if any(m.filling(r.seq_id) and r.seq_id not in outcome.filling for r in outcome.results):
-            # A sequence an earlier Step's copies still fill (its worker died waiting for a swap-in, and
-            # this is the retry): the copier is FIFO, so waiting for the queue waits for those copies.
-            await self.copier.queued_effects_done()
+        if self._behind_earlier(outcome):
+            await self.copier.queued_effects_done()     # the copier is FIFO: this waits for those copies
         try:
             corrupt = await self.copier.apply(outcome.effects) if outcome.effects else []
-            m.effects_landed(outcome, corrupt)
-        finally:
-            m.release_slots(outcome.read_slots)
-            self.persist()
+        except BaseException:
+            self._land(outcome, None)
+            raise
+        self._land(outcome, corrupt)
         if outcome.evictions:
             await self._evict_parked(outcome)
         for observer in self.after_step:          # here: shielded, so a cancelled caller skips none
             observer(outcome)
+
+    def _land(self, outcome: StepOutcome, corrupt: list[int] | None) -> None:
+        """The effects are done, `corrupt` the pages they found bad (None: they failed): the pages they filled
+        join the prefix cache, the swap slots they read go free, and the journal learns of both."""
+        m = self.manager
+        try:
+            if corrupt is not None:
+                m.effects_landed(outcome, corrupt)
+        finally:
+            m.release_slots(outcome.read_slots)
+            self.persist()
 
     async def _evict_parked(self, outcome: StepOutcome) -> None:
         """Preempted (or operator-revoked) sequences this Step parked: swap or drop them before the reply."""
