@@ -436,8 +436,8 @@ async def start_fd_server(memory: PoolMemory, sock_path: Path | None,
 async def start_server(service: MemdService, credentials: Credentials, target: str, sock_path: Path | None,
                        stack: contextlib.AsyncExitStack) -> tuple[str, health.aio.HealthServicer]:
     """Listen with access control, health and reflection; returns the address listened on."""
-    server = grpc.aio.server(interceptors=[AccessControl(credentials), RpcCounter(service.rpcs), RequestDecoder(),
-                                           SerializedReplies()],
+    server = grpc.aio.server(interceptors=[AccessControl(credentials), RpcCounter(service.rpcs),
+                                           RequestDecoder(iterated=frozenset({"Steps"})), SerializedReplies()],
                              options=[
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 256 << 20),

@@ -142,7 +142,30 @@ class MemdService(pb_grpc.MemdServicer):
         with self.step_seconds.time():
             return await self._step(request, context)
 
+    async def Steps(self, requests: AsyncIterator[pb.StepRequest],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepReply]:
+        """Each Step as it comes, answered in turn; a refusal is an answer and the stream goes on."""
+        async for request in requests:
+            try:
+                if self.step_seconds is None:
+                    reply = await self._step_reply(request)
+                else:
+                    with self.step_seconds.time():
+                        reply = await self._step_reply(request)
+            except KvError as err:
+                reply = pb.StepReply(free_blocks=self.manager.pool.num_free, refused=pb.StepRefusal(
+                    code=err.code, message=str(err), op_index=err.index if isinstance(err, OpError) else -1))
+            yield reply
+
     async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
+        try:
+            return await self._step_reply(request)
+        except KvError as err:
+            await _abort(context, err, self.manager.pool.num_free)
+            raise           # not reached: abort raises
+
+    async def _step_reply(self, request: pb.StepRequest) -> pb.StepReply:
+        """The Step run and its reply; KvError when it is refused (logged here)."""
         try:
             ops = []
             for index, op in enumerate(request.ops):
@@ -154,7 +177,7 @@ class MemdService(pb_grpc.MemdServicer):
             outcome = await self.runner.run(request.worker_id, ops, request.lease, request.wanted_blocks)
         except KvError as err:
             log.debug("rpc", method="Step", worker=request.worker_id, ops=len(request.ops), error=str(err))
-            await _abort(context, err, self.manager.pool.num_free)
+            raise
         if enabled(logging.DEBUG):
             self._trace(request.worker_id, ops, outcome)
         return pb.StepReply(results=[result_to_proto(r) for r in outcome.results],

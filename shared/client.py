@@ -96,6 +96,10 @@ class MemdClient:
         self._beats: asyncio.Task[None] | None = None
         self._stop_beating = asyncio.Event()
         self._session: grpc.aio.StreamStreamCall | None = None
+        # Steps ride one Steps call, opened at the first; a Step sent while another is on it takes a call
+        # of its own (Step), so that concurrent Steps never wait for one another.
+        self._steps: grpc.aio.StreamStreamCall | None = None
+        self._steps_busy = False
         self._closing = False
         self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
         # Called with (seq_id, reason) for each sequence memd revokes.
@@ -211,18 +215,49 @@ class MemdClient:
         request = pb.StepRequest(worker_id=self.worker_id, ops=[op_to_proto(op) for op in ops], lease=self._lease,
                                  wanted_blocks=wanted_blocks)
         try:
-            reply = await self._stub.Step(request, metadata=self._metadata)
+            if self._steps_busy:
+                reply = await self._stub.Step(request, metadata=self._metadata)
+            else:
+                reply = await self._streamed_step(request)
         except grpc.aio.AioRpcError as err:
             error = MemdError.from_rpc(err)
             if error.free_blocks is not None:
                 self.free_blocks = error.free_blocks
             raise error from None
         self.free_blocks = reply.free_blocks
+        if reply.HasField("refused"):
+            refused = reply.refused
+            raise MemdError(getattr(grpc.StatusCode, refused.code, grpc.StatusCode.UNKNOWN), refused.message,
+                            refused.op_index if refused.op_index >= 0 else None, reply.free_blocks)
         return [result_from_proto(r, isinstance(op, Resume | Fork) or getattr(op, "continue_session", False))
                 for r, op in zip(reply.results, ops, strict=True)]
 
+    async def _streamed_step(self, request: pb.StepRequest) -> pb.StepReply:
+        """One Step on the Steps call (opened if need be). Should it fail or its caller be cancelled, the call
+        is ended: a reply still on its way would otherwise answer the next Step."""
+        self._steps_busy = True
+        call = self._steps
+        try:
+            if call is None:
+                call = self._steps = self._stub.Steps(metadata=self._metadata)
+            await call.write(request)
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise MemdError(grpc.StatusCode.UNAVAILABLE, "memd ended the Steps call")
+        except BaseException:
+            self._steps = None
+            if call is not None:
+                call.cancel()
+            raise
+        finally:
+            self._steps_busy = False
+        return reply  # type: ignore[no-any-return]
+
     async def close(self) -> None:
         """Give the lease back: memd parks whatever this worker still runs."""
+        if self._steps is not None:
+            self._steps.cancel()
+            self._steps = None
         self._closing = True
         self._stop_beating.set()
         if self._beats is not None:

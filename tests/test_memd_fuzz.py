@@ -43,7 +43,9 @@ ops = st.one_of(
 )
 calls = st.one_of(
     st.tuples(st.just("step"), st.integers(0, 2), st.lists(ops, max_size=6), counts),
+    st.tuples(st.just("streamed"), st.integers(0, 2), st.lists(ops, max_size=6), counts),   # on a Steps call
     st.tuples(st.just("foreign"), st.integers(0, 2), st.lists(ops, max_size=3)),         # another's id, no lease
+    st.tuples(st.just("garbage"), st.just("Steps"), st.binary(max_size=64)),
     st.tuples(st.just("garbage"), st.sampled_from(["Step", "Attach", "Evict", "Drain"]), st.binary(max_size=64)),
     st.tuples(st.just("evict"), st.one_of(
         st.builds(lambda i: pb.EvictRequest(seq_id=i), seq_ids),
@@ -77,9 +79,25 @@ async def drive(address: str, plan: list[tuple]) -> None:
             reply = await stub.Attach(pb.AttachRequest(name=f"fuzz-{i}", model=model, block_size=4),
                                       metadata=worker_md)
             workers.append((reply.worker_id, reply.lease))
+        streams: dict[int, grpc.aio.StreamStreamCall] = {}
         for call in plan:
             try:
-                if call[0] == "step":
+                if call[0] == "streamed":           # refusals come as answers, and the call goes on
+                    worker_id, lease = workers[call[1]]
+                    stream = streams.setdefault(call[1], stub.Steps(metadata=worker_md))
+                    await stream.write(pb.StepRequest(worker_id=worker_id, lease=lease, ops=call[2],
+                                                      wanted_blocks=call[3] % (U32 + 1)))
+                    reply = await stream.read()
+                    if reply.HasField("refused"):
+                        assert getattr(grpc.StatusCode, reply.refused.code) in CLEAR, (call, reply.refused)
+                        assert reply.refused.message and "\n" not in reply.refused.message.strip(), call
+                elif call[0] == "garbage" and call[1] == "Steps":
+                    raw_stream = channel.stream_stream("/kvpool.memd.v1.Memd/Steps")(metadata=worker_md)
+                    await raw_stream.write(call[2])
+                    reply = pb.StepReply.FromString(await raw_stream.read())   # bytes that parse: an empty Step
+                    assert reply.HasField("refused") or not reply.results, (call, reply)
+                    raw_stream.cancel()
+                elif call[0] == "step":
                     worker_id, lease = workers[call[1]]
                     await stub.Step(pb.StepRequest(worker_id=worker_id, lease=lease, ops=call[2],
                                                    wanted_blocks=call[3] % (U32 + 1)), metadata=worker_md)
@@ -94,6 +112,8 @@ async def drive(address: str, plan: list[tuple]) -> None:
                     await stub.Attach(pb.AttachRequest(name=call[2], block_size=call[1] % (U32 + 1)),
                                       metadata=worker_md)
             except grpc.aio.AioRpcError as err:
+                if call[0] == "streamed":
+                    streams.pop(call[1], None)          # the call ended with that status: a new one next time
                 assert err.code() in CLEAR, (call, err.code(), err.details())
                 assert err.details() and "\n" not in err.details().strip(), (call, err.details())
         check = await stub.Check(pb.CheckRequest(), metadata=admin_md)

@@ -205,12 +205,24 @@ class OpResult(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_cached: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("results", "free_blocks")
+    __slots__ = ("results", "free_blocks", "refused")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
     free_blocks: int
-    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    refused: StepRefusal
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., refused: _Optional[_Union[StepRefusal, _Mapping]] = ...) -> None: ...
+
+class StepRefusal(_message.Message):
+    __slots__ = ("code", "message", "op_index")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    op_index: int
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., op_index: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,11 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.StepRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/kvpool.memd.v1.Memd/Steps',
+                request_serializer=shared_dot_rpc_dot_memd__pb2.StepRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_memd__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvpool.memd.v1.Memd/Stats',
                 request_serializer=shared_dot_rpc_dot_memd__pb2.StatsRequest.SerializeToString,
@@ -100,6 +105,14 @@ class MemdServicer:
 
     def Step(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Steps(self, request_iterator, context):
+        """A worker's Steps on one call, each answered before the next is sent: half the cost of a call per
+        Step. A refused Step is an answer (StepReply.refused), not the end of the stream.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -161,6 +174,11 @@ def add_MemdServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=shared_dot_rpc_dot_memd__pb2.StepRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_memd__pb2.StepReply.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.StepRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.StepReply.SerializeToString,
             ),
@@ -274,6 +292,33 @@ class Memd:
             request,
             target,
             '/kvpool.memd.v1.Memd/Step',
+            shared_dot_rpc_dot_memd__pb2.StepRequest.SerializeToString,
+            shared_dot_rpc_dot_memd__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpool.memd.v1.Memd/Steps',
             shared_dot_rpc_dot_memd__pb2.StepRequest.SerializeToString,
             shared_dot_rpc_dot_memd__pb2.StepReply.FromString,
             options,

@@ -1,0 +1,67 @@
+"""A worker's Steps on one Steps call: answered as Step answers, refusals included, the call kept (real memd)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from shared.client import MemdClient, MemdError
+from shared.ops import Extend, Free, Open
+from shared.rpc import memd_pb2 as pb
+from shared.wire import op_to_proto
+
+BS = 16
+
+
+async def rpcs(memd) -> dict[str, int]:
+    async with memd.admin() as admin:
+        return dict((await admin.stats()).rpcs)
+
+
+async def test_steps_ride_one_call_and_a_refusal_is_answered_as_step_answers_it(memd):
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        opened, = await client.step(Open(list(range(20)), reserve=1))
+        call = client._steps
+        bad = [Extend(opened.seq_id, commit_to=20), Extend(opened.seq_id + 1000, commit_to=1)]
+        with pytest.raises(MemdError) as streamed:
+            await client.step(*bad)
+        with pytest.raises(grpc.aio.AioRpcError) as unary:            # the same Step as a call of its own
+            await client._stub.Step(pb.StepRequest(worker_id=client.worker_id, lease=client._lease,
+                                                   ops=[op_to_proto(op) for op in bad]), metadata=client._metadata)
+        expected = MemdError.from_rpc(unary.value)
+        assert (streamed.value.code, streamed.value.message, streamed.value.op_index, streamed.value.free_blocks) \
+            == (expected.code, expected.message, 1, expected.free_blocks) and expected.code.name == "NOT_FOUND"
+        assert client.free_blocks == expected.free_blocks
+        extended, = await client.step(Extend(opened.seq_id, commit_to=20, append=[7], reserve=1))
+        assert extended.num_committed == 20 and client._steps is call              # the refusal kept the call
+        await client.step(Free(opened.seq_id))
+    calls = await rpcs(memd)
+    assert calls["Steps"] == 1 and calls["Step"] == 1                             # the one sent on its own
+
+
+async def test_a_step_sent_while_another_is_on_the_call_takes_a_call_of_its_own(memd):
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        first, second = await asyncio.gather(client.step(Open([1, 2, 3], reserve=1)),
+                                             client.step(Open([4, 5], reserve=1)))
+        assert first[0].seq_id != second[0].seq_id and first[0].num_committed == second[0].num_committed == 0
+    calls = await rpcs(memd)
+    assert calls["Steps"] == 1 and calls["Step"] == 1
+
+
+async def test_a_step_cancelled_in_flight_never_answers_the_next(memd):
+    """Cancelled after a varying number of turns of the loop: whatever it reached, the next Step gets its own
+    answer (the call it was on is ended, so a reply still on its way is never read as the next one's)."""
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        for turns in range(12):
+            task = asyncio.create_task(client.step(Open(list(range(100, 100 + turns + 1)), reserve=1)))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task                                  # (or it was answered before the cancel: as well)
+            mine, = await client.step(Open(list(range(5 * BS + turns)), reserve=1))
+            assert mine.num_blocks == 6 and len(mine.block_ids) == 6              # 5 whole blocks and a partial
+            await client.step(Free(mine.seq_id))
