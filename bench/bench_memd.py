@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -200,8 +200,8 @@ def client_main(kind: str, address: str, index: int, nclients: int, seconds: flo
     try:
         if kind == "decode":
             results.put(asyncio.run(decode_client(address, index, nclients, seconds, barrier)))
-        elif kind == "echo":
-            results.put(asyncio.run(echo_client(address, index, seconds, barrier)))
+        elif kind in ("echo", "echo_stream"):
+            results.put(asyncio.run(echo_client(address, index, seconds, barrier, streamed=kind == "echo_stream")))
         else:
             asyncio.run(victim_client(address, index, results))
     except BaseException as exc:
@@ -256,6 +256,7 @@ async def decode_client(address: str, index: int, nclients: int, seconds: float,
 # ---- the anchor: gRPC's floor on the same socket kind ------------------------
 
 ECHO_METHOD = "/bench.Echo/Echo"
+ECHO_STREAM_METHOD = "/bench.Echo/EchoStream"
 
 
 def step_messages() -> tuple[bytes, bytes]:
@@ -272,7 +273,8 @@ def step_messages() -> tuple[bytes, bytes]:
 
 
 def echo_server_main(address: str, reply_size: int, ready: mp.synchronize.Event) -> None:
-    """A bare grpc.aio server on uvloop, as memd runs: one unary method answering `reply_size` bytes."""
+    """A bare grpc.aio server on uvloop, as memd runs, answering `reply_size` bytes: to unary calls, and to each
+    message of a stream (as memd's Steps call)."""
     import grpc
     import uvloop
 
@@ -282,9 +284,15 @@ def echo_server_main(address: str, reply_size: int, ready: mp.synchronize.Event)
         async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             return reply
 
+        async def echo_stream(requests: AsyncIterator[bytes],
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            async for _ in requests:
+                yield reply
+
         server = grpc.aio.server()
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {
-            "Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+            "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream)})])
         server.add_insecure_port(address)
         await server.start()
         ready.set()
@@ -293,13 +301,22 @@ def echo_server_main(address: str, reply_size: int, ready: mp.synchronize.Event)
     uvloop.run(serve())
 
 
-async def echo_client(address: str, index: int, seconds: float, barrier: mp.synchronize.Barrier) -> dict:
-    """Unary calls back to back, as a worker's Steps, carrying a Step's bytes each way."""
+async def echo_client(address: str, index: int, seconds: float, barrier: mp.synchronize.Barrier,
+                      streamed: bool = False) -> dict:
+    """Calls back to back, as a worker's Steps, carrying a Step's bytes each way: one unary call each, or
+    (`streamed`) one message each way on a stream, each answered before the next is sent."""
     import grpc
 
     request, _ = step_messages()
     async with grpc.aio.insecure_channel(address) as channel:
-        call = channel.unary_unary(ECHO_METHOD)
+        if streamed:
+            stream = channel.stream_stream(ECHO_STREAM_METHOD)()
+
+            async def call(message: bytes) -> None:
+                await stream.write(message)
+                await stream.read()
+        else:
+            call = channel.unary_unary(ECHO_METHOD)
         await call(request)
         await asyncio.to_thread(barrier.wait, START_TIMEOUT_S)
         latencies: list[float] = []
@@ -312,15 +329,16 @@ async def echo_client(address: str, index: int, seconds: float, barrier: mp.sync
                 "latencies": latencies}
 
 
-def bench_echo(ctx: mp.context.SpawnContext, tmp: Path, seconds: float) -> dict:
-    """The anchor of the Step rate: one client of a bare echo server in its own process."""
+def bench_echo(ctx: mp.context.SpawnContext, tmp: Path, seconds: float, kind: str = "echo") -> dict:
+    """The anchor of the Step rate: one client of a bare echo server in its own process; `kind` "echo_stream":
+    on one stream, as memd's clients send Steps."""
     address, ready = f"unix:{tmp / 'echo.sock'}", ctx.Event()
     server = ctx.Process(target=echo_server_main, args=(address, len(step_messages()[1]), ready), daemon=True)
     server.start()
     try:
         if not ready.wait(START_TIMEOUT_S):
             raise RuntimeError("the echo server did not start")
-        procs, replies = run_clients(ctx, "echo", address, 1, seconds)
+        procs, replies = run_clients(ctx, kind, address, 1, seconds)
         for proc in procs:
             proc.join()
         return summarise_steps(1, replies)
@@ -522,10 +540,12 @@ def report(res: dict) -> str:
         rows.append([f"{s['clients']} client process{'es' if s['clients'] > 1 else ''}",
                      f"{s['steps_per_s']:,.0f}", f"{s['steps_per_s_per_client']:,.0f}", f"{s['ops_per_s']:,.0f}",
                      f"{s['lat_mean_ms']:.3f}", f"{s['lat_p50_ms']:.3f}", f"{s['lat_p99_ms']:.3f}"])
-    e = res["echo"]
-    rows.append(["anchor: bare grpc.aio echo, 1 client", f"{e['steps_per_s']:,.0f}", f"{e['steps_per_s']:,.0f}", "",
-                 f"{e['lat_mean_ms']:.3f}", f"{e['lat_p50_ms']:.3f}", f"{e['lat_p99_ms']:.3f}"])
-    rows.append(["1 client / anchor", f"{res['step_rate_ratio_vs_echo']:.2f}x", "", "", "", "", ""])
+    for label, e in (("anchor: bare grpc.aio echo, a call each, 1 client", res["echo"]),
+                     ("anchor: the same on one stream (as Steps ride)", res["echo_stream"])):
+        rows.append([label, f"{e['steps_per_s']:,.0f}", f"{e['steps_per_s']:,.0f}", "",
+                     f"{e['lat_mean_ms']:.3f}", f"{e['lat_p50_ms']:.3f}", f"{e['lat_p99_ms']:.3f}"])
+    rows.append(["1 client / echo, a call each", f"{res['step_rate_ratio_vs_echo']:.2f}x", "", "", "", "", ""])
+    rows.append(["1 client / echo on one stream", f"{res['step_rate_ratio_vs_stream_echo']:.2f}x", "", "", "", "", ""])
     ms = res["reclaim_ms"]
     reclaim = table([["worker reclaim (SIGKILL -> log)", "trials", "min ms", "median ms", "max ms"],
                      ["running worker, 16 sequences", str(len(ms)), f"{min(ms):.2f}",
@@ -591,7 +611,10 @@ def main() -> None:
                 res["step_rpc"].append(summarise_steps(n, replies))
             res["reclaim_ms"] = bench_reclaim(ctx, memd, args.reclaim_trials)
             res["echo"] = bench_echo(ctx, Path(tmp), args.seconds)
+            res["echo_stream"] = bench_echo(ctx, Path(tmp), args.seconds, "echo_stream")
             res["step_rate_ratio_vs_echo"] = res["step_rpc"][0]["steps_per_s"] / res["echo"]["steps_per_s"]
+            res["step_rate_ratio_vs_stream_echo"] = \
+                res["step_rpc"][0]["steps_per_s"] / res["echo_stream"]["steps_per_s"]
         finally:
             memd.kill()
         res["operator"] = bench_operator_calls(Path(tmp), "100MiB" if args.quick else "1GiB",

@@ -35,7 +35,7 @@ from shared.logs import enabled
 from shared.ops import Op
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
-from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, result_to_proto
+from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, results_into
 
 log = structlog.get_logger("memd")
 
@@ -180,8 +180,9 @@ class MemdService(pb_grpc.MemdServicer):
             raise
         if enabled(logging.DEBUG):
             self._trace(request.worker_id, ops, outcome)
-        return pb.StepReply(results=[result_to_proto(r) for r in outcome.results],
-                            free_blocks=self.manager.pool.num_free)
+        reply = pb.StepReply(free_blocks=self.manager.pool.num_free)
+        results_into(reply.results, outcome.results)          # built in place: a third of the time of messages
+        return reply
 
     def _trace(self, worker_id: int, ops: list[Op], outcome: StepOutcome) -> None:
         """One debug event per sequence change (--log-level debug): open, extend, park, resume, free, fork.

@@ -69,6 +69,7 @@ class StepRunner:
                 self._land(outcome, None)
                 raise
             self._land(outcome, corrupt)
+            self._observed(outcome)
         else:
             # The Step is committed: what follows must finish even if the caller is cancelled.
             await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))
@@ -134,7 +135,12 @@ class StepRunner:
         self._land(outcome, corrupt)
         if outcome.evictions:
             await self._evict_parked(outcome)
-        for observer in self.after_step:          # here: shielded, so a cancelled caller skips none
+        self._observed(outcome)                   # here: shielded, so a cancelled caller skips none
+
+    def _observed(self, outcome: StepOutcome) -> None:
+        """A committed Step's effects landed: its observers (the cluster tier publishes what it parked) see it,
+        whichever way it settled."""
+        for observer in self.after_step:
             observer(outcome)
 
     def _land(self, outcome: StepOutcome, corrupt: list[int] | None) -> None:

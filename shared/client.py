@@ -34,7 +34,7 @@ from shared.geometry import PoolGeometry
 from shared.ops import Fork, Free, Op, OpResult, Park, Resume
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
-from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, decode_handle, op_to_proto, result_from_proto
+from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, decode_handle, ops_into, result_from_proto
 
 if TYPE_CHECKING:
     from shared.poolmap import MappedPool
@@ -212,8 +212,8 @@ class MemdClient:
             # memd zeroes, reuses or copies released pages on its own stream: the
             # kernels that wrote them here must be finished first.
             self.pool.synchronize()
-        request = pb.StepRequest(worker_id=self.worker_id, ops=[op_to_proto(op) for op in ops], lease=self._lease,
-                                 wanted_blocks=wanted_blocks)
+        request = pb.StepRequest(worker_id=self.worker_id, lease=self._lease, wanted_blocks=wanted_blocks)
+        ops_into(request.ops, list(ops))
         try:
             if self._steps_busy:
                 reply = await self._stub.Step(request, metadata=self._metadata)

@@ -52,30 +52,64 @@ def decode_handle(data: bytes) -> dict[str, Any]:
 
 
 def op_to_proto(op: ops.Op) -> pb.Op:
+    msg = pb.Op()
+    _set_op(msg, op)
+    return msg
+
+
+def ops_into(field: Any, step_ops: list[ops.Op]) -> None:
+    """Append `step_ops` to a request's repeated `ops`, each built in place: three times faster than messages
+    built by constructors and copied in, tens of microseconds on every Step."""
+    add = field.add
+    for op in step_ops:
+        _set_op(add(), op)
+
+
+def _set_op(msg: pb.Op, op: ops.Op) -> None:
     match op:
         case ops.Open():
-            return pb.Op(open=pb.OpenOp(session_id=op.session_id or "", token_ids=op.token_ids,
-                                        reserve=op.reserve, continue_session=op.continue_session,
-                                        turn_id=op.turn_id or "", whole_history=op.whole_history))
+            m = msg.open
+            m.SetInParent()
+            m.token_ids.extend(op.token_ids)
+            m.reserve, m.continue_session, m.whole_history = op.reserve, op.continue_session, op.whole_history
+            m.session_id, m.turn_id = op.session_id or "", op.turn_id or ""
         case ops.Extend():
-            return pb.Op(extend=pb.ExtendOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
-                                            reserve=op.reserve, sums_from=op.sums_from, page_sums=op.page_sums))
+            m = msg.extend
+            m.SetInParent()
+            m.seq_id, m.commit_to, m.reserve, m.sums_from = op.seq_id, op.commit_to, op.reserve, op.sums_from
+            m.append.extend(op.append)
+            m.page_sums.extend(op.page_sums)
         case ops.Park():
-            return pb.Op(park=pb.ParkOp(seq_id=op.seq_id, append=op.append, commit_to=op.commit_to,
-                                        preempt=op.preempt, sums_from=op.sums_from, page_sums=op.page_sums))
+            m = msg.park
+            m.SetInParent()
+            m.seq_id, m.commit_to, m.preempt, m.sums_from = op.seq_id, op.commit_to, op.preempt, op.sums_from
+            m.append.extend(op.append)
+            m.page_sums.extend(op.page_sums)
         case ops.Resume():
+            m = msg.resume
+            m.SetInParent()
             if op.session_id:
-                return pb.Op(resume=pb.ResumeOp(session_id=op.session_id, reserve=op.reserve))
-            return pb.Op(resume=pb.ResumeOp(seq_id=op.seq_id or 0, reserve=op.reserve))
+                m.session_id = op.session_id
+            else:
+                m.seq_id = op.seq_id or 0
+            m.reserve = op.reserve
         case ops.Free():
-            sums = {"sums_from": op.sums_from, "page_sums": op.page_sums, "distrusted": op.distrusted}
+            m = msg.free
+            m.SetInParent()
             if op.session_id:
-                return pb.Op(free=pb.FreeOp(session_id=op.session_id, append=op.append, commit_to=op.commit_to,
-                                            **sums))
-            return pb.Op(free=pb.FreeOp(seq_id=op.seq_id or 0, append=op.append, commit_to=op.commit_to, **sums))
+                m.session_id = op.session_id
+            else:
+                m.seq_id = op.seq_id or 0
+            m.commit_to, m.sums_from = op.commit_to, op.sums_from
+            m.append.extend(op.append)
+            m.page_sums.extend(op.page_sums)
+            m.distrusted.extend(op.distrusted)
         case ops.Fork():
-            return pb.Op(fork=pb.ForkOp(seq_id=op.seq_id, session_id=op.session_id or ""))
-    raise TypeError(f"not a Step operation: {op!r}")
+            m = msg.fork
+            m.SetInParent()
+            m.seq_id, m.session_id = op.seq_id, op.session_id or ""
+        case _:
+            raise TypeError(f"not a Step operation: {op!r}")
 
 
 def op_from_proto(msg: pb.Op) -> ops.Op:
@@ -102,10 +136,19 @@ def op_from_proto(msg: pb.Op) -> ops.Op:
     raise WireError("empty operation: set one of open, extend, park, resume, free, fork")
 
 
-def result_to_proto(r: ops.OpResult) -> pb.OpResult:
-    return pb.OpResult(seq_id=r.seq_id, state=r.state, first_block=r.first_block, block_ids=r.block_ids,
-                       num_blocks=r.num_blocks, num_committed=r.num_committed, num_cached=r.num_cached,
-                       token_ids=r.token_ids or ())
+def results_into(field: Any, results: list[ops.OpResult]) -> None:
+    """Append `results` to a reply's repeated `results`, each built in place (as `ops_into`)."""
+    add = field.add
+    for result in results:
+        _set_result(add(), result)
+
+
+def _set_result(m: pb.OpResult, r: ops.OpResult) -> None:
+    m.seq_id, m.state, m.first_block, m.num_blocks = r.seq_id, r.state, r.first_block, r.num_blocks
+    m.num_committed, m.num_cached = r.num_committed, r.num_cached
+    m.block_ids.extend(r.block_ids)
+    if r.token_ids:
+        m.token_ids.extend(r.token_ids)
 
 
 def result_from_proto(m: pb.OpResult, with_history: bool) -> ops.OpResult:

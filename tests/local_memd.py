@@ -115,6 +115,10 @@ class LocalClient:
 
     async def step(self, *ops: Op, wanted_blocks: int = 0) -> list[OpResult]:
         pool = self.memd.manager.pool
+        # A Step from a real worker reaches memd through its socket: the loop turns between two Steps, and
+        # memd's other tasks (the eviction policy, a snapshot's slices) run there. A Step that settles inline
+        # never suspends, so here the turn is taken explicitly, as the transport would.
+        await asyncio.sleep(0)
         try:
             outcome = await self.memd.parts.runner.run(self.worker_id, list(ops), None, wanted_blocks)
         except KvError as err:

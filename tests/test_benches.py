@@ -33,7 +33,8 @@ def memd_bench() -> dict:
 def assert_the_memd_bench_ran(report: dict) -> None:
     """All of it but the comparison with vLLM's allocator, which needs vLLM's wheel (from the network, once)."""
     assert report["manager_blocks_per_s"] > 0 and report["journal_max_rewrite_flush_ms"] > 0
-    assert report["step_rate_ratio_vs_echo"] > 0
+    assert report["step_rate_ratio_vs_echo"] > 0 and report["step_rate_ratio_vs_stream_echo"] > 0
+    assert report["check_1m_max_step_wait_ms"] > 0 and report["snapshot_1m_max_step_wait_ms"] > 0
     assert [run["clients"] for run in report["step_rpc"]] == [1, 2] and report["reclaim_ms"]
 
 

@@ -56,7 +56,8 @@ async def test_metrics_show_the_pool_swap_sequences_evictions_and_step_latency(m
     assert m['kvpool_memd_evictions_total{reason="idle"}'] == 0
     assert m["kvpool_memd_steps_total"] == 4 and m["kvpool_memd_step_duration_seconds_count"] == 4
     assert m["kvpool_memd_workers"] == 0
-    assert m['kvpool_memd_rpcs_total{method="Step"}'] == 4 and m['kvpool_memd_rpcs_total{method="Evict"}'] == 1
+    # gRPC calls: the worker's 4 Steps rode one Steps call (steps_total counts the Steps themselves)
+    assert m['kvpool_memd_rpcs_total{method="Steps"}'] == 1 and m['kvpool_memd_rpcs_total{method="Evict"}'] == 1
     assert m['kvpool_memd_rpcs_total{method="Attach"}'] == 1
 
 

@@ -28,7 +28,7 @@ def tiny_slices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def churning(memd, client, stop: asyncio.Event) -> None:
     """Steps without pause: sessions opened, parked, swapped out, resumed, freed."""
-    manager, turn = memd.parts.manager, 0
+    manager, turn, resumed = memd.parts.manager, 0, []
     async with memd.admin() as admin:
         while not stop.is_set():
             turn += 1
@@ -38,10 +38,12 @@ async def churning(memd, client, stop: asyncio.Event) -> None:
                               Free(opened[2].seq_id))
             await admin.evict(session_id=f"s{turn}-0", mode="swap")
             if turn % 3 == 0:                                  # resumed: swapped back in
-                await client.step(Open([7], reserve=1, session_id=f"s{turn}-0", continue_session=True))
-            if turn % 4 == 0:
+                back, = await client.step(Open([7], reserve=1, session_id=f"s{turn}-0", continue_session=True))
+                resumed.append(back.seq_id)
+            if turn % 4 == 0:                                  # the pool stays in use, never exhausted
                 gone = [s.seq_id for s in list(manager.seqs.values()) if s.state.value != "running"][:5]
-                await client.step(*[Free(seq_id) for seq_id in gone])
+                await client.step(*[Free(seq_id) for seq_id in gone + resumed])
+                resumed.clear()
 
 
 async def test_a_copy_taken_in_slices_while_steps_run_is_the_state_of_its_last_instant(local_memd_factory,
