@@ -38,6 +38,7 @@ from memd.memory import (
     PoolMemory,
     PoolMemoryError,
     ShmMemory,
+    allocate_pages,
     kept_file,
     open_backing_file,
     require_host_memory,
@@ -74,6 +75,7 @@ class SwapMemory(Protocol):
     def copy_in(self, pairs: list[tuple[int, int]]) -> None: ...     # (slot, block)
     def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]: ...   # and the pages' checksums after
     def checksums(self, slots: list[int]) -> list[int]: ...          # of the slots' bytes now, as the pool's
+    def allocated(self) -> None: ...      # every slot allocated; raises PoolMemoryError if it could not be
     def close(self) -> None: ...
 
 
@@ -125,35 +127,58 @@ class HostSwap:
         if not self.reopened:
             require_host_memory("swap tier", size, SWAP_ADVICE)
         self.num_slots, self.block_bytes, self.delay_s = num_slots, block_bytes, delay_s
+        fd = None
         if path is None:
             self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:
             fd = open_backing_file(path, size, "kvpool-swap", "swap tier")
             try:
                 self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self._base = ctypes.addressof(self._anchor)
         self._pool_base = pool.base
-        # Populated and locked on a thread of its own, a chunk at a time, while memd starts and serves:
-        # gigabytes of page faults held start-up for seconds. A slot not reached yet faults in on its
-        # first copy; nothing waits. `locked`: None while it runs.
+        # Allocated, populated and locked on a thread of its own, a chunk at a time, while memd starts and
+        # serves: gigabytes of page faults held start-up for seconds. A swap file's pages are allocated first,
+        # beside the pool's (memd waits for both before READY=1: `allocated`); a slot not locked yet faults
+        # in on its first copy; nothing waits for it. `locked`: None while it runs.
         self.locked: bool | None = None
         self._stop = threading.Event()
-        self._locking = threading.Thread(target=self._populate_and_lock, args=(size,), name="memd-swap-lock",
+        self._allocated = threading.Event()
+        self._allocation_error: PoolMemoryError | None = None
+        self._locking = threading.Thread(target=self._populate_and_lock, args=(size, fd), name="memd-swap-lock",
                                          daemon=True)
         self._locking.start()
         self._threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="memd-swap-copy") \
             if COPY_THREADS > 1 else None
+
+    def allocated(self) -> None:
+        """Wait until a swap file's pages are allocated; PoolMemoryError if the host had not the memory."""
+        self._allocated.wait()
+        if self._allocation_error is not None:
+            raise self._allocation_error
 
     def populated(self) -> bool | None:
         """Wait until the tier is populated; whether it is locked in RAM (a bench measures it settled)."""
         self._locking.join()
         return self.locked
 
-    def _populate_and_lock(self, size: int) -> None:
-        """mlock each chunk (which populates it); where locking is refused, populate the rest unlocked."""
+    def _populate_and_lock(self, size: int, fd: int | None) -> None:
+        """Allocate a swap file's pages (`fd`, which it closes); then mlock each chunk (which populates it);
+        where locking is refused, populate the rest unlocked."""
+        if fd is not None:
+            try:
+                allocate_pages(fd, size, "swap tier")
+            except PoolMemoryError as exc:
+                self._allocation_error = exc
+            finally:
+                os.close(fd)
+        self._allocated.set()
+        if self._allocation_error is not None:
+            self.locked = False
+            return
         started, lock = time.monotonic(), True
         for offset in range(0, size, LOCK_CHUNK_BYTES):
             if self._stop.is_set():
@@ -326,6 +351,9 @@ class PinnedSwap:
                     staging[row:row + count].copy_(self.slots[slot:slot + count], non_blocking=True)
                 blocks = torch.tensor([block for _, block in chunk], device=self.pages.device)
                 self.pages.index_copy_(0, blocks, staging[:n])
+
+    def allocated(self) -> None:
+        """Pinned whole when it was made."""
 
     def checksums(self, slots: list[int]) -> list[int]:
         """Of the bytes in these slots, by the CUDA pool's checksum (the word sum, computed on the host here)."""
