@@ -47,18 +47,26 @@ from shared.sizes import format_size, parse_size
 BLOCK_SIZE = 16
 STORM_SEQS, STORM_BLOCKS = 16, 64          # the storm's sequences, pages each
 PAGE_FOR_STEPS = "64KiB"
+SETTLE_S = 0.02                            # idle before each timed copy (best_times)
 
 
 # ---- 1. bandwidth -------------------------------------------------------------
 
 def best_times(fns: list, repeats: int) -> list[float]:
     """Best of `repeats` for each, after one warm-up, interleaved so that noise on a shared machine
-    falls on all of them alike rather than on whichever ran during it."""
+    falls on all of them alike rather than on whichever ran during it.
+
+    Each timed call starts after SETTLE_S idle: after a parallel copy_, torch's OpenMP threads spin
+    a few ms waiting for more work, and a copy timed right then shared its cores with them (memd's
+    swap-out of 64 KiB pages measured 17% slower straight after copy_ than 20 ms later). memd
+    runs no torch; neither copy is timed with the other's leftovers.
+    """
     for fn in fns:
         fn()
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
+            time.sleep(SETTLE_S)
             start = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - start)

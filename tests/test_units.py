@@ -111,17 +111,6 @@ def test_swap_copies_coalesce_runs_consecutive_on_both_sides():
     assert list(runs([])) == []
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3, 4])
-def test_a_split_swap_copy_moves_every_byte_once(parts):
-    from memd.swap import split_moves
-    moves = [(1000, 0, 7), (2000, 100, 1), (3000, 200, 30)]
-    shares = split_moves(moves, 38, parts)
-    assert len(shares) <= parts
-    covered = sorted((dst + i, src + i) for share in shares for dst, src, n in share for i in range(n))
-    assert covered == sorted((dst + i, src + i) for dst, src, n in moves for i in range(n))
-    assert max(sum(n for _, _, n in share) for share in shares) <= -(-38 // parts)
-
-
 @pytest.mark.parametrize("staging_rows", [None, 3, 64])
 def test_gpu_swap_gathers_scattered_pages_and_scatters_them_back(staging_rows):
     """PinnedSwap.move's gather/scatter through a staging buffer, on CPU tensors (the GPU run checks CUDA)."""

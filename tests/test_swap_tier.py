@@ -1,0 +1,96 @@
+"""The pool's and the swap tier's memory in-process: allocation at start-up, and copies that come back exact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from memd.memory import Allocation, PoolMemoryError, ShmMemory
+from memd.swap import HostSwap
+
+
+def test_pages_allocated_on_a_thread_fail_start_up_when_waited_for():
+    read, write = os.pipe()                     # fallocate refuses a pipe, as it would a full tmpfs
+    try:
+        allocation = Allocation(read, 1 << 20, "pool", background=True)
+        with pytest.raises(PoolMemoryError, match=r"cannot allocate a pool of 1\.0 MiB"):
+            allocation.wait()
+        allocation.wait(check=False)            # closing waits without raising again
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_a_swap_file_is_allocated_whole_before_it_is_reported_allocated(tmp_path):
+    pool = ShmMemory(8, 64 << 10, tmp_path / "pool", background=True)
+    swap = HostSwap(pool, 4, 64 << 10, path=tmp_path / "swap")
+    try:
+        pool.allocated()
+        swap.allocated()
+        for path, size in ((tmp_path / "pool", 8 << 16), (tmp_path / "swap", 4 << 16)):
+            st = path.stat()
+            assert st.st_size == size and st.st_blocks * 512 >= size      # every page there, none a hole
+    finally:
+        swap.close()
+        pool.close()
+
+
+PAGE = 4096
+
+
+def marked(memory_view: memoryview, rows: int) -> None:
+    """Row i holds bytes derived from i (and its offset), so a page copied to the wrong place shows."""
+    for i in range(rows):
+        memory_view[i * PAGE:(i + 1) * PAGE] = bytes((i * 7 + k) % 251 for k in range(0, PAGE, 16)) * 16
+
+
+PAIR_SHAPES = {
+    "gather: scattered pages to consecutive slots (and back: a scatter)": [(2 * i, i) for i in range(16)],
+    "scatter: consecutive pages to scattered slots": [(i, 23 - 2 * i) for i in range(10)],
+    "runs on both sides": [(4, 0), (5, 1), (6, 2), (9, 3), (10, 4), (2, 5), (3, 7)],
+    "scattered on both sides": [(17, 3), (2, 9), (30, 0), (8, 5), (11, 1)],
+    "one page": [(13, 6)],
+    "mixed": [(0, 10), (1, 11), (2, 12), (7, 13), (9, 14), (5, 2), (6, 3), (20, 20), (3, 21), (4, 22), (5, 23)],
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", list(PAIR_SHAPES))
+def test_swapped_pages_land_byte_identical_in_their_slots_and_back(shape, threads, monkeypatch):
+    import memd.swap
+
+    monkeypatch.setattr(memd.swap, "COPY_THREADS", threads)
+    monkeypatch.setattr(memd.swap, "PARALLEL_BYTES", 0 if threads > 1 else 1 << 40)
+    pool = ShmMemory(32, PAGE)
+    swap = HostSwap(pool, 24, PAGE)
+    try:
+        marked(pool.view(), 32)
+        before = bytes(pool.view())
+        pairs = PAIR_SHAPES[shape]                         # (page, slot)
+        swap.copy_out(pairs)
+        for page, slot in pairs:
+            assert swap.view()[slot * PAGE:(slot + 1) * PAGE] == before[page * PAGE:(page + 1) * PAGE]
+        pool.view()[:] = bytes(32 * PAGE)
+        swap.copy_in([(slot, page) for page, slot in pairs])
+        after = bytes(pool.view())
+        for page in range(32):
+            expected = before[page * PAGE:(page + 1) * PAGE] if any(p == page for p, _ in pairs) else bytes(PAGE)
+            assert after[page * PAGE:(page + 1) * PAGE] == expected, page
+        assert swap.copy_in_checked([(slot, page) for page, slot in pairs]) == pool.checksums([p for p, _ in pairs])
+    finally:
+        swap.close()
+        pool.close()
+
+
+def test_a_swap_copy_naming_a_page_past_the_pool_is_refused():
+    pool = ShmMemory(4, PAGE)
+    swap = HostSwap(pool, 4, PAGE)
+    try:
+        with pytest.raises(IndexError):
+            swap.copy_out([(4, 0)])
+        with pytest.raises(IndexError):
+            swap.copy_in([(0, 1), (5, 2)])
+    finally:
+        swap.close()
+        pool.close()
