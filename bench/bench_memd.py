@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import vllm_anchor
 from tables import table
 
+from memd.host_pages import huge_pages
 from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.pool import BlockPool, FreeQueue
@@ -503,11 +504,12 @@ async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
     return out
 
 
-def bench_startup(tmp: Path, pool: str) -> dict:
+def bench_startup(tmp: Path, pool: str, state_parent: str = "/dev/shm") -> dict:
     """Seconds from exec to READY=1 for a `pool` CPU pool with the default swap tier: as the unit runs it
-    (its state directory on tmpfs, /run there, /dev/shm here) and with --state-dir none (anonymous memory)."""
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="memd-bench-state-", dir="/dev/shm") as state:
+    (its state directory on tmpfs: /run there, `state_parent` here) and with --state-dir none (a memfd).
+    Which pages the kernel gave the state directory's files (4 KiB or 2 MiB) is reported beside it."""
+    out: dict = {"state_parent": state_parent, "huge_pages": huge_pages(Path(state_parent) / "pool")}
+    with tempfile.TemporaryDirectory(prefix="memd-bench-state-", dir=state_parent) as state:
         for label, flags in (("state_dir", ["--state-dir", state]), ("no_state_dir", ["--state-dir", "none"])):
             started = time.perf_counter()
             proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", pool, "--listen",
@@ -562,7 +564,8 @@ def report(res: dict) -> str:
     snapshot = table(calls)
     start = res["startup"]
     startup = table([[f"start-up to READY=1, {start['pool']} pool, default swap tier", "seconds"],
-                     ["state directory on tmpfs (as the unit)", f"{start['state_dir']:.2f}"],
+                     [f"state directory on tmpfs (as the unit): {start['state_parent']}, "
+                      f"{'2 MiB' if start['huge_pages'] else '4 KiB'} pages", f"{start['state_dir']:.2f}"],
                      ["--state-dir none", f"{start['no_state_dir']:.2f}"]])
     return "\n\n".join([head, alloc, table(rows), reclaim, snapshot, startup])
 
@@ -588,6 +591,9 @@ def main() -> None:
     p.add_argument("--reclaim-trials", type=int, default=3, help="workers killed, one at a time (default: 3)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     p.add_argument("--quick", action="store_true", help="a short smoke run: checks the bench still runs")
+    p.add_argument("--state-parent", default="/dev/shm",
+                   help="tmpfs for the start-up run's state directory (default: /dev/shm; one mounted "
+                        "huge=within_size measures memd on 2 MiB pages)")
     args = p.parse_args()
     if args.quick:
         args.seconds, args.clients, args.reclaim_trials = 0.3, 2, 1
@@ -623,7 +629,7 @@ def main() -> None:
         res["check_1m_max_step_wait_ms"] = res["operator"]["check"]["max_step_wait_ms"]
         res["snapshot_memd_rss_ratio"] = res["operator"]["snapshot"]["memd_rss_ratio"]
         pool = "512MiB" if args.quick else "8GiB"
-        res["startup"] = {"pool": pool, **bench_startup(Path(tmp), pool)}
+        res["startup"] = {"pool": pool, **bench_startup(Path(tmp), pool, args.state_parent)}
         if not args.quick:
             res["start_8gib_seconds"] = res["startup"]["state_dir"]
     print(report(res))

@@ -17,8 +17,9 @@
    swaps 16 sequences out and back in without pause (forced evictions and
    resumes). p50 and p99 of the probe's Steps, and the ratio.
 
-Targets (issue "memory pressure"): swap >= 80% of the raw copy; Step p99
-during swapping <= 2x quiet.
+Targets: swap >= 90% of the raw copy at every page size and in both
+directions, with the settings memd.service ships (`swap_min_ratio` in
+--json); Step p99 during swapping <= 1.5x quiet (`storm_p99_ratio`).
 """
 
 from __future__ import annotations
@@ -313,6 +314,11 @@ def main() -> None:
         res["device"] = args.device
     res["bandwidth"] = bandwidth_runs(parse_size(args.moved), args.repeats, args.device)
     res["steps"] = bench_steps(args.seconds, args.device)
+    # The figures the targets name: the lowest ratio with the settings memd.service ships (on a GPU, the only
+    # run), over page sizes and directions; and Step p99 during the storm over quiet.
+    shipped = res["bandwidth"].get("memd.service tunable") or next(iter(res["bandwidth"].values()))
+    res["swap_min_ratio"] = min(min(b["out_ratio"], b["in_ratio"]) for b in shipped)
+    res["storm_p99_ratio"] = res["steps"]["p99_ratio"]
     print(report(res))
     if args.json:
         print(json.dumps(res))

@@ -26,6 +26,7 @@ from memd.access import AccessControl, AccessError, Credentials, provision, remo
 from memd.cluster import ClusterTier
 from memd.cluster_lookup import Lookups
 from memd.fdpass import FdServer
+from memd.host_pages import huge_pages
 from memd.interceptors import MEMD_SERVICE, RpcCounter, SerializedReplies
 from memd.journal import Recovered, WriteAheadLog
 from memd.manager import KvManager
@@ -61,6 +62,7 @@ from shared.unix_socket import SocketPathError, claim
 log = structlog.get_logger("memd")
 MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
 NO_STATE = Path("none")    # --state-dir none
+SLOW_SMALL_PAGES_BYTES = 4 << 30     # a pool in 4 KiB pages this large takes over a second to allocate
 
 
 class StartupError(RuntimeError):
@@ -310,6 +312,11 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         if (interval := watchdog_interval()) is not None:
             tasks.append(asyncio.create_task(keep_watchdog(interval, lambda: pool_status(manager)), name="watchdog"))
         stack.push_async_callback(_cancel, tasks)
+        huge = huge_pages(state.pool if state is not None else None) if memory.backend == "shm" else None
+        if huge is False and geometry.pool_bytes >= SLOW_SMALL_PAGES_BYTES:
+            log.info("the pool is in 4 KiB pages, which the kernel allocates one at a time (seconds before READY "
+                     "for a pool this size): a state directory on a tmpfs mounted with huge=within_size takes "
+                     "2 MiB pages, allocated in a fraction of that", pool=format_size(geometry.pool_bytes))
         log.info("memd ready", listen=target, backend=memory.backend, device=memory.device,
                  num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes,
                  bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
@@ -319,6 +326,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
                  else getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
                  state_dir=str(state.path) if state is not None else "none",
                  swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
+                 pool_pages=None if huge is None else "2 MiB" if huge else "4 KiB",
                  metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
         if state is not None:
             state.served = True

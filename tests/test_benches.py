@@ -61,6 +61,7 @@ def test_the_memd_bench_runs_without_vllms_wheel(tmp_path):
 def test_the_swap_bench_runs():
     report = quick("bench_swap.py")
     assert report["bandwidth"] and report["steps"]
+    assert report["swap_min_ratio"] > 0 and report["storm_p99_ratio"] > 0
 
 
 def test_the_served_inferd_bench_runs():
