@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from inferd.sampling import SamplingParams, TokenLogprob
 
@@ -66,6 +67,8 @@ class Request:
     num_summed: int = 0                                # leading pages memd has (or had) a checksum for
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
+    text: str = ""                                     # the generated tokens' text so far (`detokenizer`'s)
+    detokenizer: DecodeStream | None = None            # one token at a time: no re-decoding of all the text
     stops_from: int = 0                                # min_tokens: no stop string may end at or before this
                                                        # character of the text (that of the held tokens)
     num_prompt: int = 0

@@ -37,6 +37,7 @@ from typing import Any
 
 import structlog
 import torch
+from tokenizers.decoders import DecodeStream
 
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import (
@@ -586,8 +587,7 @@ class Scheduler:
         p, config = request.params, self.model.config
         held = len(request.generated) < p.min_tokens       # min_tokens: neither EOS nor a stop string ends it yet
         eos = token in config.eos_token_ids and not p.ignore_eos and not held
-        text_ids = request.generated[:-1] if eos else request.generated
-        text = self.tokenizer.decode(text_ids)
+        text = self._text(request, token, eos)
         reason = None
         if held:
             request.stops_from = len(text)
@@ -600,6 +600,9 @@ class Scheduler:
             reason = "stop"
         elif reason is None and (len(request.generated) >= p.max_tokens or len(request.tokens) >= config.max_position):
             reason = "length"
+        if reason is not None and request.detokenizer is not None and text is request.text:
+            # The last text, whole: a character the tokens left half-made is shown as the tokenizer shows it.
+            text = self.tokenizer.decode(request.generated[:-1] if eos else request.generated)
         hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
         if reason is None and text.endswith("\ufffd"):
             hold = max(hold, 1)                              # half a UTF-8 character: wait for the rest
@@ -610,6 +613,22 @@ class Scheduler:
                                         logprobs=None if logprob is None else [logprob]))
         if reason:
             self._end(request, reason=reason)
+
+    def _text(self, request: Request, token: int, eos: bool) -> str:
+        """The generated text with `token` (not an EOS that ends it), decoded one token at a time.
+
+        Re-decoding every generated token at every step cost a 16-sequence
+        batch ~0.2 ms a step at 128 tokens, growing with the square of the
+        length; the tokenizer's DecodeStream decodes only what is new, and
+        holds a token back while it is half a UTF-8 character.
+        """
+        if eos:
+            return request.text
+        if request.detokenizer is None:
+            request.detokenizer = DecodeStream(skip_special_tokens=True)
+        if (chunk := request.detokenizer.step(self.tokenizer, token)) is not None:
+            request.text += chunk
+        return request.text
 
     def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None,
              keep: bool = False) -> None:

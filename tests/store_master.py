@@ -46,6 +46,24 @@ class Store:
             raise AssertionError("mooncake_master did not start: " +
                                  b"".join(seen).decode(errors="replace")[-3000:]) from None
         self._drain = asyncio.create_task(_drain(self.proc.stderr))
+        await self._accepting(self.rpc)
+
+    async def _accepting(self, port: int) -> None:
+        """Until the master's RPC port takes connections: its admin server can say it started before the RPC
+        server listens, and a client set up in that gap is refused (seen on a loaded machine)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except ConnectionRefusedError:
+                assert loop.time() < deadline, f"mooncake_master's RPC port {port} never took a connection"
+                assert self.proc is not None and self.proc.returncode is None, "mooncake_master exited"
+                await asyncio.sleep(0.05)        # polling a port: no readiness signal says when it listens
+                continue
+            writer.close()
+            await writer.wait_closed()
+            return
 
     async def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:

@@ -334,3 +334,22 @@ async def test_completions_forked_after_a_cancel_end_at_once(served):
     assert {e.finish_reason for e in finals} <= {"cancelled"}
     assert all(e.usage["completion_tokens"] <= 1 for e in finals)             # nobody decodes for no one
     await assert_clean(memd)
+
+
+@pytest.mark.parametrize("stop_at", [None, "length"])
+async def test_streamed_text_is_decoded_a_token_at_a_time_and_holds_half_characters(served, stop_at):
+    """Each token's text is what it adds to the whole: a token ending inside a UTF-8 character shows
+    nothing until the character is whole, and the deltas join into exactly the tokenizer's decode."""
+    _, scheduler = served
+    text = "héllo wörld 日本 ✓ café"
+    ids = scheduler.tokenizer.encode(text).ids
+    cut = len(ids) - 1 if stop_at == "length" else len(ids)
+    request = Request([1, 2, 3], greedy(cut))
+    deltas = []
+    for token in ids[:cut]:                      # as _forward hands each sampled token on
+        request.tokens.append(token)
+        request.generated.append(token)
+        scheduler._emit(request, token)
+        deltas.append(request.events.get_nowait().text)
+    assert "".join(deltas) == scheduler.tokenizer.decode(ids[:cut])
+    assert all("\ufffd" not in d for d in deltas[:-1]) and "" in deltas[:-1]    # some token held half a character
