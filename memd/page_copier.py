@@ -13,6 +13,7 @@ import asyncio
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+from memd.background import give_way
 from memd.memory import PoolMemory
 from memd.page_effects import Fetch, PageEffect, RemotePages, SwapIn, pages_touched, run_effects
 from memd.swap import SwapMemory
@@ -27,8 +28,8 @@ class PageCopier:
 
     def __init__(self, memory: PoolMemory, swap: SwapMemory | None, block_bytes: int) -> None:
         self.memory, self.swap, self.block_bytes = memory, swap, block_bytes
-        self._effects = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-pages")
-        self._swap_outs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap")
+        self._effects = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-pages", initializer=give_way)
+        self._swap_outs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-swap", initializer=give_way)
         self._busy: Counter[int] = Counter()      # pages that queued effects still touch
         self.remote: RemotePages | None = None    # the cluster store, for Fetch effects (memd.cluster)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from memd import integrity
+from memd.background import give_way
 from memd.integrity import Where
 from memd.manager import KvManager
 from memd.memory import PoolMemory
@@ -61,7 +62,7 @@ class Scrubber:
         self.manager, self.memory, self.swap, self.persist = manager, memory, swap, persist
         self.block_bytes = manager.geometry.block_bytes
         self._lock = asyncio.Lock()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-scrub")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memd-scrub", initializer=give_way)
 
     async def scrub(self, rate_bytes_s: float = 0.0) -> ScrubReport:
         """One pass over every parked, cached and swapped page; at most `rate_bytes_s` (0: as fast as it goes)."""

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from memd.background import give_way
 from memd.memory import (
     CudaMemory,
     PoolMemory,
@@ -156,7 +157,7 @@ class HostSwap:
         self._locking = threading.Thread(target=self._populate_and_lock, args=(size, fd), name="memd-swap-lock",
                                          daemon=True)
         self._locking.start()
-        self._threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="memd-swap-copy") \
+        self._threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="memd-swap-copy", initializer=give_way) \
             if COPY_THREADS > 1 else None
 
     def allocated(self) -> None:

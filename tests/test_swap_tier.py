@@ -94,3 +94,26 @@ def test_a_swap_copy_naming_a_page_past_the_pool_is_refused():
     finally:
         swap.close()
         pool.close()
+
+
+def test_memds_copy_threads_give_way_to_its_event_loop():
+    """Copies run below the loop's priority: a Step arriving during a swap storm gets a core first."""
+    import os
+    import threading
+
+    from memd.background import BACKGROUND_NICE
+    from memd.page_copier import PageCopier
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    pool = ShmMemory(4, PAGE)
+    copier = PageCopier(pool, None, PAGE)
+    try:
+        here = nice()
+        for threads in (copier._effects, copier._swap_outs):
+            assert threads.submit(nice).result() == min(here + BACKGROUND_NICE, 19)
+        assert nice() == here                                     # the caller's own priority is untouched
+    finally:
+        copier.close()
+        pool.close()
