@@ -137,35 +137,31 @@ class MemdService(pb_grpc.MemdServicer):
             self.leases.close_stream(worker.worker_id, reason)
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        if self.step_seconds is None:
-            return await self._step(request, context)
-        with self.step_seconds.time():
-            return await self._step(request, context)
-
-    async def Steps(self, requests: AsyncIterator[pb.StepRequest],
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepReply]:
-        """Each Step as it comes, answered in turn; a refusal is an answer and the stream goes on."""
-        async for request in requests:
-            try:
-                if self.step_seconds is None:
-                    reply = await self._step_reply(request)
-                else:
-                    with self.step_seconds.time():
-                        reply = await self._step_reply(request)
-            except KvError as err:
-                reply = pb.StepReply(free_blocks=self.manager.pool.num_free, refused=pb.StepRefusal(
-                    code=err.code, message=str(err), op_index=err.index if isinstance(err, OpError) else -1))
-            yield reply
-
-    async def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         try:
             return await self._step_reply(request)
         except KvError as err:
             await _abort(context, err, self.manager.pool.num_free)
             raise           # not reached: abort raises
 
+    async def Steps(self, requests: AsyncIterator[pb.StepRequest],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepReply]:
+        """Each Step as it comes, answered in turn; a refusal is an answer and the stream goes on."""
+        async for request in requests:
+            try:
+                reply = await self._step_reply(request)
+            except KvError as err:
+                reply = pb.StepReply(free_blocks=self.manager.pool.num_free, refused=pb.StepRefusal(
+                    code=err.code, message=str(err), op_index=err.index if isinstance(err, OpError) else -1))
+            yield reply
+
     async def _step_reply(self, request: pb.StepRequest) -> pb.StepReply:
-        """The Step run and its reply; KvError when it is refused (logged here)."""
+        """The Step run and its reply, timed (refused ones too); KvError when it is refused (logged here)."""
+        if self.step_seconds is None:
+            return await self._run_step(request)
+        with self.step_seconds.time():
+            return await self._run_step(request)
+
+    async def _run_step(self, request: pb.StepRequest) -> pb.StepReply:
         try:
             ops = []
             for index, op in enumerate(request.ops):
