@@ -218,9 +218,7 @@ class BlockPool:
                                 self.last_access[block], self.checksum[block])
         self.last_access[block] = time.monotonic()
         self.checksum[block] = 0
-        for watch in self.watches:
-            watch.add(block)
-        return block, bool(was_dirty)
+        return block, bool(was_dirty)          # the watches have it already: its queue links changed
 
     def _undo_allocate(self, block: int, links: tuple[int, int], old_hash: bytes | None,
                        old_tokens: tuple[int, ...] | None, was_dirty: int, last_access: float,
@@ -243,9 +241,7 @@ class BlockPool:
             raise PoolExhausted(n, len(self.free))
         if n == 0:
             return [], []
-        blocks = self.free.take_front(n)
-        for watch in self.watches:
-            watch.update(blocks)
+        blocks = self.free.take_front(n)          # which notes them in the watches (the queue's own)
         get = itemgetter(*blocks) if n > 1 else lambda values: (values[blocks[0]],)
         hashes, was_dirty = get(self.hash_of), get(self.dirty)
         evicted = []
