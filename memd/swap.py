@@ -36,11 +36,11 @@ import structlog
 
 from memd.background import give_way
 from memd.memory import (
+    Allocation,
     CudaMemory,
     PoolMemory,
     PoolMemoryError,
     ShmMemory,
-    allocate_pages,
     kept_file,
     open_backing_file,
     require_host_memory,
@@ -152,8 +152,7 @@ class HostSwap:
         # in on its first copy; nothing waits for it. `locked`: None while it runs.
         self.locked: bool | None = None
         self._stop = threading.Event()
-        self._allocated = threading.Event()
-        self._allocation_error: PoolMemoryError | None = None
+        self._allocating = Allocation(fd, size, "swap tier", background=True) if fd is not None else None
         self._locking = threading.Thread(target=self._populate_and_lock, args=(size, fd), name="memd-swap-lock",
                                          daemon=True)
         self._locking.start()
@@ -162,9 +161,8 @@ class HostSwap:
 
     def allocated(self) -> None:
         """Wait until a swap file's pages are allocated; PoolMemoryError if the host had not the memory."""
-        self._allocated.wait()
-        if self._allocation_error is not None:
-            raise self._allocation_error
+        if self._allocating is not None:
+            self._allocating.wait()
 
     def populated(self) -> bool | None:
         """Wait until the tier is populated; whether it is locked in RAM (a bench measures it settled)."""
@@ -172,19 +170,17 @@ class HostSwap:
         return self.locked
 
     def _populate_and_lock(self, size: int, fd: int | None) -> None:
-        """Allocate a swap file's pages (`fd`, which it closes); then mlock each chunk (which populates it);
-        where locking is refused, populate the rest unlocked."""
-        if fd is not None:
+        """Once a swap file's pages are allocated (then its `fd` is closed), mlock each chunk (which populates
+        it); where locking is refused, populate the rest unlocked."""
+        if self._allocating is not None:
+            assert fd is not None
             try:
-                allocate_pages(fd, size, "swap tier")
-            except PoolMemoryError as exc:
-                self._allocation_error = exc
+                self._allocating.wait()
+            except PoolMemoryError:                 # memd does not start: `allocated` raises it there
+                self.locked = False
+                return
             finally:
                 os.close(fd)
-        self._allocated.set()
-        if self._allocation_error is not None:
-            self.locked = False
-            return
         _numpy()                          # imported here, off the event loop, before the first copy needs it
         started, lock = time.monotonic(), True
         for offset in range(0, size, LOCK_CHUNK_BYTES):
