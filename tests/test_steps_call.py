@@ -65,3 +65,9 @@ async def test_a_step_cancelled_in_flight_never_answers_the_next(memd):
             mine, = await client.step(Open(list(range(5 * BS + turns)), reserve=1))
             assert mine.num_blocks == 6 and len(mine.block_ids) == 6              # 5 whole blocks and a partial
             await client.step(Free(mine.seq_id))
+    # The worker gone, whatever the cancelled Steps opened is reclaimed: no page is left held, nothing broken.
+    await memd.log.wait_for("worker reclaimed")
+    async with memd.admin() as admin:
+        stats, check = await admin.stats(), await admin.check()
+    assert check.ok, check.violations
+    assert stats.used_blocks == 0 and stats.free_blocks == stats.total_blocks
