@@ -45,8 +45,10 @@ def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
         offsets += [p % block_size for p in pos]
         qlens.append(len(new))
         clens.append(cached + len(new))
-    width = max(len(t) for _, _, t in seqs)
-    tables = [t + [t[0]] * (width - len(t)) for _, _, t in seqs]
+    # Only the blocks that hold context are read: a table's lookahead blocks would widen every gather.
+    used = [table[:-(-ctx // block_size)] for table, ctx in zip((t for _, _, t in seqs), clens, strict=True)]
+    width = max(len(t) for t in used)
+    tables = [t + [t[0]] * (width - len(t)) for t in used]
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return Batch(as_long(tokens), as_long(positions), as_long(blocks), as_long(offsets), qlens, clens,
                  as_long(tables))
@@ -189,8 +191,9 @@ class PagedDecoder:
         bsz = batch.block_tables.shape[0]
         # K and V gathered apart: each gather is [B, max_blocks, bs, kv_heads, dim], whose block and slot dims
         # merge into one without a copy; gathering both at once would need a second copy to separate them.
-        keys = cache[:, 0][batch.block_tables].view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        values = cache[:, 1][batch.block_tables].view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        blocks = batch.block_tables.view(-1)
+        keys = cache[:, 0].index_select(0, blocks).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        values = cache[:, 1].index_select(0, blocks).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if layout.key_len is not None:
             keys, values = keys[:, :, :layout.key_len], values[:, :, :layout.key_len]
         if layout.gather is None:                           # one sequence, or one new token per sequence
