@@ -115,6 +115,11 @@ class PagedDecoder:
                                 w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
         self.inv_freq = rope_inv_freq(config).to(self.device)
 
+    def flops_per_token(self) -> int:
+        """Matrix work of one new token through every layer (the LM head runs once per sequence)."""
+        return 2 * sum(w.numel() for (_, qkv_w, _, o_w, _, gate_up, down) in self.layers
+                       for w in (qkv_w, o_w, gate_up, down))
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         var = x.float().pow(2).mean(-1, keepdim=True)
         return weight * (x.float() * torch.rsqrt(var + self.config.rms_norm_eps)).to(x.dtype)

@@ -31,7 +31,6 @@ import contextlib
 import math
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +38,7 @@ import structlog
 import torch
 from tokenizers.decoders import DecodeStream
 
+from inferd.forward_thread import ForwardThread, Sampling
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import (
     Admit,
@@ -56,7 +56,7 @@ from inferd.model import PagedDecoder, build_batch
 from inferd.page_sums import PageSums
 from inferd.requests import Event, GenerationError, Request, RequestStatus, TokenLogprob
 from inferd.reuse_check import ReuseCheck
-from inferd.sampling import SamplingParams, hold_eos, sample, token_logprobs
+from inferd.sampling import sample, token_logprobs
 from shared.client import MemdClient, MemdError
 from shared.ops import Extend, Fork, Free, Open, Park, Resume
 
@@ -87,7 +87,6 @@ class Scheduler:
         self._resets: list[ResetSession] = []
         # The Step memd is applying now: its requests are in no other list meanwhile.
         self._inflight: list[PendingOp] = []
-        self._forward_job: asyncio.Future[torch.Tensor] | None = None
         self._wake = asyncio.Event()
         self._preempting: list[Preempt] = []
         self._unforked: list[Request] = []               # children whose Fork found no page: forked next step
@@ -102,9 +101,7 @@ class Scheduler:
         self.reuse_check = ReuseCheck(model, verify_reuse, chunk_tokens=max_batch_tokens) \
             if verify_reuse else None                                                     # --verify-reuse
         self._distrusts: list[Distrust] = []
-        # One thread for every forward pass: torch's OpenMP team stays warm in it, and
-        # the event loop stays free for gRPC and memd heartbeats meanwhile.
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
+        self.forward_thread = ForwardThread(model)
 
     # ---- the outside ---------------------------------------------------
 
@@ -239,10 +236,7 @@ class Scheduler:
 
     async def close(self) -> None:
         """Let a forward pass in flight finish (it writes into pages memd may hand out next), then stop."""
-        if self._forward_job is not None and not self._forward_job.cancelled():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._forward_job)
-        self._compute.shutdown(wait=True)
+        await self.forward_thread.close()
 
     # ---- one iteration -------------------------------------------------
 
@@ -296,8 +290,8 @@ class Scheduler:
                     or not check.chosen(request.num_cached):
                 continue
             try:
-                bad = await asyncio.get_running_loop().run_in_executor(
-                    self._compute, check.first_mismatch, request.tokens, request.table, request.num_cached)
+                bad = await self.forward_thread.run(check.first_mismatch, request.tokens, request.table,
+                                                    request.num_cached, tokens=request.num_cached)
             except Exception as exc:          # a check that cannot run (out of memory, say) fails no request
                 log.warning("could not recompute a prefix hit to check it", request=request.request_id,
                             error=str(exc))
@@ -495,47 +489,27 @@ class Scheduler:
                 return
         batch = build_batch([(take, r.num_computed, r.table) for r, take in chunks], self.block_size,
                             self.model.device)
-        self._forward_job = asyncio.get_running_loop().run_in_executor(self._compute, self.model.forward, batch)
-        # Shielded: cancelling the scheduler cannot stop the thread writing pages, so the job must
-        # stay awaitable for close(), which waits for it before the pool may be let go.
-        logits = await asyncio.shield(self._forward_job)
-        self._forward_job = None
-        finishing = []
-        for row, (request, take) in enumerate(chunks):
+        # A row gets a token once the pass takes in the rest of its history.
+        finishing = [(row, r) for row, (r, take) in enumerate(chunks) if r.num_computed + len(take) == len(r.tokens)]
+        requests = [r for _, r in finishing]
+        sampled = await self.forward_thread.step(batch, Sampling(
+            [row for row, _ in finishing], [r.params for r in requests], [len(r.generated) for r in requests],
+            [r.generator for r in requests], self.model.config.eos_token_ids))
+        for request, take in chunks:
             if self.audit is not None:
                 self.audit.record(id(request), request.table, request.num_computed,
                                   request.num_computed + len(take))
             request.num_computed += len(take)
-            if request.num_computed == len(request.tokens):     # the whole history is in: a token to sample
-                finishing.append((row, request))
-        if not finishing:
+        if sampled is None:
             return
-        requests = [r for _, r in finishing]
-        params = [r.params for r in requests]
-        raw = logits[[row for row, _ in finishing]]
-        scores = hold_eos(raw, params, [len(r.generated) for r in requests], self.model.config.eos_token_ids)
-        tokens = sample(scores, params, [r.generator for r in requests])
-        logprobs = self._logprobs(raw, params, tokens)
         now = time.monotonic()
-        for i, (request, token, logprob) in enumerate(zip(requests, tokens, logprobs, strict=True)):
+        for i, (request, token, logprob) in enumerate(zip(requests, sampled.tokens, sampled.logprobs, strict=True)):
             if request.params.n > 1 and not request.generated:
-                self._fork(request, raw[i], scores[i], now)
+                self._fork(request, sampled.raw[i], sampled.scores[i], now)
             request.first_token_at = request.first_token_at or now
             request.tokens.append(token)
             request.generated.append(token)
             self._emit(request, token, logprob)
-
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
-        """Logprobs for the rows whose request asked, in one batch; the other rows cost nothing."""
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(tokens)
-        if asked:
-            rows = raw if len(asked) == len(params) else raw[asked]
-            found = token_logprobs(rows, [tokens[i] for i in asked], [params[i].logprobs or 0 for i in asked])
-            for i, logprob in zip(asked, found, strict=True):
-                out[i] = logprob
-        return out
 
     def _audited(self, chunks: list[tuple[Request, list[int]]]) -> list[tuple[Request, list[int]]]:
         """--audit-kv: a sequence whose K/V changed under it since this worker wrote (or found) it fails."""
