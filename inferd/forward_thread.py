@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from inferd.model import Batch, PagedDecoder
+from inferd.model import Batch, PagedDecoder, build_batch
 from inferd.sampling import SamplingParams, TokenLogprob, hold_eos, sample, token_logprobs
 
-__all__ = ["PARALLEL_MIN_FLOPS", "ForwardThread", "Sampled", "Sampling"]
+__all__ = ["PARALLEL_MIN_FLOPS", "Ahead", "ForwardThread", "Sampled", "Sampling"]
 
 PARALLEL_MIN_FLOPS = 2e9        # a pass with less matrix work than this runs on one CPU thread
 
@@ -58,6 +59,33 @@ class Sampled:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(slots=True)
+class Ahead:
+    """What the pass after this one will be if nothing changes: the same rows, each one token on.
+
+    `owners` are the scheduler's requests, row by row (only compared by identity here);
+    `positions` where each row's next token goes; `tables` their block tables.
+    """
+
+    owners: list[object]
+    positions: list[int]
+    tables: list[list[int]]
+    block_size: int
+    max_position: int
+
+
+@dataclass(slots=True)
+class _Speculation:
+    """A pass run ahead on the forward thread, before the scheduler has said it wants it."""
+
+    owners: list[object]
+    positions: list[int]
+    tokens: list[int]
+    future: Future[Sampled | None]
+    adopted: bool = False
+    dropped: bool = False
+
+
 class ForwardThread:
     def __init__(self, model: PagedDecoder) -> None:
         self.model = model
@@ -65,6 +93,10 @@ class ForwardThread:
         self.flops_per_token = model.flops_per_token()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-forward")
         self._job: asyncio.Future | None = None
+        self._lock = threading.Lock()
+        self._ahead: _Speculation | None = None
+        self._closed = False
+        self.ahead_taken = self.ahead_dropped = 0   # passes run ahead and used, or thrown away
 
     def threads_for(self, tokens: int) -> int:
         """CPU threads for a pass over `tokens` new tokens (an accelerator's passes do not use them)."""
@@ -72,9 +104,48 @@ class ForwardThread:
             return self.threads
         return 1
 
-    async def step(self, batch: Batch, sampling: Sampling) -> Sampled | None:
-        """One forward pass, then a token for each of `sampling.rows` (None when no row gets one)."""
-        return await self.run(self._step, batch, sampling, tokens=len(batch.token_ids))
+    async def step(self, batch: Batch, sampling: Sampling, ahead: Ahead | None = None) -> Sampled | None:
+        """One forward pass, then a token for each of `sampling.rows` (None when no row gets one).
+
+        With `ahead`, the thread goes straight on to the next pass of the same rows with the
+        tokens it sampled, while the scheduler streams these: `take_ahead` hands it over if the
+        scheduler's next batch is that one, and `drop_ahead` throws it away.
+        """
+        return await self.run(self._step, batch, sampling, ahead, tokens=len(batch.token_ids))
+
+    def take_ahead(self, owners: list[object], positions: list[int], tokens: list[int]) -> bool:
+        """Whether the pass run ahead is the batch of `owners` at `positions` with `tokens`: then `taken` gives it."""
+        with self._lock:
+            spec = self._ahead
+            if spec is None or spec.dropped or spec.owners != owners or spec.positions != positions \
+                    or spec.tokens != tokens:
+                return False
+            spec.adopted = True                     # the thread may run the one after it
+            self._ahead = None
+        self.ahead_taken += 1
+        self._job = asyncio.wrap_future(spec.future)
+        return True
+
+    async def taken(self) -> Sampled | None:
+        """The result of the pass `take_ahead` took (shielded, as `run`'s)."""
+        job = self._job
+        assert job is not None
+        try:
+            return await asyncio.shield(job)
+        finally:
+            if job.done():
+                self._job = None
+
+    async def drop_ahead(self) -> None:
+        """Throw away a pass run ahead, once it is done: it writes K/V into pages memd is about to change."""
+        with self._lock:
+            spec, self._ahead = self._ahead, None
+            if spec is not None:
+                spec.dropped = True
+        if spec is not None:
+            self.ahead_dropped += 1
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.wrap_future(spec.future))
 
     async def run(self, fn: Callable[..., T], *args: object, tokens: int) -> T:
         """`fn(*args)` on the forward thread, with as many CPU threads as `tokens` of work warrant.
@@ -92,25 +163,73 @@ class ForwardThread:
 
     async def close(self) -> None:
         """Let a pass in flight finish (it writes into pages memd may hand out next), then stop."""
+        with self._lock:
+            self._closed = True                      # nothing more is run ahead
         if self._job is not None and not self._job.cancelled():
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._job)
+        await self.drop_ahead()
         self._pool.shutdown(wait=True)
 
-    @staticmethod
-    def _on_threads(threads: int, fn: Callable[..., T], args: tuple) -> T:
+    def _on_threads(self, threads: int, fn: Callable[..., T], args: tuple) -> T:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)           # OpenMP keeps its team: a smaller one parks the rest
         return fn(*args)
 
-    def _step(self, batch: Batch, sampling: Sampling) -> Sampled | None:
+    def _step(self, batch: Batch, sampling: Sampling, ahead: Ahead | None) -> Sampled | None:
         logits = self.model.forward(batch)
         if not sampling.rows:
             return None
         raw = logits[sampling.rows]
         scores = hold_eos(raw, sampling.params, sampling.generated, sampling.eos_token_ids)
         tokens = sample(scores, sampling.params, sampling.generators)
-        return Sampled(raw, scores, tokens, _logprobs(raw, sampling.params, tokens))
+        sampled = Sampled(raw, scores, tokens, _logprobs(raw, sampling.params, tokens))
+        if ahead is not None:
+            self._run_ahead(ahead, sampling, tokens)
+        return sampled
+
+    def _run_ahead(self, ahead: Ahead, sampling: Sampling, tokens: list[int]) -> None:
+        """Queue the next pass of these rows, unless a row ends with the token it just got."""
+        bs = ahead.block_size
+        for token, position, table, params, generated in zip(tokens, ahead.positions, ahead.tables, sampling.params,
+                                                             sampling.generated, strict=True):
+            held = generated + 1 < params.min_tokens
+            if generated + 1 >= params.max_tokens or position + 1 >= ahead.max_position \
+                    or position >= len(table) * bs or (token in sampling.eos_token_ids and not params.ignore_eos
+                                                       and not held):
+                return
+        rows = zip(tokens, ahead.positions, ahead.tables, strict=True)
+        batch = build_batch([([t], p, table) for t, p, table in rows], bs, self.model.device)
+        following = Sampling(list(range(len(tokens))), sampling.params, [g + 1 for g in sampling.generated],
+                             sampling.generators, sampling.eos_token_ids)
+        after = Ahead(ahead.owners, [p + 1 for p in ahead.positions], ahead.tables, bs, ahead.max_position)
+        future: Future[Sampled | None] = Future()
+        spec = _Speculation(ahead.owners, ahead.positions, tokens, future)
+        with self._lock:
+            if self._closed:
+                return
+            self._ahead = spec
+            self._pool.submit(self._speculate, spec, batch, following, after)
+
+    def _speculate(self, spec: _Speculation, batch: Batch, sampling: Sampling, after: Ahead) -> None:
+        with self._lock:
+            if spec.dropped:                          # the scheduler changed its batch meanwhile
+                spec.future.set_result(None)
+                return
+        try:
+            logits = self._on_threads(self.threads_for(len(batch.token_ids)), self.model.forward, (batch,))
+            raw = logits
+            scores = hold_eos(raw, sampling.params, sampling.generated, sampling.eos_token_ids)
+            tokens = sample(scores, sampling.params, sampling.generators)
+            sampled = Sampled(raw, scores, tokens, _logprobs(raw, sampling.params, tokens))
+        except BaseException as exc:
+            spec.future.set_exception(exc)
+            return
+        with self._lock:
+            go_on = spec.adopted and not spec.dropped
+        if go_on:                                     # taken already: the one after it is likely wanted too
+            self._run_ahead(after, sampling, tokens)
+        spec.future.set_result(sampled)
 
 
 def _logprobs(raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:

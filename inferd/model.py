@@ -81,11 +81,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class PagedDecoder:
     """Weights plus the pool view; `forward` returns the logits of each sequence's last new token."""
 
@@ -121,38 +116,46 @@ class PagedDecoder:
                        for w in (qkv_w, o_w, gate_up, down))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return weight * (x.float() * torch.rsqrt(var + self.config.rms_norm_eps)).to(x.dtype)
+        """As transformers computes it: in float32, scaled by the weight after the cast back."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, self.config.rms_norm_eps).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: torch.Tensor | None = None) -> torch.Tensor:
-        """`kv`: pages to write and read instead of the pool's (a recompute that must not touch shared pages)."""
+        """`kv`: pages to write and read instead of the pool's (a recompute that must not touch shared pages).
+
+        A decode step of a small model is mostly the cost of launching ops, so each layer launches
+        few: Q and K are rotated together (a half-turn `roll` with a signed sine stands for
+        rotate_half), and K and V go into the pool in one write. Each op still rounds where
+        transformers' does, so a bfloat16 model's logits match its bit for bit.
+        """
         c = self.config
         pages = self.kv if kv is None else kv
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(c.dtype)[:, None, :], emb.sin().to(c.dtype)[:, None, :]
+        half = c.head_dim // 2
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]      # [T, dim / 2]
+        cos = freqs.cos().repeat(1, 2).to(c.dtype)[:, None, :]
+        sin = freqs.sin()
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(c.dtype)[:, None, :]
         layout = self._attention_layout(batch)
 
         h = self.embed[batch.token_ids]
         for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
             x = self._rms_norm(h, ln1)
             qkv = F.linear(x, qkv_w, qkv_b)
-            q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk = qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+            turned = qk.roll(half, dims=-1)
+            qk.copy_(qk * cos + turned * signed_sin)                     # RoPE, on Q and K at once
             cache = pages[:, layer]                                     # [blocks, 2, bs, kv_heads, dim]
-            cache[batch.slot_blocks, 0, batch.slot_offsets] = k
-            cache[batch.slot_blocks, 1, batch.slot_offsets] = v
-            attn = self._attend(q, cache, batch, layout)
+            cache[batch.slot_blocks, :, batch.slot_offsets] = qkv[:, q_size:].view(-1, 2, c.num_kv_heads,
+                                                                                    c.head_dim)
+            attn = self._attend(qkv[:, :q_size].view(-1, c.num_heads, c.head_dim), cache, batch, layout)
             h = h + F.linear(attn, o_w)
             x = self._rms_norm(h, ln2)
             gu = F.linear(x, gate_up)
             inter = gu.shape[-1] // 2
-            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+            h = h + F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), down)
         last = torch.tensor([sum(batch.query_lens[:i + 1]) - 1 for i in range(len(batch.query_lens))],
                             device=self.device)
         return F.linear(self._rms_norm(h[last], self.norm), self.lm_head).float()

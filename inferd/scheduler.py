@@ -38,7 +38,7 @@ import structlog
 import torch
 from tokenizers.decoders import DecodeStream
 
-from inferd.forward_thread import ForwardThread, Sampling
+from inferd.forward_thread import Ahead, ForwardThread, Sampling
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import (
     Admit,
@@ -277,6 +277,8 @@ class Scheduler:
                  and len(r.tokens) <= len(r.table) * self.block_size]
         if ready:
             await self._forward(ready)
+        else:
+            await self.forward_thread.drop_ahead()
         if stalled or unforked:
             self._preempt_for([r for r in stalled if r in self.running], extra=unforked)
         return bool(ops or ready or preempted or self._preempting)      # ops: those memd applied
@@ -341,8 +343,7 @@ class Scheduler:
         request.preemptions += 1
         self.preemptions += 1
         park = Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
-                    commit_to=request.num_computed, preempt=True,
-                    **self.page_sums.commit(request, parks=True))
+                    commit_to=request.num_computed, preempt=True)          # its page sums: `_summed`
         self._preempting.append(Preempt(request, park))
         request.num_known_to_memd = len(request.tokens)
         log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq_id,
@@ -434,6 +435,9 @@ class Scheduler:
 
         Returns the running requests memd had no page for.
         """
+        if ops:
+            await self.forward_thread.drop_ahead()         # its pass writes into pages these ops may change
+            ops[:] = [self._summed(pending) for pending in ops]
         step = StepAttempt(ops)
         self._inflight = ops
         try:
@@ -444,6 +448,16 @@ class Scheduler:
         self._inflight = []
         self.waiting.extendleft(reversed(step.requeued))          # back to the head of the queue, in order
         return step.stalled
+
+    def _summed(self, pending: PendingOp) -> PendingOp:
+        """A Park gets its page sums as it is sent, not when it was queued: a pass the forward thread ran
+        ahead may have been writing the partly filled last page until `drop_ahead` returned."""
+        op = pending.op
+        if isinstance(op, Park) and not op.page_sums and isinstance(pending, End | Preempt):
+            sums = self.page_sums.commit(pending.request, parks=True)
+            if sums:
+                return replace(pending, op=replace(op, **sums))
+        return pending
 
     async def _memd_step_rounds(self, step: StepAttempt, wanted_blocks: int) -> None:
         ops = step.ops
@@ -487,14 +501,21 @@ class Scheduler:
             chunks = self._audited(chunks)
             if not chunks:
                 return
-        batch = build_batch([(take, r.num_computed, r.table) for r, take in chunks], self.block_size,
-                            self.model.device)
-        # A row gets a token once the pass takes in the rest of its history.
-        finishing = [(row, r) for row, (r, take) in enumerate(chunks) if r.num_computed + len(take) == len(r.tokens)]
-        requests = [r for _, r in finishing]
-        sampled = await self.forward_thread.step(batch, Sampling(
-            [row for row, _ in finishing], [r.params for r in requests], [len(r.generated) for r in requests],
-            [r.generator for r in requests], self.model.config.eos_token_ids))
+        owners = [r for r, _ in chunks]
+        if all(len(take) == 1 for _, take in chunks) and self.forward_thread.take_ahead(
+                owners, [r.num_computed for r in owners], [take[0] for _, take in chunks]):
+            sampled = await self.forward_thread.taken()       # the forward thread ran this pass already
+            requests = owners
+        else:
+            await self.forward_thread.drop_ahead()
+            batch = build_batch([(take, r.num_computed, r.table) for r, take in chunks], self.block_size,
+                                self.model.device)
+            # A row gets a token once the pass takes in the rest of its history.
+            rows = [row for row, (r, take) in enumerate(chunks) if r.num_computed + len(take) == len(r.tokens)]
+            requests = [owners[row] for row in rows]
+            sampled = await self.forward_thread.step(batch, Sampling(
+                rows, [r.params for r in requests], [len(r.generated) for r in requests],
+                [r.generator for r in requests], self.model.config.eos_token_ids), self._ahead(chunks, requests))
         for request, take in chunks:
             if self.audit is not None:
                 self.audit.record(id(request), request.table, request.num_computed,
@@ -510,6 +531,22 @@ class Scheduler:
             request.tokens.append(token)
             request.generated.append(token)
             self._emit(request, token, logprob)
+
+    def _ahead(self, chunks: list[tuple[Request, list[int]]], sampling: list[Request]) -> Ahead | None:
+        """The next pass, for the forward thread to run while this one's tokens stream: the same rows, one
+        token on each. Only when that is what the next iteration will most likely ask for: every row gets a
+        token now, nothing waits for a seat, no page operation is pending, and no row's sampling must
+        repeat (a seeded generator), forks, or is audited. The thread itself stops at a row that ends."""
+        if self.audit is not None or len(sampling) != len(chunks) or (self.waiting and len(self.running) <
+                                                                      self.max_num_seqs):
+            return None
+        if self._ending or self._resets or self._distrusts or self._forks or self._preempting or self._revoked \
+                or self._unforked:
+            return None
+        if any(r.generator is not None or (r.params.n > 1 and not r.generated) for r in sampling):
+            return None
+        return Ahead(sampling, [r.num_computed + len(take) for r, take in chunks], [r.table for r in sampling],
+                     self.block_size, self.model.config.max_position)
 
     def _audited(self, chunks: list[tuple[Request, list[int]]]) -> list[tuple[Request, list[int]]]:
         """--audit-kv: a sequence whose K/V changed under it since this worker wrote (or found) it fails."""
@@ -618,8 +655,7 @@ class Scheduler:
             keep = request.session_id is not None and (error is None or keep)
             progress = {"append": request.tokens[request.num_known_to_memd:], "commit_to": request.num_computed}
             if keep:
-                op: Park | Free = Park(request.seq_id, **progress,
-                                       **self.page_sums.commit(request, parks=True))
+                op: Park | Free = Park(request.seq_id, **progress)            # its page sums: `_summed`
             elif error is None:               # its full blocks stay in the prefix cache for the next same prompt
                 op = Free(request.seq_id, **progress, **self.page_sums.commit(request))
             else:                             # an error: what it computed is not offered to anyone

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inferd.checkpoint import load_weights, read_config
-from inferd.forward_thread import PARALLEL_MIN_FLOPS, ForwardThread, Sampling
+from inferd.forward_thread import PARALLEL_MIN_FLOPS, Ahead, ForwardThread, Sampling
 from inferd.model import PagedDecoder, build_batch
 from inferd.sampling import SamplingParams
 from inferd.tiny import make_tiny_model
@@ -84,3 +84,98 @@ async def test_close_waits_for_a_pass_whose_caller_was_cancelled(model):
     release.set()
     await closing
     assert finished.is_set()
+
+
+def _decode_rows(model: PagedDecoder, prompts: list[list[int]], tables: list[list[int]]):
+    """Prefill `prompts` (each in its own pages), then return (greedy next tokens, positions)."""
+    logits = model.forward(build_batch([(p, 0, t) for p, t in zip(prompts, tables, strict=True)], BS))
+    return logits.argmax(-1).tolist(), [len(p) for p in prompts]
+
+
+class HeldAfterFirst:
+    """The model, but every pass after the first waits until the test lets it run."""
+
+    def __init__(self, model: PagedDecoder) -> None:
+        self.model, self.calls, self.go = model, 0, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def forward(self, batch):
+        self.calls += 1
+        if self.calls > 1:
+            self.go.wait()
+        return self.model.forward(batch)
+
+
+async def test_a_pass_run_ahead_is_the_pass_the_scheduler_would_run(model):
+    held = HeldAfterFirst(model)
+    worker = ForwardThread(held)
+    owners = [object(), object()]
+    prompts, tables = [[5, 6, 7, 8, 9], [11, 12, 13]], [[0, 1, 2], [3, 4]]
+    greedy = SamplingParams(max_tokens=8)
+    first, positions = _decode_rows(model, prompts, tables)
+    batch = build_batch([([t], p, table) for t, p, table in zip(first, positions, tables, strict=True)], BS)
+    ahead = Ahead(owners, [p + 1 for p in positions], tables, BS, model.config.max_position)
+    try:
+        sampled = await worker.step(batch, Sampling([0, 1], [greedy] * 2, [1, 1], [None] * 2,
+                                                    model.config.eos_token_ids), ahead)
+        assert sampled is not None
+        # Another batch, or other tokens, is not the pass run ahead.
+        assert not worker.take_ahead(owners[::-1], ahead.positions[::-1], sampled.tokens[::-1])
+        assert not worker.take_ahead(owners, ahead.positions, [t + 1 for t in sampled.tokens])
+        assert worker.take_ahead(owners, ahead.positions, sampled.tokens)
+        held.go.set()                                   # taken before it finished: it goes on to the next
+        ran_ahead = await worker.taken()
+        # The same pass, run by the scheduler itself, on pages the pass run ahead wrote already.
+        again = model.forward(build_batch([([t], p, table) for t, p, table in
+                                           zip(sampled.tokens, ahead.positions, tables, strict=True)], BS))
+        assert ran_ahead is not None and ran_ahead.tokens == again.argmax(-1).tolist()
+        torch.testing.assert_close(ran_ahead.raw, again)
+        nxt = [p + 1 for p in ahead.positions]
+        assert worker.take_ahead(owners, nxt, ran_ahead.tokens)
+        assert (await worker.taken()) is not None
+        assert worker.ahead_taken == 2
+    finally:
+        await worker.close()
+
+
+def _one_decode(model: PagedDecoder):
+    """One sequence's prompt in its pages, and the batch of its first decode step."""
+    table = [0, 1, 2]
+    first, positions = _decode_rows(model, [[5, 6, 7]], [table])
+    return table, positions[0] + 1, build_batch([([first[0]], positions[0], table)], BS)
+
+
+async def test_nothing_runs_ahead_past_a_row_that_ends(model):
+    worker = ForwardThread(model)
+    owner = [object()]
+    table, next_position, batch = _one_decode(model)
+    eos = model.config.eos_token_ids
+    try:
+        for params, pages in ((SamplingParams(max_tokens=2), table),                  # its last token
+                              (SamplingParams(max_tokens=8), table[:next_position // BS])):   # no page for it
+            ahead = Ahead(owner, [next_position], [pages], BS, model.config.max_position)
+            sampled = await worker.step(batch, Sampling([0], [params], [1], [None], eos), ahead)
+            assert sampled is not None
+            assert not worker.take_ahead(owner, ahead.positions, sampled.tokens)
+        await worker.drop_ahead()
+        assert worker.ahead_taken == 0 and worker.ahead_dropped == 0            # nothing was run ahead
+    finally:
+        await worker.close()
+
+
+async def test_a_dropped_pass_is_waited_for_and_never_taken(model):
+    worker = ForwardThread(model)
+    owner = [object()]
+    table, next_position, batch = _one_decode(model)
+    ahead = Ahead(owner, [next_position], [table], BS, model.config.max_position)
+    try:
+        sampled = await worker.step(batch, Sampling([0], [SamplingParams(max_tokens=8)], [1], [None],
+                                                    model.config.eos_token_ids), ahead)
+        assert sampled is not None
+        await worker.drop_ahead()
+        assert worker.ahead_dropped == 1
+        assert not worker.take_ahead(owner, ahead.positions, sampled.tokens)
+    finally:
+        await worker.close()

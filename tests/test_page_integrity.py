@@ -320,3 +320,27 @@ def test_bad_verification_flags_are_refused_in_one_line(capsys):
             parser.parse_args(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and flag in err.splitlines()[-1], err
+
+
+async def test_a_turn_a_stop_string_ends_while_a_pass_ran_ahead_parks_pages_whose_sums_hold(local_memd_factory,
+                                                                                            checkpoint):
+    """The forward thread runs the next pass while a turn's tokens stream; the stop string that ends the turn
+    is found only then, so that pass may be writing the last page as the turn parks: its sum must be taken
+    after it, or memd would find its own parked page rotten."""
+    memd, client, scheduler, task = await start_scheduler(local_memd_factory, checkpoint, num_blocks=64)
+    probe = Request(PROMPT, greedy(16))
+    scheduler.submit(probe)
+    _, text, _ = await collect(probe)
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text.find(text[i:i + 2]) == i)
+    ended = Request(PROMPT, greedy(16, stop=(stop,)), session_id="chat")
+    scheduler.submit(ended)
+    _, shown, final = await collect(ended)
+    assert final.finish_reason == "stop" and shown == text[:text.find(stop)]
+    assert scheduler.forward_thread.ahead_taken > 0
+    seq = memd.manager.seqs[memd.manager.sessions["chat"]]
+    pool = memd.manager.pool
+    assert [pool.checksum[b] for b in seq.block_ids] == memd.memory.checksums(seq.block_ids)
+    async with memd.admin() as admin:
+        assert not (await admin.scrub()).failures
+    task.cancel()
+    await client.close()
