@@ -327,7 +327,7 @@ class WriteAheadLog:
         written[seq.seq_id] = len(seq.token_ids)
         return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,
                       seq.num_committed, seq.block_ids, seq.slots, seq.heat, seq.heat_at, seq.last_access,
-                      start, seq.token_ids[start:], manager.filling(seq.seq_id), seq.turn_start,
+                      start, seq.token_ids[start:].tolist(), manager.filling(seq.seq_id), seq.turn_start,
                       seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
                       _owner_pid(seq, manager), seq.turn_id,
                       [manager.swap.checksum[slot] for slot in seq.slots] if manager.swap is not None else [],

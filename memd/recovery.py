@@ -14,6 +14,7 @@ Never trusts a record. What comes back, and how:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from memd.journal import (
@@ -190,7 +191,7 @@ def _parse(seq_id: int, r: list) -> tuple[Sequence, int] | None:
     """The sequence a record describes and the pid of the worker running it (0: none); None if it makes no sense."""
     try:
         seq = Sequence(seq_id, str(r[MODEL]), int(r[BLOCK_SIZE]), None, SeqState(r[STATE]),
-                       [int(b) for b in r[BLOCKS]], int(r[COMMITTED]), [int(t) for t in r[TOKENS]],
+                       [int(b) for b in r[BLOCKS]], int(r[COMMITTED]), array("I", r[TOKENS]),
                        session_id=r[SESSION] or None, last_access=float(r[LAST_ACCESS]),
                        heat=float(r[HEAT]), heat_at=float(r[HEAT_AT]), slots=[int(s) for s in r[SLOTS]],
                        turn_start=int(r[TURN_START]), interrupted=bool(r[MID_TURN]),

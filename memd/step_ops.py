@@ -9,6 +9,7 @@ state and the transaction around them; memd.step_runner carries out the outcome.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 import structlog
@@ -69,7 +70,7 @@ class StepOps:
         self._check_session_free(op.session_id)
         self._check_fits(len(op.token_ids) + op.reserve, worker.block_size)
         seq = Sequence(self._next_seq, worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
-                       [], 0, list(op.token_ids), session_id=op.session_id or None, turn_id=op.turn_id or "")
+                       [], 0, array("I", op.token_ids), session_id=op.session_id or None, turn_id=op.turn_id or "")
         self._next_seq += 1
         self._create(txn, seq)
         cached = self._match_prefix(txn, seq)
@@ -90,7 +91,7 @@ class StepOps:
         if len(remote.keys) > self.pool.num_free:        # before the sequence takes an id
             raise PoolExhausted(len(remote.keys), self.pool.num_free)
         seq = Sequence(self._next_seq, remote.model, remote.block_size, None, SeqState.PARKED, [], 0,
-                       list(remote.token_ids), session_id=session)
+                       array("I", remote.token_ids), session_id=session)
         self._next_seq += 1
         self._create(txn, seq)
         self._fetch_blocks(txn, seq, remote.keys, remote.checksums)
@@ -294,7 +295,7 @@ class StepOps:
         if partial and not self.pool.num_free:
             raise PoolExhausted(1, 0)
         child = Sequence(self._next_seq, parent.model, parent.block_size, parent.owner, SeqState.RUNNING,
-                         list(parent.block_ids[:full]), parent.num_committed, list(parent.token_ids),
+                         list(parent.block_ids[:full]), parent.num_committed, array("I", parent.token_ids),
                          list(parent.hashes), op.session_id or None, turn_start=parent.turn_start)
         self._next_seq += 1
         for block in child.block_ids:
@@ -430,7 +431,7 @@ def _set_blocks(seq: Sequence, blocks: list[int]) -> None:
 
 
 def _set_lists(seq: Sequence, token_ids: list[int], block_ids: list[int], hashes: list[bytes]) -> None:
-    seq.token_ids[:], seq.block_ids[:], seq.hashes[:] = token_ids, block_ids, hashes
+    seq.token_ids[:], seq.block_ids[:], seq.hashes[:] = array("I", token_ids), block_ids, hashes
 
 
 def _set_model(seq: Sequence, model: str, block_size: int) -> None:

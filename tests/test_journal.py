@@ -87,7 +87,7 @@ class JournaledMachine(KvManagerMachine):
         self.wal.flush(self.manager)
         fresh = recovered(self.state)
         got = {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
-                          s.token_ids, s.turn_start, s.interrupted, s.turn_id) for s in fresh.seqs.values()}
+                          list(s.token_ids), s.turn_start, s.interrupted, s.turn_id) for s in fresh.seqs.values()}
         assert got == expected_after_restart(self.manager)
         for seq in fresh.seqs.values():       # a page's checksum comes back, or none (never another)
             for block in seq.block_ids:
@@ -148,7 +148,7 @@ def test_a_record_torn_by_a_crash_is_ignored_and_what_came_before_stands(tmp_pat
     assert found is not None and found.torn
     fresh_state = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
     seq, = fresh_state.sequences
-    assert (seq.state, seq.num_committed, seq.token_ids) == (SeqState.PARKED, 5, [1, 2, 3, 4, 5])
+    assert (seq.state, seq.num_committed, list(seq.token_ids)) == (SeqState.PARKED, 5, [1, 2, 3, 4, 5])
 
 
 def test_records_that_do_not_fit_the_pool_come_back_dropped_with_their_tokens(tmp_path):
@@ -161,7 +161,7 @@ def test_records_that_do_not_fit_the_pool_come_back_dropped_with_their_tokens(tm
     assert found is not None
     small = restore(found, pool_kept=True, swap_kept=True, num_blocks=2, num_slots=SWAP_SLOTS)
     assert small.dropped == {"block table does not fit the pool": 2}
-    assert all(s.state is SeqState.DROPPED and s.token_ids == list(range(9)) for s in small.sequences)
+    assert all(s.state is SeqState.DROPPED and list(s.token_ids) == list(range(9)) for s in small.sequences)
     gone = restore(found, pool_kept=False, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
     assert gone.dropped == {"pool not reopened": 2}
 

@@ -191,7 +191,7 @@ class KvManagerMachine(RuleBasedStateMachine):
         if not self.run_step(slot, [op]):
             return                                              # refused: run_step checked it changed nothing
         result = self.manager.seqs[self.manager.sessions[session]]
-        assert result.token_ids == conversation
+        assert list(result.token_ids) == conversation
         assert result.num_committed < len(conversation)     # the last token is computed: its logits are needed
         if before is not None:
             same = next((i for i, (a, b) in enumerate(zip(before, conversation, strict=False)) if a != b),
@@ -371,7 +371,7 @@ class KvManagerMachine(RuleBasedStateMachine):
         slot = MODELS.index(seq.model)
         self.run_step(slot, [Resume(seq.seq_id, reserve=reserve)])
         if seq.state is SeqState.RUNNING:
-            assert (seq.num_committed, seq.token_ids, seq.slots) == (committed, tokens, [])
+            assert (seq.num_committed, list(seq.token_ids), seq.slots) == (committed, tokens, [])
 
     @rule(data=st.data())
     def pressure(self, data: st.DataObject) -> None:
