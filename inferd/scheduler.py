@@ -5,7 +5,9 @@ needs — park or free what finished, open (or continue) the sessions being
 admitted, extend sequences about to cross a block boundary — made only when
 there is such an operation; (2) one forward pass over every running
 sequence's pending tokens (decodes first, then prefill chunks, within a token
-budget); (3) sampling, stop checks, and events to the requests' queues.
+budget) and its sampling, both on the forward thread (`inferd.forward_thread`),
+which may have run that pass already, ahead, while the loop streamed the last
+one's tokens; (3) stop checks, and events to the requests' queues.
 
 Every way a request ends — finish, stop string, cancel, reset, error — goes
 through `_end`, which queues its Park (a session's turn) or Free for the next
