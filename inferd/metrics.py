@@ -69,6 +69,8 @@ class InferdMetrics(Collector):
             "preemptions": self.link.preemptions + (scheduler.preemptions if scheduler else 0),
             "reuse_checks": self.link.reuse_checks + (check.checks if check else 0),
             "reuse_mismatches": self.link.reuse_mismatches + (check.mismatches if check else 0),
+            "ahead_taken": self.link.ahead_taken + (scheduler.forward_thread.ahead_taken if scheduler else 0),
+            "ahead_dropped": self.link.ahead_dropped + (scheduler.forward_thread.ahead_dropped if scheduler else 0),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -81,6 +83,12 @@ class InferdMetrics(Collector):
                                 value=r["waiting"])
         yield CounterMetricFamily("kvpool_inferd_preemptions", "running sequences given up for memory",
                                   value=r["preemptions"])
+        ahead = CounterMetricFamily("kvpool_inferd_passes_run_ahead",
+                                    "decode passes the forward thread ran ahead: taken, or dropped (the batch changed)",
+                                    labels=["outcome"])
+        ahead.add_metric(["taken"], r["ahead_taken"])
+        ahead.add_metric(["dropped"], r["ahead_dropped"])
+        yield ahead
         yield CounterMetricFamily("kvpool_inferd_reuse_checks", "prefix hits recomputed and compared (--verify-reuse)",
                                   value=r["reuse_checks"])
         yield CounterMetricFamily("kvpool_inferd_reuse_mismatches",

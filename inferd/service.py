@@ -78,6 +78,7 @@ class MemdLink:
         self.attached = asyncio.Event()
         self.preemptions = 0                      # of schedulers gone with an earlier attachment
         self.reuse_checks = self.reuse_mismatches = 0     # likewise (--verify-reuse)
+        self.ahead_taken = self.ahead_dropped = 0         # likewise: passes the forward thread ran ahead
         # Health follows whether requests can be served: attached to memd and not draining.
         self.on_serving: Callable[[bool], Awaitable[None]] | None = None
         self._health: asyncio.Future[None] | None = None      # the health update a drain started
@@ -132,6 +133,8 @@ class MemdLink:
             self.attached.clear()
             self.scheduler = None
             self.preemptions += scheduler.preemptions
+            self.ahead_taken += scheduler.forward_thread.ahead_taken
+            self.ahead_dropped += scheduler.forward_thread.ahead_dropped
             if scheduler.reuse_check is not None:
                 self.reuse_checks += scheduler.reuse_check.checks
                 self.reuse_mismatches += scheduler.reuse_check.mismatches

@@ -264,6 +264,7 @@ async def test_inferd_metrics_health_and_reflection(memd_factory, inferd_factory
     assert m["kvpool_inferd_time_to_first_token_seconds_count"] == 1
     assert m["kvpool_inferd_attached"] == 1 and m["kvpool_inferd_running_requests"] == 0
     assert m["kvpool_inferd_preemptions_total"] == 0
+    assert m['kvpool_inferd_passes_run_ahead_total{outcome="taken"}'] >= 1      # decode ran a pass ahead
     async with grpc.aio.insecure_channel(inferd.address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="kvpool.inferd.v1.Inferd"))
