@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from memd import state_copy
+from memd.collector import collections_paused
 from memd.sequences import blocks_for
 from memd.state_copy import SeqCopy, StateCopy
 
@@ -40,9 +41,11 @@ def violations(m: KvManager) -> list[str]:
 async def violations_between_steps(m: KvManager) -> list[str]:
     """As `violations`, of one instant, checked a slice at a time while Steps go on."""
     problems: list[str] = []
-    copy, pacer = await state_copy.take(m, checked=True), state_copy.Pacer()
-    for _ in _manager_rules(copy, m.pool, problems):
-        await pacer.pause()
+    with collections_paused():                  # the copy's rows would set off a full collection
+        copy, pacer = await state_copy.take(m, checked=True), state_copy.Pacer()
+        for _ in _manager_rules(copy, m.pool, problems):
+            await pacer.pause()
+        del copy
     return problems
 
 

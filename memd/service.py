@@ -18,6 +18,7 @@ import grpc
 import structlog
 from prometheus_client import Histogram
 
+from memd.collector import collections_paused
 from memd.errors import InvalidArgument, KvError, OpError
 from memd.fdpass import FdServer
 from memd.fences import FenceWatch
@@ -222,12 +223,13 @@ class MemdService(pb_grpc.MemdServicer):
                                  draining=self.leases.is_draining(w.worker_id))
                     for w in m.workers.values()]
 
-        view = await SnapshotView.take(m, request, workers, self.generation)   # of one instant, between Steps
-        pacer = Pacer()
-        async for reply in view.replies():
-            yield Serialized(reply)
-            await pacer.pause()
-        await view.state.drop()
+        with collections_paused():                 # the copy's rows would set off a full collection
+            view = await SnapshotView.take(m, request, workers, self.generation)   # of one instant, between Steps
+            pacer = Pacer()
+            async for reply in view.replies():
+                yield Serialized(reply)
+                await pacer.pause()
+            await view.state.drop()
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:
         target = request.WhichOneof("target")
