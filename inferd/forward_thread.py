@@ -117,8 +117,9 @@ class ForwardThread:
         """Whether the pass run ahead is the batch of `owners` at `positions` with `tokens`: then `taken` gives it."""
         with self._lock:
             spec = self._ahead
-            if spec is None or spec.dropped or spec.owners != owners or spec.positions != positions \
-                    or spec.tokens != tokens:
+            if spec is None or spec.dropped or spec.positions != positions or spec.tokens != tokens \
+                    or len(spec.owners) != len(owners) \
+                    or any(mine is not theirs for mine, theirs in zip(spec.owners, owners, strict=True)):
                 return False
             spec.adopted = True                     # the thread may run the one after it
             self._ahead = None
