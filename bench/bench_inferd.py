@@ -510,7 +510,7 @@ def report(res: dict, sizes: Sizes) -> str:
                      f"{m['steps_per_iteration']:.3f}", f"{m['rpc_share']:.1%}"])
     rpc = table(rows)
     rpc += ("\nSteps and iterations are timed by wrapping client.step and Scheduler.iteration on their "
-            "instances;\nforward runs in the scheduler's compute thread inside the iteration.")
+            "instances;\nforward runs on inferd's forward thread inside the iteration (or ran there ahead of it).")
     targets = table([
         ["target (from the issue)", "measured", "target", "result"],
         ["kvpool 1 request / transformers 1 at a time (decode)", f"{res['ratio_b1']:.2f}x", f">= {TARGET_B1:.1f}x",
