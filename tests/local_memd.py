@@ -148,7 +148,7 @@ class LocalClient:
         await self.close()
 
 
-class _Context:
+class CallContext:
     """The servicer context memd's handlers use: only abort, which becomes the MemdError a client sees."""
 
     def set_trailing_metadata(self, metadata: tuple) -> None:
@@ -165,15 +165,15 @@ class LocalAdmin:
         self.service = parts.service
 
     async def stats(self) -> pb.StatsReply:
-        return await self.service.Stats(pb.StatsRequest(), _Context())
+        return await self.service.Stats(pb.StatsRequest(), CallContext())
 
     async def check(self) -> pb.CheckReply:
-        return await self.service.Check(pb.CheckRequest(), _Context())
+        return await self.service.Check(pb.CheckRequest(), CallContext())
 
     async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0) -> pb.SnapshotReply:
         request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id)
         snapshot = pb.SnapshotReply()
-        async for part in self.service.Snapshot(request, _Context()):
+        async for part in self.service.Snapshot(request, CallContext()):
             snapshot.MergeFromString(part.data)
         return snapshot
 
@@ -182,13 +182,13 @@ class LocalAdmin:
         targets = {"seq_id": seq_id, "session_id": session_id, "idle_s": idle_s, "blocks": blocks,
                    "worker_id": worker_id}
         request = pb.EvictRequest(mode=mode, **{k: v for k, v in targets.items() if v is not None})
-        return await self.service.Evict(request, _Context())
+        return await self.service.Evict(request, CallContext())
 
     async def drain(self, worker_id: int = 0, *, undo: bool = False, wait_s: float = 0.0) -> pb.DrainReply:
-        return await self.service.Drain(pb.DrainRequest(worker_id=worker_id, undo=undo, wait_s=wait_s), _Context())
+        return await self.service.Drain(pb.DrainRequest(worker_id=worker_id, undo=undo, wait_s=wait_s), CallContext())
 
     async def scrub(self, rate_bytes_s: float = 0.0) -> pb.ScrubReply:
-        return await self.service.Scrub(pb.ScrubRequest(rate_bytes_s=rate_bytes_s), _Context())
+        return await self.service.Scrub(pb.ScrubRequest(rate_bytes_s=rate_bytes_s), CallContext())
 
     async def __aenter__(self) -> LocalAdmin:
         return self

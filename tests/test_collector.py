@@ -6,7 +6,7 @@ import asyncio
 import gc
 
 import pytest
-from local_memd import _Context
+from local_memd import CallContext
 
 from memd import collector
 from memd.collector import collections_paused
@@ -58,7 +58,7 @@ async def test_a_snapshot_holds_it_while_it_streams_and_a_cancelled_one_lets_it_
     client = await memd.attach(model="m", block_size=16, bytes_per_token=256)
     opened = await client.step(*[Open(list(range(i, i + 40)), reserve=1, session_id=f"s{i}") for i in range(8)])
     await client.step(*[Park(o.seq_id, commit_to=40) for o in opened])
-    stream = memd.parts.service.Snapshot(pb.SnapshotRequest(), _Context())
+    stream = memd.parts.service.Snapshot(pb.SnapshotRequest(), CallContext())
     first = await anext(stream)
     assert first.data and not gc.isenabled()
     await stream.aclose()                            # as gRPC ends a call its client cancelled
