@@ -181,12 +181,9 @@ class ForwardThread:
         logits = self.model.forward(batch)
         if not sampling.rows:
             return None
-        raw = logits[sampling.rows]
-        scores = hold_eos(raw, sampling.params, sampling.generated, sampling.eos_token_ids)
-        tokens = sample(scores, sampling.params, sampling.generators)
-        sampled = Sampled(raw, scores, tokens, _logprobs(raw, sampling.params, tokens))
+        sampled = _sample(logits[sampling.rows], sampling)
         if ahead is not None:
-            self._run_ahead(ahead, sampling, tokens)
+            self._run_ahead(ahead, sampling, sampled.tokens)
         return sampled
 
     def _run_ahead(self, ahead: Ahead, sampling: Sampling, tokens: list[int]) -> None:
@@ -219,18 +216,22 @@ class ForwardThread:
                 return
         try:
             logits = self._on_threads(self.threads_for(len(batch.token_ids)), self.model.forward, (batch,))
-            raw = logits
-            scores = hold_eos(raw, sampling.params, sampling.generated, sampling.eos_token_ids)
-            tokens = sample(scores, sampling.params, sampling.generators)
-            sampled = Sampled(raw, scores, tokens, _logprobs(raw, sampling.params, tokens))
+            sampled = _sample(logits, sampling)                    # every row of a pass run ahead gets a token
         except BaseException as exc:
             spec.future.set_exception(exc)
             return
         with self._lock:
             go_on = spec.adopted and not spec.dropped
         if go_on:                                     # taken already: the one after it is likely wanted too
-            self._run_ahead(after, sampling, tokens)
+            self._run_ahead(after, sampling, sampled.tokens)
         spec.future.set_result(sampled)
+
+
+def _sample(raw: torch.Tensor, sampling: Sampling) -> Sampled:
+    """A token for each row of `raw` (the sampled rows' logits), EOS held back where min_tokens says so."""
+    scores = hold_eos(raw, sampling.params, sampling.generated, sampling.eos_token_ids)
+    tokens = sample(scores, sampling.params, sampling.generators)
+    return Sampled(raw, scores, tokens, _logprobs(raw, sampling.params, tokens))
 
 
 def _logprobs(raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:

@@ -342,5 +342,6 @@ async def test_a_turn_a_stop_string_ends_while_a_pass_ran_ahead_parks_pages_whos
     assert [pool.checksum[b] for b in seq.block_ids] == memd.memory.checksums(seq.block_ids)
     async with memd.admin() as admin:
         assert not (await admin.scrub()).failures
+    await assert_clean(memd, parked=1)                  # the turn parked, the pass run ahead left nothing held
     task.cancel()
     await client.close()
