@@ -506,11 +506,13 @@ async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
 
 def bench_startup(tmp: Path, pool: str, state_parent: str = "/dev/shm") -> dict:
     """Seconds from exec to READY=1 for a `pool` CPU pool with the default swap tier: as the unit runs it
-    (its state directory on tmpfs: /run there, `state_parent` here) and with --state-dir none (a memfd).
+    (its state directory on tmpfs: /run there, `state_parent` here), again on the files it left (a restart),
+    and with --state-dir none (a memfd).
     Which pages the kernel gave the state directory's files (4 KiB or 2 MiB) is reported beside it."""
     out: dict = {"state_parent": state_parent, "huge_pages": huge_pages(Path(state_parent) / "pool")}
     with tempfile.TemporaryDirectory(prefix="memd-bench-state-", dir=state_parent) as state:
-        for label, flags in (("state_dir", ["--state-dir", state]), ("no_state_dir", ["--state-dir", "none"])):
+        for label, flags in (("state_dir", ["--state-dir", state]), ("restart", ["--state-dir", state]),
+                             ("no_state_dir", ["--state-dir", "none"])):
             started = time.perf_counter()
             proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", pool, "--listen",
                                 f"unix:{tmp / f'start-{label}.sock'}", "--log-format", "json", *flags],
@@ -566,6 +568,7 @@ def report(res: dict) -> str:
     startup = table([[f"start-up to READY=1, {start['pool']} pool, default swap tier", "seconds"],
                      [f"state directory on tmpfs (as the unit): {start['state_parent']}, "
                       f"{'2 MiB' if start['huge_pages'] else '4 KiB'} pages", f"{start['state_dir']:.2f}"],
+                     ["the same again: a restart on the files it left", f"{start['restart']:.2f}"],
                      ["--state-dir none", f"{start['no_state_dir']:.2f}"]])
     return "\n\n".join([head, alloc, table(rows), reclaim, snapshot, startup])
 

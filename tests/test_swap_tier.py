@@ -36,6 +36,33 @@ def test_a_swap_file_is_allocated_whole_before_it_is_reported_allocated(tmp_path
         pool.close()
 
 
+def test_a_pool_file_kept_whole_from_the_last_memd_is_reopened_without_allocating_again(tmp_path, monkeypatch):
+    first = ShmMemory(8, 64 << 10, tmp_path / "pool")
+    first.view()[:5] = b"kept!"
+    first.close()
+
+    def refuse(fd: int, offset: int, length: int) -> None:
+        raise AssertionError("a pool file already allocated whole was allocated again")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    again = ShmMemory(8, 64 << 10, tmp_path / "pool")
+    try:
+        assert again.reopened and bytes(again.view()[:5]) == b"kept!"
+    finally:
+        again.close()
+
+
+def test_a_kept_pool_file_with_holes_is_allocated_whole(tmp_path):
+    path = tmp_path / "pool"
+    with path.open("wb") as f:                  # the right size, no page allocated: a memd killed while allocating
+        f.truncate(8 << 16)
+    pool = ShmMemory(8, 64 << 10, path)
+    try:
+        assert pool.reopened and path.stat().st_blocks * 512 >= 8 << 16
+    finally:
+        pool.close()
+
+
 PAGE = 4096
 
 
