@@ -245,8 +245,7 @@ def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout)
     files_usable = layout.backend == "shm" and h.get("boot_id") == boot_id()
     if not files_usable or (h.get("backend"), h.get("num_blocks"), h.get("block_bytes")) != \
             (layout.backend, layout.num_blocks, layout.block_bytes):
-        with contextlib.suppress(FileNotFoundError):
-            state.pool.unlink()          # another pool now: its pages mean nothing
+        state.remove_pool()              # another pool now: its pages mean nothing
     if not files_usable or (h.get("swap_slots"), h.get("block_bytes")) != (layout.swap_slots, layout.block_bytes):
         with contextlib.suppress(FileNotFoundError):
             state.swap.unlink()
@@ -255,7 +254,7 @@ def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout)
 
 def check_room(state: StateDir, needed: int) -> None:
     """The pool and swap files must fit their file system (a /run tmpfs is often 10-20% of RAM)."""
-    have = sum(p.stat().st_size for p in (state.pool, state.swap) if p.exists())
+    have = sum(p.stat().st_size for p in (*state.pool_files(), state.swap) if p.exists())
     memory = available_host_memory()
     if memory is not None and needed - have > memory:
         return                                   # allocating says it better: the host has not the memory
@@ -302,7 +301,8 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
             parts.service.step_seconds = metrics.step_seconds
         target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
                                                      startup.sock_path, stack)
-        await pages_allocated(memory, swap)          # the pool whole before READY=1, as the pool promises
+        await pages_allocated(memory)          # the pool whole before READY=1, as the pool promises (the swap
+        #                                        file's pages follow: a swap copy waits for them)
         parts.fences.watch()                            # pages the workers of the memd before may still write
         tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
                  asyncio.create_task(parts.runner.police(), name="eviction-policy")]
@@ -327,6 +327,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
                  state_dir=str(state.path) if state is not None else "none",
                  swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
                  pool_pages=None if huge is None else "2 MiB" if huge else "4 KiB",
+                 pool_files=len(getattr(memory, "stripes", ())) or None,
                  metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
         if state is not None:
             state.served = True
@@ -390,12 +391,11 @@ def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: 
                     stack: contextlib.AsyncExitStack) -> tuple[PoolMemory, SwapMemory | None]:
     """The pool and swap tier, all of it (fail fast); in the state directory's files where there is one.
 
-    A shm pool's pages, and a swap file's, are allocated on threads of their
-    own, side by side, while start-up goes on (the journal, the sockets);
-    memd waits for them before READY=1 (`pages_allocated`). Allocating an
-    8 GiB pool is ~1.9 s of the kernel's page bookkeeping here and the swap
-    file's 0.85 s more: one after the other, before anything else, they held
-    READY for 2.8 s of 3.3.
+    A shm pool's pages are allocated on threads of their own (its files side
+    by side) while start-up goes on (the journal, the sockets), and memd waits
+    for them before READY=1 (`pages_allocated`): an 8 GiB pool is ~3 s of a
+    core of the kernel's page bookkeeping here. A swap file's pages come
+    after the pool's, READY=1 does not wait for them, a swap copy does.
     """
     swap_slots = layout.swap_slots
     keep_files = state is not None and layout.backend == "shm"
@@ -415,8 +415,8 @@ def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: 
     return memory, swap
 
 
-async def pages_allocated(memory: PoolMemory, swap: SwapMemory | None) -> None:
-    """Every page of the pool and of a swap file allocated; PoolMemoryError (memd does not start) if not."""
+async def pages_allocated(memory: PoolMemory, swap: SwapMemory | None = None) -> None:
+    """Every page of the pool (and of a swap file) allocated; PoolMemoryError (memd does not start) if not."""
     def wait() -> None:
         memory.allocated()
         if swap is not None:
@@ -456,7 +456,7 @@ async def start_fd_server(memory: PoolMemory, sock_path: Path | None,
         return None
     fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
     fd_path.parent.mkdir(mode=0o700, exist_ok=True)      # beside the socket, or kvpool's runtime directory
-    fd_server = FdServer(fd_path, memory.fd)  # type: ignore[attr-defined]
+    fd_server = FdServer(fd_path, memory.fds)  # type: ignore[attr-defined]
     await fd_server.start()
     stack.push_async_callback(fd_server.close)
     return fd_server

@@ -1,8 +1,8 @@
-"""The side socket that hands the shm pool's file descriptor to attached workers.
+"""The side socket that hands the shm pool's file descriptors to attached workers.
 
 A file descriptor cannot travel in a gRPC message, so Attach returns a one-time
 token and the path of this Unix socket; the worker presents the token and
-receives the memfd by SCM_RIGHTS. Tokens expire, and each works once: only a
+receives the pool's files (memfds, one or several) by SCM_RIGHTS. Tokens expire, and each works once: only a
 worker that just attached gets the pool. Here, unlike on gRPC's socket, the
 kernel says who is connecting (SO_PEERCRED): the pool goes only to memd's own
 user, root, or a member of memd's group, whatever the socket file's mode.
@@ -50,9 +50,9 @@ def trusted(uid: int, gid: int, groups: set[int]) -> bool:
 
 
 class FdServer:
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fds: list[int]) -> None:
         self.path = path
-        self._fd = fd
+        self._fds = fds                       # the pool's files, in order (shared.pool_files)
         self._tokens: dict[bytes, float] = {}
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -112,7 +112,7 @@ class FdServer:
                     await loop.sock_sendall(conn, b"NO")
                     log.warning("pool handle refused", reason="unknown or expired token")
                     return
-                socket.send_fds(conn, [b"OK"], [self._fd])
+                socket.send_fds(conn, [b"OK"], self._fds)
                 log.info("pool handle delivered", pid=pid, uid=uid)
             except OSError as exc:
                 log.warning("pool handle not delivered", error=str(exc))

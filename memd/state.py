@@ -140,12 +140,23 @@ class StateDir:
         except ValueError as exc:
             raise StateError(str(exc)) from None
 
+    def pool_files(self) -> list[Path]:
+        """The pool's files there now: `pool`, and `pool.1` ... for a pool kept in several (shared.pool_files)."""
+        more = [p for p in self.path.glob("pool.*") if p.name[5:].isdigit()]
+        return [self.pool, *sorted(more, key=lambda p: int(p.name[5:]))]
+
+    def remove_pool(self) -> None:
+        for p in self.pool_files():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
     def discard(self, reason: str | None) -> None:
         """Remove a pool, swap file and journal that cannot be reused (logged with a reason: sessions are lost)."""
-        present = [p.name for p in (self.pool, self.swap, self.journal) if p.exists()]
+        files = [*self.pool_files(), self.swap, self.journal]
+        present = [p.name for p in files if p.exists()]
         if not present:
             return
-        for p in (self.pool, self.swap, self.journal):
+        for p in files:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
         if reason is not None:

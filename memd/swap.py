@@ -148,11 +148,14 @@ class HostSwap:
         self._row_views: tuple[Any, Any] | None = None
         # Allocated, populated and locked on a thread of its own, a chunk at a time, while memd starts and
         # serves: gigabytes of page faults held start-up for seconds. A swap file's pages are allocated first,
-        # beside the pool's (memd waits for both before READY=1: `allocated`); a slot not locked yet faults
-        # in on its first copy; nothing waits for it. `locked`: None while it runs.
+        # once the pool's are (READY=1 waits for the pool's alone, which the swap file's would slow down);
+        # a copy waits for them (`allocated`). A slot not locked yet faults in on its first copy; nothing
+        # waits for that. `locked`: None while it runs.
         self.locked: bool | None = None
         self._stop = threading.Event()
-        self._allocating = Allocation(fd, size, "swap tier", background=True) if fd is not None else None
+        self._pool_allocation = pool.allocation
+        self._allocating = Allocation([(fd, size)], "swap tier", background=True, after=pool.allocation) \
+            if fd is not None else None
         self._locking = threading.Thread(target=self._populate_and_lock, args=(size, fd), name="memd-swap-lock",
                                          daemon=True)
         self._locking.start()
@@ -172,11 +175,12 @@ class HostSwap:
     def _populate_and_lock(self, size: int, fd: int | None) -> None:
         """Once a swap file's pages are allocated (then its `fd` is closed), mlock each chunk (which populates
         it); where locking is refused, populate the rest unlocked."""
+        self._pool_allocation.wait(check=False)    # the pool first: READY=1 waits for it, not for this
         if self._allocating is not None:
             assert fd is not None
             try:
                 self._allocating.wait()
-            except PoolMemoryError:                 # memd does not start: `allocated` raises it there
+            except PoolMemoryError:                 # the copies raise it (`allocated`): swap-outs fail, sessions stay
                 self.locked = False
                 return
             finally:
@@ -210,6 +214,7 @@ class HostSwap:
         second time: a swap-in of 64 KiB pages then ran at 58% of its
         unchecked speed here; page by page it runs at 83%.
         """
+        self.allocated()
         if self.delay_s:
             time.sleep(self.delay_s)
         total = len(pairs) * self.block_bytes
@@ -228,6 +233,7 @@ class HostSwap:
         return out
 
     def _copy(self, pairs: list[tuple[int, int]], out: bool) -> None:
+        self.allocated()
         if self.delay_s:
             time.sleep(self.delay_s)
         if not pairs:

@@ -1,6 +1,7 @@
 """Map memd's pool into this process, zero copy.
 
-`shm`: receive the memfd over memd's side socket (SCM_RIGHTS) and mmap it.
+`shm`: receive the pool's files over memd's side socket (SCM_RIGHTS) and
+map them as one range (shared.pool_files).
 `cuda`: open the pool's CUDA IPC handle on the local GPU with the same UUID
 (CUDA_VISIBLE_DEVICES may number GPUs differently here than in memd). A
 process cannot open its own IPC handle, so memd and its workers are always
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from shared.geometry import PoolGeometry
+from shared.pool_files import map_stripes
 
 
 class PoolMapError(RuntimeError):
@@ -67,30 +69,40 @@ def map_pool(handle: dict[str, Any], geometry: PoolGeometry) -> MappedPool:
     return _map_cuda(handle, geometry)
 
 
-def receive_fd(path: str, token: bytes, timeout_s: float = 10.0) -> int:
+def receive_fds(path: str, token: bytes, count: int = 1, timeout_s: float = 10.0) -> list[int]:
+    """The pool's `count` file descriptors, from memd's side socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
             sock.sendall(token)
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 16, count)
         except OSError as exc:
             raise PoolMapError(f"cannot fetch the pool from {path}: {exc}") from None
-    if msg != b"OK" or not fds:
+    if msg != b"OK" or len(fds) != count:
         for fd in fds:
             os.close(fd)
+        if msg == b"OK":
+            raise PoolMapError(f"memd sent {len(fds)} pool files at {path}, its handle says {count}")
         raise PoolMapError(f"memd refused the pool handle at {path} (token unknown or expired)")
-    return fds[0]
+    return fds
 
 
 def _map_shm(handle: dict[str, Any], geometry: PoolGeometry) -> MappedPool:
-    fd = receive_fd(handle["socket"], handle["token"])
+    sizes = handle.get("stripes") or [handle["size"]]
+    if sum(sizes) != handle["size"]:
+        raise PoolMapError(f"the pool's files add up to {sum(sizes)} bytes, its handle says {handle['size']}")
+    fds = receive_fds(handle["socket"], handle["token"], len(sizes))
     try:
-        if os.fstat(fd).st_size < handle["size"]:
-            raise PoolMapError("the pool file is smaller than its handle says")
-        mm = mmap.mmap(fd, handle["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if any(os.fstat(fd).st_size < size for fd, size in zip(fds, sizes, strict=True)):
+            raise PoolMapError("a pool file is smaller than its handle says")
+        try:
+            mm = map_stripes(fds, sizes)
+        except OSError as exc:
+            raise PoolMapError(f"cannot map the pool: {exc.strerror}") from None
     finally:
-        os.close(fd)    # the mapping keeps the memory alive
+        for fd in fds:
+            os.close(fd)    # the mapping keeps the memory alive
     pages = torch.frombuffer(mm, dtype=torch.uint8).view(geometry.num_blocks, geometry.block_bytes)
     return MappedPool(pages, "shm", mm)
 

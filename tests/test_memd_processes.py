@@ -32,6 +32,26 @@ async def test_two_processes_share_pages_byte_for_byte(memd, spawn_worker):
         assert (await reader.call("read", block=block))["digest"] == expected["digest"]
 
 
+async def test_a_pool_kept_in_several_files_is_one_range_in_every_process(memd_factory, spawn_worker):
+    # 600 MiB is kept in three memfds of 200 MiB (shared.pool_files); blocks of 6 MiB, so blocks 33 and 66
+    # each lie across two of them.
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "600MiB", "--block-bytes", "6MiB",
+                              "--state-dir", "none", "--disable-swap", "--lease-timeout", "30")
+    writer = await spawn_worker(memd.address)
+    reader = await spawn_worker(memd.address)
+    opened, = await writer.step({"kind": "open", "token_ids": list(range(100 * BS)), "session_id": "wide"})
+    assert sorted(opened["block_ids"]) == list(range(100))
+    # Not the last block: a resume gives its last token a page to be computed again in.
+    written = {b: await writer.call("write", block=b, seed=b) for b in (0, 33, 34, 66, 98)}
+    await writer.step({"kind": "park", "seq_id": opened["seq_id"], "commit_to": 100 * BS})
+
+    resumed, = await reader.step({"kind": "resume", "session_id": "wide"})
+    assert resumed["block_ids"] == opened["block_ids"]
+    for block, expected in written.items():
+        assert (await reader.call("read", block=block))["digest"] == expected["digest"]
+    assert (await reader.call("read", block=50))["zero"]
+
+
 async def test_a_reallocated_block_reads_as_zeros(memd, spawn_worker):
     first = await spawn_worker(memd.address)
     second = await spawn_worker(memd.address)

@@ -8,12 +8,13 @@ import pytest
 
 from memd.memory import Allocation, PoolMemoryError, ShmMemory
 from memd.swap import HostSwap
+from shared import pool_files
 
 
 def test_pages_allocated_on_a_thread_fail_start_up_when_waited_for():
     read, write = os.pipe()                     # fallocate refuses a pipe, as it would a full tmpfs
     try:
-        allocation = Allocation(read, 1 << 20, "pool", background=True)
+        allocation = Allocation([(read, 1 << 20)], "pool", background=True)
         with pytest.raises(PoolMemoryError, match=r"cannot allocate a pool of 1\.0 MiB"):
             allocation.wait()
         allocation.wait(check=False)            # closing waits without raising again
@@ -61,6 +62,26 @@ def test_a_kept_pool_file_with_holes_is_allocated_whole(tmp_path):
         assert pool.reopened and path.stat().st_blocks * 512 >= 8 << 16
     finally:
         pool.close()
+
+
+def test_a_pool_in_several_files_reopens_with_its_pages(tmp_path, monkeypatch):
+    monkeypatch.setattr(pool_files, "STRIPE_BYTES", 2 << 20)       # a 6 MiB pool in three files of 2 MiB
+    pool = ShmMemory(96, 64 << 10, tmp_path / "pool")
+    assert pool.stripes == [2 << 20] * 3 and not pool.reopened
+    for offset in (0, (2 << 20) - 3, (4 << 20) + 5, (6 << 20) - 4):   # across the files' seams too
+        pool.view()[offset:offset + 4] = offset.to_bytes(4, "little")
+    pool.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool", "pool.1", "pool.2"]
+    assert all(p.stat().st_size == 2 << 20 for p in tmp_path.iterdir())
+
+    again = ShmMemory(96, 64 << 10, tmp_path / "pool")
+    try:
+        assert again.reopened
+        for offset in (0, (2 << 20) - 3, (4 << 20) + 5, (6 << 20) - 4):
+            assert bytes(again.view()[offset:offset + 4]) == offset.to_bytes(4, "little")
+        assert again.export()["stripes"] == [2 << 20] * 3
+    finally:
+        again.close()
 
 
 PAGE = 4096

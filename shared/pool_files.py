@@ -1,0 +1,68 @@
+"""A CPU pool as several shared-memory files, mapped side by side as one range.
+
+A tmpfs allocates a file's 4 KiB pages one at a time under that file's lock
+(~1.5 us a page in a VM: 3 s for an 8 GiB pool), so more threads cannot
+allocate one file faster; several files they can, each on a core of its own.
+A pool over `STRIPE_BYTES` is therefore cut into stripes, at most
+`MAX_STRIPES` (one message of SCM_RIGHTS carries them all), and memd and
+every worker map the stripes back to back: the pool stays one contiguous
+range of memory, block i at `i * block_bytes` whatever file it falls in.
+How a pool is cut depends on its size alone, so a restarted memd finds its
+files where it left them. Nothing here imports torch: memd uses it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+STRIPE_BYTES = 256 << 20
+MAX_STRIPES = 32
+ALIGN = 2 << 20              # every stripe starts on a huge-page boundary of its file and of the range
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+MAP_FIXED = 0x10
+
+
+def stripe_sizes(size: int) -> list[int]:
+    """The sizes of the files a pool of `size` bytes is kept in (one file up to `STRIPE_BYTES`)."""
+    if size <= STRIPE_BYTES:
+        return [size]
+    count = min(MAX_STRIPES, -(-size // STRIPE_BYTES))
+    stripe = -(-size // count // ALIGN) * ALIGN
+    sizes = [stripe] * (size // stripe)
+    if size % stripe:
+        sizes.append(size % stripe)
+    return sizes
+
+
+def map_stripes(fds: list[int], sizes: list[int]) -> mmap.mmap:
+    """One shared, writable mapping of the files `fds` (of `sizes` bytes), one after another.
+
+    The range is reserved as an anonymous mapping that Python owns, and each
+    file is mapped over its part with MAP_FIXED: closing the mmap object
+    unmaps all of them, and it refuses to close while a view of it lives.
+    """
+    total = sum(sizes)
+    if len(fds) == 1:
+        return mmap.mmap(fds[0], total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    whole = mmap.mmap(-1, total, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
+    anchor = ctypes.c_char.from_buffer(whole)
+    try:
+        base, offset = ctypes.addressof(anchor), 0
+        for fd, size in zip(fds, sizes, strict=True):
+            got = _libc.mmap(base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED,
+                             fd, 0)
+            if got != base + offset:
+                error = ctypes.get_errno()
+                raise OSError(error, f"cannot map a pool file: {os.strerror(error)}")
+            offset += size
+    except BaseException:
+        del anchor
+        whole.close()
+        raise
+    del anchor
+    return whole
