@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import uvloop
 import vllm_anchor
 from tables import table
 
@@ -198,13 +199,14 @@ class _CollectorPasses:
 def client_main(kind: str, address: str, index: int, nclients: int, seconds: float,
                 barrier: mp.synchronize.Barrier, results: mp.Queue) -> None:
     """Entry point of a spawned client; every outcome, failure included, goes to `results`."""
+    # On uvloop, as inferd runs its client of memd; the anchor's client alike.
     try:
         if kind == "decode":
-            results.put(asyncio.run(decode_client(address, index, nclients, seconds, barrier)))
+            results.put(uvloop.run(decode_client(address, index, nclients, seconds, barrier)))
         elif kind in ("echo", "echo_stream"):
-            results.put(asyncio.run(echo_client(address, index, seconds, barrier, streamed=kind == "echo_stream")))
+            results.put(uvloop.run(echo_client(address, index, seconds, barrier, streamed=kind == "echo_stream")))
         else:
-            asyncio.run(victim_client(address, index, results))
+            uvloop.run(victim_client(address, index, results))
     except BaseException as exc:
         barrier.abort()                       # release the others rather than leave them waiting
         results.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
@@ -277,7 +279,6 @@ def echo_server_main(address: str, reply_size: int, ready: mp.synchronize.Event)
     """A bare grpc.aio server on uvloop, as memd runs, answering `reply_size` bytes: to unary calls, and to each
     message of a stream (as memd's Steps call)."""
     import grpc
-    import uvloop
 
     async def serve() -> None:
         reply = bytes(reply_size)
