@@ -55,6 +55,7 @@ from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_s
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
+from shared.pool_files import stripe_sizes
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
 from shared.unix_socket import SocketPathError, claim
@@ -246,6 +247,8 @@ def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout)
     if not files_usable or (h.get("backend"), h.get("num_blocks"), h.get("block_bytes")) != \
             (layout.backend, layout.num_blocks, layout.block_bytes):
         state.remove_pool()              # another pool now: its pages mean nothing
+    else:                                # before memd counts the memory it needs: an older memd's one file goes
+        state.keep_pool(stripe_sizes(layout.num_blocks * layout.block_bytes))
     if not files_usable or (h.get("swap_slots"), h.get("block_bytes")) != (layout.swap_slots, layout.block_bytes):
         with contextlib.suppress(FileNotFoundError):
             state.swap.unlink()
@@ -287,12 +290,12 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         fd_server = await start_fd_server(memory, startup.sock_path, stack)
         parts = wire(manager, policy, memory, swap, wal, fd_server)
         if args.cluster_master:
-            await pages_allocated(memory, swap)             # the store registers the pool's pages
+            await pages_allocated(memory)                   # the store registers the pool's pages
             await join_cluster(args, memory, parts, stack)   # left after the copier's fetches are done
         stack.push_async_callback(parts.runner.close)       # queued copies land before the pool goes
         stack.callback(parts.scrubber.close)
         if found is not None and getattr(memory, "reopened", False):
-            await pages_allocated(memory, swap)
+            await pages_allocated(memory)
             check_reopened(parts.scrubber)
         stack.callback(parts.fences.close)
         if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
@@ -301,8 +304,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
             parts.service.step_seconds = metrics.step_seconds
         target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
                                                      startup.sock_path, stack)
-        await pages_allocated(memory)          # the pool whole before READY=1, as the pool promises (the swap
-        #                                        file's pages follow: a swap copy waits for them)
+        await pages_allocated(memory)          # the pool whole before READY=1, as the pool promises
         parts.fences.watch()                            # pages the workers of the memd before may still write
         tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
                  asyncio.create_task(parts.runner.police(), name="eviction-policy")]
@@ -408,6 +410,8 @@ def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: 
                          state.swap if keep_files else None) if swap_slots else None
     if swap is not None:
         stack.callback(swap.close)
+    if isinstance(memory, ShmMemory):
+        stack.callback(memory.allocation.cancel)    # first: a stop mid-allocation waits for no more of it
     if keep_files and (fs := state.filesystem()) not in TMPFS and geometry.pool_bytes >= 1 << 30:
         # Correct either way, but a large pool's pages written back to a disk cost I/O for nothing.
         log.warning("the state directory is not on tmpfs: the kernel writes the pool's pages back to its "
@@ -415,13 +419,10 @@ def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: 
     return memory, swap
 
 
-async def pages_allocated(memory: PoolMemory, swap: SwapMemory | None = None) -> None:
-    """Every page of the pool (and of a swap file) allocated; PoolMemoryError (memd does not start) if not."""
-    def wait() -> None:
-        memory.allocated()
-        if swap is not None:
-            swap.allocated()
-    await asyncio.to_thread(wait)
+async def pages_allocated(memory: PoolMemory) -> None:
+    """Every page of the pool allocated; PoolMemoryError (memd does not start) if not. (The swap file's come
+    after them, and nothing before READY=1 waits for those: a swap copy does.)"""
+    await asyncio.to_thread(memory.allocated)
 
 
 def open_journal(args: argparse.Namespace, state: StateDir | None, layout: Layout, manager: KvManager,

@@ -138,11 +138,11 @@ class ShmMemory:
                 os.close(fd)
             raise
         try:
-            self._map = map_stripes(self.fds, self.stripes)
+            self._map, self._offset = map_stripes(self.fds, self.stripes)
         except OSError as exc:
             self.close_files()
             raise PoolMemoryError(f"cannot map the pool: {exc.strerror}") from None
-        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self._anchor = ctypes.c_char.from_buffer(self._map, self._offset)
         self._base = ctypes.addressof(self._anchor)
 
     def allocated(self) -> None:
@@ -156,7 +156,7 @@ class ShmMemory:
 
     def view(self) -> memoryview:
         """The raw bytes, for tests and benchmarks."""
-        return memoryview(self._map)
+        return memoryview(self._map)[self._offset:self._offset + self.size]
 
     def export(self) -> dict[str, Any]:
         return {"backend": "shm", "size": self.size, "stripes": self.stripes}
@@ -175,10 +175,13 @@ class ShmMemory:
 
     def close(self) -> None:
         del self._anchor
-        self._map.close()
-        self.close_files()
+        try:
+            self._map.close()
+        finally:
+            self.close_files()
 
     def close_files(self) -> None:
+        self.allocation.cancel()
         self.allocation.wait(check=False)            # it must not fallocate an fd closed (or reused) under it
         for fd in self.fds:
             os.close(fd)
@@ -212,8 +215,13 @@ def open_backing_file(path: Path | None, size: int, name: str, what: str) -> int
     return fd
 
 
-def allocate_pages(fd: int, size: int, what: str, whole: int | None = None) -> None:
-    """Allocate every page of the file now, so a short machine fails at start-up, not under load.
+ALLOCATE_CHUNK_BYTES = 256 << 20       # between two, an allocation that is no longer wanted stops
+
+
+def allocate_pages(fd: int, size: int, what: str, whole: int | None = None,
+                   stop: threading.Event | None = None) -> bool:
+    """Allocate every page of the file now, so a short machine fails at start-up, not under load; False if
+    `stop` was set first (memd is stopping).
 
     A file the memd before this one allocated whole (a restart with a state
     directory) is left alone: tmpfs walks every page already there again, and
@@ -221,11 +229,16 @@ def allocate_pages(fd: int, size: int, what: str, whole: int | None = None) -> N
     `whole`: the size of all the files this one is part of, for the message.
     """
     if os.fstat(fd).st_blocks * 512 >= size:
-        return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        raise PoolMemoryError(f"cannot allocate a {what} of {format_size(whole or size)}: {exc.strerror}") from None
+        return True
+    for offset in range(0, size, ALLOCATE_CHUNK_BYTES):
+        if stop is not None and stop.is_set():
+            return False
+        try:
+            os.posix_fallocate(fd, offset, min(ALLOCATE_CHUNK_BYTES, size - offset))
+        except OSError as exc:
+            raise PoolMemoryError(f"cannot allocate a {what} of {format_size(whole or size)}: "
+                                  f"{exc.strerror}") from None
+    return True
 
 
 def usable_cores() -> int:
@@ -250,6 +263,7 @@ class Allocation:
         self._whole = sum(size for _, size in files)
         self._what, self._after = what, after
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, name=f"memd-{what}-alloc", daemon=True)
                          for _ in range(min(len(files), usable_cores()))]
         for thread in self._threads:
@@ -260,16 +274,32 @@ class Allocation:
     def _run(self) -> None:
         if self._after is not None:
             self._after.wait(check=False)
+            if self._after.failed:              # memd does not start: nothing to allocate this for
+                self._fail(PoolMemoryError(f"the {self._what} was not allocated: the {self._after._what} "
+                                           "could not be"))
+                return
         while True:
             with self._lock:
                 if not self._pending or self._error is not None:
                     return
                 fd, size = self._pending.pop(0)
             try:
-                allocate_pages(fd, size, self._what, self._whole)
+                if not allocate_pages(fd, size, self._what, self._whole, self._stop):
+                    self._fail(PoolMemoryError(f"the {self._what}'s allocation was cancelled"))
             except PoolMemoryError as exc:
-                with self._lock:
-                    self._error = self._error or exc
+                self._fail(exc)
+
+    def _fail(self, exc: PoolMemoryError) -> None:
+        with self._lock:
+            self._error = self._error or exc
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def cancel(self) -> None:
+        """Stop allocating (within one chunk per thread): memd is stopping, or did not start."""
+        self._stop.set()
 
     def wait(self, check: bool = True) -> None:
         """Until the pages are allocated; raises what allocating them raised (unless `check` is False)."""

@@ -145,6 +145,17 @@ class StateDir:
         more = [p for p in self.path.glob("pool.*") if p.name[5:].isdigit()]
         return [self.pool, *sorted(more, key=lambda p: int(p.name[5:]))]
 
+    def keep_pool(self, sizes: list[int]) -> None:
+        """Leave the pool's files only if they are what a pool kept in files of `sizes` bytes is (any more
+        are removed): another layout's pages cannot be reopened, and they would hold memory meanwhile."""
+        files = self.pool_files()
+        if [p.stat().st_size if p.exists() else None for p in files[:len(sizes)]] != sizes:
+            self.remove_pool()
+            return
+        for extra in files[len(sizes):]:
+            with contextlib.suppress(FileNotFoundError):
+                extra.unlink()
+
     def remove_pool(self) -> None:
         for p in self.pool_files():
             with contextlib.suppress(FileNotFoundError):

@@ -269,6 +269,8 @@ class HostSwap:
 
     def close(self) -> None:
         self._stop.set()
+        if self._allocating is not None:
+            self._allocating.cancel()
         self._locking.join()                           # it must not touch the mapping once it is gone
         if self._threads is not None:
             self._threads.shutdown(wait=True)

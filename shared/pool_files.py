@@ -19,7 +19,7 @@ import os
 
 STRIPE_BYTES = 256 << 20
 MAX_STRIPES = 32
-ALIGN = 2 << 20              # every stripe starts on a huge-page boundary of its file and of the range
+ALIGN = 2 << 20              # the pool starts on a huge-page boundary, and so does every stripe
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -39,24 +39,34 @@ def stripe_sizes(size: int) -> list[int]:
     return sizes
 
 
-def map_stripes(fds: list[int], sizes: list[int]) -> mmap.mmap:
-    """One shared, writable mapping of the files `fds` (of `sizes` bytes), one after another.
+def map_stripes(fds: list[int], sizes: list[int]) -> tuple[mmap.mmap, int]:
+    """One shared, writable mapping of the files `fds` (of `sizes` bytes), one after another: the mmap
+    object and the offset in it where the pool starts.
 
-    The range is reserved as an anonymous mapping that Python owns, and each
-    file is mapped over its part with MAP_FIXED: closing the mmap object
-    unmaps all of them, and it refuses to close while a view of it lives.
+    The range is reserved as a shared mapping of an empty memfd (shared file
+    mappings are not charged against the commit limit, an anonymous one of
+    gigabytes would be), `ALIGN` bytes larger than the pool so that the pool
+    can start on a huge-page boundary, and each file is mapped over its part
+    with MAP_FIXED. Closing the mmap object unmaps all of them, and it refuses
+    to close while a view of it lives.
     """
     total = sum(sizes)
-    if len(fds) == 1:
-        return mmap.mmap(fds[0], total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    whole = mmap.mmap(-1, total, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
+    if len(fds) == 1:            # the kernel aligns a file's mapping for its huge pages itself
+        return mmap.mmap(fds[0], total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), 0
+    room = os.memfd_create("kvpool-pool-range", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(room, total + ALIGN)          # never touched: it holds no memory
+        whole = mmap.mmap(room, total + ALIGN, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(room)
     anchor = ctypes.c_char.from_buffer(whole)
     try:
-        base, offset = ctypes.addressof(anchor), 0
+        start = ctypes.addressof(anchor)
+        base = -(-start // ALIGN) * ALIGN
+        offset = base
         for fd, size in zip(fds, sizes, strict=True):
-            got = _libc.mmap(base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED,
-                             fd, 0)
-            if got != base + offset:
+            got = _libc.mmap(offset, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+            if got != offset:
                 error = ctypes.get_errno()
                 raise OSError(error, f"cannot map a pool file: {os.strerror(error)}")
             offset += size
@@ -65,4 +75,4 @@ def map_stripes(fds: list[int], sizes: list[int]) -> mmap.mmap:
         whole.close()
         raise
     del anchor
-    return whole
+    return whole, base - start

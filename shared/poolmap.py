@@ -97,13 +97,14 @@ def _map_shm(handle: dict[str, Any], geometry: PoolGeometry) -> MappedPool:
         if any(os.fstat(fd).st_size < size for fd, size in zip(fds, sizes, strict=True)):
             raise PoolMapError("a pool file is smaller than its handle says")
         try:
-            mm = map_stripes(fds, sizes)
+            mm, offset = map_stripes(fds, sizes)
         except OSError as exc:
             raise PoolMapError(f"cannot map the pool: {exc.strerror}") from None
     finally:
         for fd in fds:
             os.close(fd)    # the mapping keeps the memory alive
-    pages = torch.frombuffer(mm, dtype=torch.uint8).view(geometry.num_blocks, geometry.block_bytes)
+    pages = torch.frombuffer(mm, dtype=torch.uint8, count=handle["size"], offset=offset) \
+        .view(geometry.num_blocks, geometry.block_bytes)
     return MappedPool(pages, "shm", mm)
 
 

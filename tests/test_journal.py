@@ -182,6 +182,19 @@ def test_one_memd_at_a_time_holds_a_state_directory(tmp_path):
         second.lock()
 
 
+def test_pool_files_of_another_layout_go_before_memd_counts_its_memory(tmp_path):
+    state, mib = StateDir(tmp_path), 1 << 20
+    (tmp_path / "pool").write_bytes(bytes(6 * mib))      # an older memd's pool in one file
+    state.keep_pool([2 * mib] * 3)
+    assert state.pool_files() == [tmp_path / "pool"] and not (tmp_path / "pool").exists()
+
+    for name in ("pool", "pool.1", "pool.2", "pool.3"):   # the files it needs, and one more
+        (tmp_path / name).write_bytes(bytes(2 * mib))
+    state.keep_pool([2 * mib] * 3)
+    assert [p.name for p in state.pool_files()] == ["pool", "pool.1", "pool.2"]
+    assert all(p.stat().st_size == 2 * mib for p in state.pool_files())
+
+
 def test_a_journal_that_cannot_be_written_is_given_up_and_removed_and_memd_goes_on(tmp_path):
     state, manager, wal, worker = journaled(tmp_path)
     opened, = manager.step(worker, [Open([1, 2, 3, 4, 5], session_id="kept")]).results

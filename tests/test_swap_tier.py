@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
-from memd.memory import Allocation, PoolMemoryError, ShmMemory
+from memd.memory import Allocation, PoolMemoryError, ShmMemory, allocate_pages
 from memd.swap import HostSwap
 from shared import pool_files
 
@@ -21,6 +22,44 @@ def test_pages_allocated_on_a_thread_fail_start_up_when_waited_for():
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_a_swap_file_is_not_allocated_when_the_pools_pages_could_not_be(tmp_path):
+    read, write = os.pipe()                     # the pool's "file": fallocate refuses it
+    try:
+        pool = Allocation([(read, 1 << 20)], "pool", background=True)
+        with (tmp_path / "swap").open("wb") as f:
+            f.truncate(1 << 20)
+            swap = Allocation([(f.fileno(), 1 << 20)], "swap tier", background=True, after=pool)
+            with pytest.raises(PoolMemoryError, match="swap tier was not allocated: the pool could not be"):
+                swap.wait()
+        assert (tmp_path / "swap").stat().st_blocks == 0
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_an_allocation_told_to_stop_allocates_no_more(tmp_path):
+    stop = threading.Event()
+    stop.set()
+    with (tmp_path / "pool").open("wb") as f:
+        f.truncate(1 << 20)
+        assert not allocate_pages(f.fileno(), 1 << 20, "pool", stop=stop)
+        assert (tmp_path / "pool").stat().st_blocks == 0
+        assert allocate_pages(f.fileno(), 1 << 20, "pool")
+        assert (tmp_path / "pool").stat().st_blocks * 512 >= 1 << 20
+
+
+def test_a_pool_in_several_files_starts_on_a_huge_page_boundary(monkeypatch):
+    monkeypatch.setattr(pool_files, "STRIPE_BYTES", 2 << 20)
+    pool = ShmMemory(96, 68 << 10)             # 6.375 MiB: four files, the last not a whole huge page
+    try:
+        assert pool.stripes == [2 << 20] * 3 + [(96 * 68 << 10) - (6 << 20)]
+        assert pool.base % pool_files.ALIGN == 0
+        pool.view()[-4:] = b"last"             # the range ends where the pool does
+        assert bytes(pool.view()[-4:]) == b"last" and len(pool.view()) == 96 * 68 << 10
+    finally:
+        pool.close()
 
 
 def test_a_swap_file_is_allocated_whole_before_it_is_reported_allocated(tmp_path):
