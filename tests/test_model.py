@@ -88,6 +88,31 @@ async def test_a_batch_of_mixed_lengths_matches_transformers(worker, reference):
     await generate_and_compare(client, model, reference, prompts)
 
 
+async def test_a_decode_step_of_several_sequences_runs_as_one_graph_with_the_eager_results(worker, checkpoint):
+    client, model = worker
+    config = read_config(checkpoint)
+    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype),
+                         client.pool.view(config.dtype, config.page_shape(BS)), traced_decode=False)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 7, 13, 30)]
+    opened = await client.step(*[Open(p, reserve=8) for p in prompts])
+    logits = model.forward(build_batch([(p, 0, r.block_ids) for p, r in zip(prompts, opened, strict=True)], BS))
+    histories = [list(p) for p in prompts]
+    for step in range(6):                      # one graph for every batch size and context length
+        rows = range(len(prompts)) if step % 2 else range(1, 3)
+        chosen = logits.argmax(-1).tolist()    # a row for every sequence
+        batch = build_batch([([chosen[i]], len(histories[i]), opened[i].block_ids) for i in rows], BS)
+        expected = eager.forward(batch)
+        logits = model.forward(batch)          # the same K/V into the same slots, then the same logits
+        assert model.decode_traced and not eager.decode_traced
+        assert torch.equal(logits, expected)
+        for i in rows:
+            histories[i].append(chosen[i])
+        if len(rows) != len(prompts):          # a row for every sequence again: their newest tokens once more
+            logits = model.forward(build_batch([(h[-1:], len(h) - 1, r.block_ids)
+                                                for h, r in zip(histories, opened, strict=True)], BS))
+
+
 async def test_a_cached_prefix_is_reused_not_recomputed(worker, reference):
     client, model = worker
     system = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33]       # three full blocks and one token
