@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+import uvloop
 from tables import table
 
 from memd.memory import ShmMemory
@@ -208,13 +209,13 @@ def bench_steps(seconds: float, device: str = "cpu") -> dict:
                             "--log-level", "warning"], Path(tmp))
         storm_proc = None
         try:
-            quiet = asyncio.run(probe(address, seconds))
+            quiet = uvloop.run(probe(address, seconds))      # on uvloop, as inferd runs its client of memd
             storm_proc = subprocess.Popen([sys.executable, __file__, "--storm", address], stdout=subprocess.PIPE,
                                           text=True)
             assert storm_proc.stdout is not None
             if storm_proc.stdout.readline().strip() != "storming":    # its sequences are in place
                 raise RuntimeError("the storm process failed to start")
-            stormy = asyncio.run(probe(address, seconds))
+            stormy = uvloop.run(probe(address, seconds))
             swaps = asyncio.run(swap_counters(address))
         finally:
             if storm_proc is not None:
@@ -299,7 +300,7 @@ def main() -> None:
     if args.quick:
         args.seconds, args.moved, args.repeats = 0.5, "16MiB", 1
     if args.storm:
-        asyncio.run(storm(args.storm))
+        uvloop.run(storm(args.storm))
         return
     if args.bandwidth_only and args.device != "cpu":
         print(json.dumps([bench_bandwidth_cuda(args.device, parse_size(page), parse_size(args.moved), args.repeats)
