@@ -110,13 +110,14 @@ class PagedDecoder:
             self.layers.append((w(p + "input_layernorm.weight"), qkv_w, qkv_b, w(p + "self_attn.o_proj.weight"),
                                 w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        # _decode_graph's, made on the first decode step of several sequences; False: the eager layers only.
-        self._graph: torch.jit.ScriptFunction | bool | None = None if traced_decode else False
+        # _decode_graph's, by kind ("batch", "single"), each made on its first step; False: the eager layers.
+        self._traced = traced_decode
+        self._graphs: dict[str, torch.jit.ScriptFunction | bool] = {}
 
     @property
-    def decode_traced(self) -> bool:
-        """Whether decode steps of several sequences run as one traced graph (once one has run)."""
-        return bool(self._graph)
+    def decode_graphs(self) -> list[str]:
+        """The kinds of decode step ("batch": several sequences, "single": one) that run as a traced graph."""
+        return sorted(kind for kind, graph in self._graphs.items() if graph)
 
     def flops_per_token(self) -> int:
         """Matrix work of one new token through every layer (the LM head runs once per sequence)."""
@@ -137,7 +138,7 @@ class PagedDecoder:
         few: Q and K are rotated together (a half-turn `roll` with a signed sine stands for
         rotate_half), and K and V go into the pool in one write. Each op still rounds where
         transformers' does, so a bfloat16 model's logits match its bit for bit. A decode step of
-        several sequences runs its layers as one traced graph (`_decode_graph`).
+        several sequences, or of one, runs its layers as one traced graph (`_decode_graph`).
         """
         c = self.config
         pages = self.kv if kv is None else kv
@@ -148,9 +149,11 @@ class PagedDecoder:
         layout = self._attention_layout(batch)
         args = (self.embed[batch.token_ids], cos, signed_sin, pages, batch.slot_blocks, batch.slot_offsets,
                 batch.block_tables)
-        if layout.mask is not None and layout.gather is None and (graph := self._decode_graph(args, layout)):
+        traced = self._decode_graph(args, layout, batch) if self._traced else None
+        if traced is not None:
+            graph, extra = traced
             with torch.jit.optimized_execution(False):
-                h = graph(*args, layout.mask)
+                h = graph(*args, extra)
         else:
             h = self._layers(*args, layout)
         last = torch.tensor([sum(batch.query_lens[:i + 1]) - 1 for i in range(len(batch.query_lens))],
@@ -180,8 +183,11 @@ class PagedDecoder:
             h = h + F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), down)
         return h
 
-    def _decode_graph(self, args: tuple[torch.Tensor, ...], layout: _Layout) -> torch.jit.ScriptFunction | None:
-        """`_layers` for a decode step of several sequences, traced once into a TorchScript graph.
+    def _decode_graph(self, args: tuple[torch.Tensor, ...], layout: _Layout,
+                      batch: Batch) -> tuple[torch.jit.ScriptFunction, torch.Tensor] | None:
+        """`_layers` for a decode step, traced once per kind into a TorchScript graph, and the tensor that stands
+        for the layout in it (the key mask of several sequences; for one, a tensor as long as its keys); None:
+        not a decode step, or tracing is not available (the eager layers serve).
 
         A traced graph runs its ops in C++ without taking the GIL between
         them. The eager layers take it back after every op, so on the forward
@@ -190,22 +196,32 @@ class PagedDecoder:
         took 32-36 ms eager and 11-13 ms traced (7.5-7.9 ms traced and
         8.7-10.6 eager with the loop quiet). The graph holds the same ops,
         so its results are the eager ones bit for bit; nothing in it depends
-        on a shape, so one graph serves every batch size and context length.
-        None (eager) where tracing is not available.
+        on a shape (the keys of one sequence are cut to a tensor's length,
+        which the trace keeps symbolic), so one graph serves every batch size
+        and context length.
         """
-        if self._graph is None:
+        if layout.mask is not None and layout.gather is None:
+            kind, extra = "batch", layout.mask
+        elif layout.key_len is not None and not layout.causal and batch.query_lens == [1]:
+            kind, extra = "single", torch.empty(layout.key_len, dtype=torch.uint8, device=self.device)
+        else:
+            return None
+        if kind not in self._graphs:
             def decode_layers(*tensors: torch.Tensor) -> torch.Tensor:
-                *inputs, mask = tensors
-                return self._layers(*inputs, _Layout(mask, None, None, None))
+                *inputs, stand_in = tensors
+                return self._layers(*inputs, _Layout(stand_in, None, None, None) if kind == "batch"
+                                    else _Layout(None, None, None, stand_in.shape[0]))
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")     # torch.jit.trace's deprecation: no GIL-free successor yet
                     # Tracing runs the layers once, on this pass's inputs: it writes the K/V the graph then
                     # writes again, the same values into the same slots.
-                    self._graph = torch.jit.trace(decode_layers, (*args, layout.mask), check_trace=False)
+                    self._graphs[kind] = torch.jit.trace(decode_layers, (*args, extra), check_trace=False)
             except Exception:                           # any failure: the eager layers serve
-                self._graph = False
-        return self._graph or None
+                self._graphs[kind] = False
+        graph = self._graphs[kind]
+        return (graph, extra) if graph else None
+
     def _attention_layout(self, batch: Batch) -> _Layout:
         """How the flat new tokens become padded [B, max_q] queries, and which keys each may see.
 

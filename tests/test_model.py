@@ -88,7 +88,7 @@ async def test_a_batch_of_mixed_lengths_matches_transformers(worker, reference):
     await generate_and_compare(client, model, reference, prompts)
 
 
-async def test_a_decode_step_of_several_sequences_runs_as_one_graph_with_the_eager_results(worker, checkpoint):
+async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, checkpoint):
     client, model = worker
     config = read_config(checkpoint)
     eager = PagedDecoder(config, load_weights(checkpoint, config.dtype),
@@ -104,13 +104,19 @@ async def test_a_decode_step_of_several_sequences_runs_as_one_graph_with_the_eag
         batch = build_batch([([chosen[i]], len(histories[i]), opened[i].block_ids) for i in rows], BS)
         expected = eager.forward(batch)
         logits = model.forward(batch)          # the same K/V into the same slots, then the same logits
-        assert model.decode_traced and not eager.decode_traced
+        assert model.decode_graphs == ["batch"] and eager.decode_graphs == []
         assert torch.equal(logits, expected)
         for i in rows:
             histories[i].append(chosen[i])
         if len(rows) != len(prompts):          # a row for every sequence again: their newest tokens once more
             logits = model.forward(build_batch([(h[-1:], len(h) - 1, r.block_ids)
                                                 for h, r in zip(histories, opened, strict=True)], BS))
+    for i in (3, 0):                           # one sequence: its own graph, keys cut to its length
+        batch = build_batch([([7], len(histories[i]), opened[i].block_ids)], BS)
+        expected = eager.forward(batch)
+        assert torch.equal(model.forward(batch), expected)
+        histories[i].append(7)
+    assert model.decode_graphs == ["batch", "single"]
 
 
 async def test_a_cached_prefix_is_reused_not_recomputed(worker, reference):
