@@ -12,13 +12,13 @@ flat run of new tokens, plus per sequence its context length and block table.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from inferd.checkpoint import ModelConfig
+from inferd.layer_stack import AttentionLayout, DecodeGraphs, LayerStack
 
 
 @dataclass(slots=True)
@@ -53,15 +53,6 @@ def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return Batch(as_long(tokens), as_long(positions), as_long(blocks), as_long(offsets), qlens, clens,
                  as_long(tables))
-
-
-@dataclass(slots=True)
-class _Layout:
-    mask: torch.Tensor | None        # [B, 1, max_q, keys] boolean, or None when no key must be hidden
-    gather: torch.Tensor | None      # [B, max_q] indices of each sequence's new tokens, None when not padded
-    valid: torch.Tensor | None       # [B, max_q] which padded query rows are real
-    key_len: int | None              # one sequence: its keys cut to this length
-    causal: bool = False
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -110,25 +101,18 @@ class PagedDecoder:
             self.layers.append((w(p + "input_layernorm.weight"), qkv_w, qkv_b, w(p + "self_attn.o_proj.weight"),
                                 w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        # _decode_graph's, by kind ("batch", "single"), each made on its first step; False: the eager layers.
-        self._traced = traced_decode
-        self._graphs: dict[str, torch.jit.ScriptFunction | bool] = {}
+        self._stack = LayerStack(config)
+        self._graphs = DecodeGraphs(self._stack, self.layers) if traced_decode else None
 
     @property
     def decode_graphs(self) -> list[str]:
         """The kinds of decode step ("batch": several sequences, "single": one) that run as a traced graph."""
-        return sorted(kind for kind, graph in self._graphs.items() if graph)
+        return self._graphs.kinds if self._graphs is not None else []
 
     def flops_per_token(self) -> int:
         """Matrix work of one new token through every layer (the LM head runs once per sequence)."""
         return 2 * sum(w.numel() for (_, qkv_w, _, o_w, _, gate_up, down) in self.layers
                        for w in (qkv_w, o_w, gate_up, down))
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """As transformers computes it: in float32, scaled by the weight after the cast back."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
-        return weight * F.rms_norm(x.float(), weight.shape, None, self.config.rms_norm_eps).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,8 +121,8 @@ class PagedDecoder:
         A decode step of a small model is mostly the cost of launching ops, so each layer launches
         few: Q and K are rotated together (a half-turn `roll` with a signed sine stands for
         rotate_half), and K and V go into the pool in one write. Each op still rounds where
-        transformers' does, so a bfloat16 model's logits match its bit for bit. A decode step of
-        several sequences, or of one, runs its layers as one traced graph (`_decode_graph`).
+        transformers' does, so a bfloat16 model's logits match its bit for bit. A decode step runs
+        its layers as one traced graph (inferd.layer_stack.DecodeGraphs).
         """
         c = self.config
         pages = self.kv if kv is None else kv
@@ -149,80 +133,13 @@ class PagedDecoder:
         layout = self._attention_layout(batch)
         args = (self.embed[batch.token_ids], cos, signed_sin, pages, batch.slot_blocks, batch.slot_offsets,
                 batch.block_tables)
-        traced = self._decode_graph(args, layout, batch) if self._traced else None
-        if traced is not None:
-            graph, extra = traced
-            with torch.jit.optimized_execution(False):
-                h = graph(*args, extra)
-        else:
-            h = self._layers(*args, layout)
+        h = self._graphs.run(args, layout, batch.query_lens) if self._graphs is not None \
+            else self._stack.run(*args, layout, self.layers)
         last = torch.tensor([sum(batch.query_lens[:i + 1]) - 1 for i in range(len(batch.query_lens))],
                             device=self.device)
-        return F.linear(self._rms_norm(h[last], self.norm), self.lm_head).float()
+        return F.linear(self._stack.rms_norm(h[last], self.norm), self.lm_head).float()
 
-    def _layers(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pages: torch.Tensor,
-                slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, block_tables: torch.Tensor,
-                layout: _Layout) -> torch.Tensor:
-        """Every layer, on the hidden states `h` of the new tokens; their K/V written into `pages`."""
-        c = self.config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        half = c.head_dim // 2
-        for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
-            x = self._rms_norm(h, ln1)
-            qkv = F.linear(x, qkv_w, qkv_b)
-            qk = qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
-            turned = qk.roll(half, dims=-1)
-            qk.copy_(qk * cos + turned * signed_sin)                     # RoPE, on Q and K at once
-            cache = pages[:, layer]                                     # [blocks, 2, bs, kv_heads, dim]
-            cache[slot_blocks, :, slot_offsets] = qkv[:, q_size:].view(-1, 2, c.num_kv_heads, c.head_dim)
-            attn = self._attend(qkv[:, :q_size].view(-1, c.num_heads, c.head_dim), cache, block_tables, layout)
-            h = h + F.linear(attn, o_w)
-            x = self._rms_norm(h, ln2)
-            gu = F.linear(x, gate_up)
-            inter = gu.shape[-1] // 2
-            h = h + F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), down)
-        return h
-
-    def _decode_graph(self, args: tuple[torch.Tensor, ...], layout: _Layout,
-                      batch: Batch) -> tuple[torch.jit.ScriptFunction, torch.Tensor] | None:
-        """`_layers` for a decode step, traced once per kind into a TorchScript graph, and the tensor that stands
-        for the layout in it (the key mask of several sequences; for one, a tensor as long as its keys); None:
-        not a decode step, or tracing is not available (the eager layers serve).
-
-        A traced graph runs its ops in C++ without taking the GIL between
-        them. The eager layers take it back after every op, so on the forward
-        thread they wait behind the event loop's Python work: with the loop
-        busy 75% of the time, a 16-sequence decode step of the bench model
-        took 32-36 ms eager and 11-13 ms traced (7.5-7.9 ms traced and
-        8.7-10.6 eager with the loop quiet). The graph holds the same ops,
-        so its results are the eager ones bit for bit; nothing in it depends
-        on a shape (the keys of one sequence are cut to a tensor's length,
-        which the trace keeps symbolic), so one graph serves every batch size
-        and context length.
-        """
-        if layout.mask is not None and layout.gather is None:
-            kind, extra = "batch", layout.mask
-        elif layout.key_len is not None and not layout.causal and batch.query_lens == [1]:
-            kind, extra = "single", torch.empty(layout.key_len, dtype=torch.uint8, device=self.device)
-        else:
-            return None
-        if kind not in self._graphs:
-            def decode_layers(*tensors: torch.Tensor) -> torch.Tensor:
-                *inputs, stand_in = tensors
-                return self._layers(*inputs, _Layout(stand_in, None, None, None) if kind == "batch"
-                                    else _Layout(None, None, None, stand_in.shape[0]))
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")     # torch.jit.trace's deprecation: no GIL-free successor yet
-                    # Tracing runs the layers once, on this pass's inputs: it writes the K/V the graph then
-                    # writes again, the same values into the same slots.
-                    self._graphs[kind] = torch.jit.trace(decode_layers, (*args, extra), check_trace=False)
-            except Exception:                           # any failure: the eager layers serve
-                self._graphs[kind] = False
-        graph = self._graphs[kind]
-        return (graph, extra) if graph else None
-
-    def _attention_layout(self, batch: Batch) -> _Layout:
+    def _attention_layout(self, batch: Batch) -> AttentionLayout:
         """How the flat new tokens become padded [B, max_q] queries, and which keys each may see.
 
         Two common cases skip the padding and the mask: a decode step (one new
@@ -232,10 +149,10 @@ class PagedDecoder:
         single, decode = len(batch.query_lens) == 1, max(batch.query_lens) == 1
         ctx = batch.context_lens[0] if single else None
         if single and (decode or batch.query_lens[0] == ctx):
-            return _Layout(None, None, None, ctx, causal=not decode)
+            return AttentionLayout(None, None, None, ctx, causal=not decode)
         if decode:
             mask = self._key_mask(batch)[:, None, None, :]
-            return _Layout(mask, None, None, None)
+            return AttentionLayout(mask, None, None, None)
         qlens = torch.tensor(batch.query_lens, device=self.device)
         clens = torch.tensor(batch.context_lens, device=self.device)
         max_q = int(qlens.max())
@@ -248,30 +165,10 @@ class PagedDecoder:
         mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < clens[:, None, None])
         valid = qi[None, :] < qlens[:, None]
         mask &= valid[:, :, None] | (kpos[None, None, :] == 0)                           # padded rows: any key
-        return _Layout(mask[:, None], gather, valid, None)
+        return AttentionLayout(mask[:, None], gather, valid, None)
 
     def _key_mask(self, batch: Batch) -> torch.Tensor:
         """[B, max_ctx]: which padded key positions hold a sequence's context."""
         max_ctx = batch.block_tables.shape[1] * self.block_size
         clens = torch.tensor(batch.context_lens, device=self.device)
         return torch.arange(max_ctx, device=self.device)[None, :] < clens[:, None]
-
-    def _attend(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                layout: _Layout) -> torch.Tensor:
-        c = self.config
-        bsz = block_tables.shape[0]
-        # K and V gathered apart: each gather is [B, max_blocks, bs, kv_heads, dim], whose block and slot dims
-        # merge into one without a copy; gathering both at once would need a second copy to separate them.
-        blocks = block_tables.view(-1)
-        keys = cache[:, 0].index_select(0, blocks).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        values = cache[:, 1].index_select(0, blocks).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        if layout.key_len is not None:
-            keys, values = keys[:, :, :layout.key_len], values[:, :, :layout.key_len]
-        if layout.gather is None:                           # one sequence, or one new token per sequence
-            queries = (q[None] if layout.key_len is not None else q[:, None]).transpose(1, 2)
-        else:
-            queries = q[layout.gather].transpose(1, 2)      # [B, heads, max_q, dim]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask, is_causal=layout.causal,
-                                             enable_gqa=True)
-        out = out.transpose(1, 2).reshape(bsz, -1, c.num_heads * c.head_dim)   # [B, max_q, hidden]
-        return out.reshape(-1, c.num_heads * c.head_dim) if layout.valid is None else out[layout.valid]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import weakref
 from pathlib import Path
 
 import pytest
@@ -91,32 +92,45 @@ async def test_a_batch_of_mixed_lengths_matches_transformers(worker, reference):
 async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, checkpoint):
     client, model = worker
     config = read_config(checkpoint)
-    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype),
-                         client.pool.view(config.dtype, config.page_shape(BS)), traced_decode=False)
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 7, 13, 30)]
     opened = await client.step(*[Open(p, reserve=8) for p in prompts])
     logits = model.forward(build_batch([(p, 0, r.block_ids) for p, r in zip(prompts, opened, strict=True)], BS))
+    # The eager decoder on a copy of the pages: what each writes is compared too, not only what each reads.
+    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced_decode=False)
     histories = [list(p) for p in prompts]
     for step in range(6):                      # one graph for every batch size and context length
         rows = range(len(prompts)) if step % 2 else range(1, 3)
         chosen = logits.argmax(-1).tolist()    # a row for every sequence
         batch = build_batch([([chosen[i]], len(histories[i]), opened[i].block_ids) for i in rows], BS)
-        expected = eager.forward(batch)
-        logits = model.forward(batch)          # the same K/V into the same slots, then the same logits
+        logits = model.forward(batch)
+        assert torch.equal(logits, eager.forward(batch))
         assert model.decode_graphs == ["batch"] and eager.decode_graphs == []
-        assert torch.equal(logits, expected)
         for i in rows:
             histories[i].append(chosen[i])
         if len(rows) != len(prompts):          # a row for every sequence again: their newest tokens once more
-            logits = model.forward(build_batch([(h[-1:], len(h) - 1, r.block_ids)
-                                                for h, r in zip(histories, opened, strict=True)], BS))
+            again = build_batch([(h[-1:], len(h) - 1, r.block_ids) for h, r in zip(histories, opened, strict=True)],
+                                BS)
+            logits = model.forward(again)
+            eager.forward(again)
     for i in (3, 0):                           # one sequence: its own graph, keys cut to its length
         batch = build_batch([([7], len(histories[i]), opened[i].block_ids)], BS)
-        expected = eager.forward(batch)
-        assert torch.equal(model.forward(batch), expected)
+        assert torch.equal(model.forward(batch), eager.forward(batch))
         histories[i].append(7)
     assert model.decode_graphs == ["batch", "single"]
+    assert torch.equal(model.kv, eager.kv)
+
+
+def test_a_decoder_with_traced_graphs_goes_with_its_last_reference(checkpoint):
+    # torch keeps every traced function for the process's life: none may hold a decoder, its weights or pool.
+    config = read_config(checkpoint)
+    model = PagedDecoder(config, load_weights(checkpoint, config.dtype), torch.zeros(16, *config.page_shape(BS)))
+    model.forward(build_batch([([5], 3, [0]), ([6], 5, [1, 2])], BS))
+    model.forward(build_batch([([5], 4, [0, 3])], BS))
+    assert model.decode_graphs == ["batch", "single"]
+    gone = [weakref.ref(model), weakref.ref(model.layers[0][1]), weakref.ref(model.kv)]
+    del model
+    assert [ref() for ref in gone] == [None, None, None]
 
 
 async def test_a_cached_prefix_is_reused_not_recomputed(worker, reference):
