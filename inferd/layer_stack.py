@@ -116,11 +116,14 @@ class DecodeGraphs:
     def kinds(self) -> list[str]:
         return sorted(kind for kind, graph in self._graphs.items() if graph is not None)
 
-    def run(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout, query_lens: list[int]) -> torch.Tensor:
-        """`LayerStack.run` of this pass: through its kind's graph where it is a decode step, else eager."""
+    def run(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout) -> torch.Tensor:
+        """`LayerStack.run` of this pass: through its kind's graph where it is a decode step, else eager.
+
+        The layout says which: a mask and no query gather is a decode step of several sequences; keys cut to
+        a length and not causal, one sequence's (its one new token sees every key)."""
         if layout.mask is not None and layout.gather is None:
             kind, stand_in = "batch", layout.mask
-        elif layout.key_len is not None and not layout.causal and query_lens == [1]:
+        elif layout.key_len is not None and not layout.causal:
             kind, stand_in = "single", torch.empty(layout.key_len, dtype=torch.uint8)    # only its length counts
         else:
             return self.stack.run(*args, layout, self.layers)

@@ -133,7 +133,7 @@ class PagedDecoder:
         layout = self._attention_layout(batch)
         args = (self.embed[batch.token_ids], cos, signed_sin, pages, batch.slot_blocks, batch.slot_offsets,
                 batch.block_tables)
-        h = self._graphs.run(args, layout, batch.query_lens) if self._graphs is not None \
+        h = self._graphs.run(args, layout) if self._graphs is not None \
             else self._stack.run(*args, layout, self.layers)
         last = torch.tensor([sum(batch.query_lens[:i + 1]) - 1 for i in range(len(batch.query_lens))],
                             device=self.device)

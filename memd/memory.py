@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from memd.page_effects import Copy, Zero
 from shared.page_checksum import checksums_at, word_sums
-from shared.pool_files import map_stripes, stripe_sizes
+from shared.pool_files import map_stripes, stripe_paths, stripe_sizes
 from shared.sizes import format_size
 
 
@@ -120,7 +120,7 @@ class ShmMemory:
         size = num_blocks * block_bytes
         self.size, self.block_bytes = size, block_bytes
         self.stripes = stripe_sizes(size)
-        paths = stripe_paths(path, len(self.stripes))
+        paths = stripe_paths(path, len(self.stripes)) if path is not None else [None] * len(self.stripes)
         self.reopened = path is not None and all(kept_file(p, n) for p, n in zip(paths, self.stripes, strict=True))
         if not self.reopened:
             require_host_memory("pool", size)
@@ -186,13 +186,6 @@ class ShmMemory:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-
-
-def stripe_paths(path: Path | None, count: int) -> list[Path | None]:
-    """Where a pool's files live: `path`, then `path.1`, `path.2` ... (all None for memfds)."""
-    if path is None:
-        return [None] * count
-    return [path] + [path.with_name(f"{path.name}.{i}") for i in range(1, count)]
 
 
 def open_backing_file(path: Path | None, size: int, name: str, what: str) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from memd.journal import FORMAT, VERSION, Recovered, read_journal
+from shared.pool_files import stripe_paths
 
 log = structlog.get_logger("memd.state")
 
@@ -148,11 +149,11 @@ class StateDir:
     def keep_pool(self, sizes: list[int]) -> None:
         """Leave the pool's files only if they are what a pool kept in files of `sizes` bytes is (any more
         are removed): another layout's pages cannot be reopened, and they would hold memory meanwhile."""
-        files = self.pool_files()
-        if [p.stat().st_size if p.exists() else None for p in files[:len(sizes)]] != sizes:
+        wanted = stripe_paths(self.pool, len(sizes))
+        if [p.stat().st_size if p.exists() else None for p in wanted] != sizes:
             self.remove_pool()
             return
-        for extra in files[len(sizes):]:
+        for extra in set(self.pool_files()) - set(wanted):
             with contextlib.suppress(FileNotFoundError):
                 extra.unlink()
 

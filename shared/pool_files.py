@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from pathlib import Path
 
 STRIPE_BYTES = 256 << 20
 MAX_STRIPES = 32
@@ -37,6 +38,11 @@ def stripe_sizes(size: int) -> list[int]:
     if size % stripe:
         sizes.append(size % stripe)
     return sizes
+
+
+def stripe_paths(path: Path, count: int) -> list[Path]:
+    """Where a pool kept in `count` files at `path` has them: `path`, then `path.1`, `path.2` ..."""
+    return [path] + [path.with_name(f"{path.name}.{i}") for i in range(1, count)]
 
 
 def map_stripes(fds: list[int], sizes: list[int]) -> tuple[mmap.mmap, int]:
