@@ -12,7 +12,6 @@ never passed off as complete.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +30,7 @@ from kvroute.directory import SessionDirectory
 from kvroute.metrics import RouteMetrics
 from kvroute.placement import place, prefix_key
 from kvroute.workers import Worker, Workers
-from shared.http_exchange import ApiError, ClientGone, check_api_key, disconnected, or_disconnect
+from shared.http_exchange import ApiError, ClientGone, check_api_key, or_disconnect, stream_body
 
 log = structlog.get_logger("kvroute")
 
@@ -203,14 +202,7 @@ class Passthrough(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            pump = asyncio.ensure_future(self._pump(send))
-            gone = asyncio.ensure_future(disconnected(receive))
-            try:
-                await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                pump.cancel()
-                gone.cancel()
-            broke = pump.exception() if pump.done() and not pump.cancelled() else None
+            broke = await stream_body(receive, send, self.upstream.aiter_raw())
             if isinstance(broke, httpx.TransportError):
                 # The worker broke the answer midway: so is the client's (no final chunk), never passed off whole.
                 # Whether the worker is gone is for its health check to say.
@@ -226,11 +218,6 @@ class Passthrough(Response):
             self.worker.in_flight -= 1
             await self.upstream.aclose()
 
-
-    async def _pump(self, send: Any) -> None:
-        async for chunk in self.upstream.aiter_raw():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _end_to_end(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

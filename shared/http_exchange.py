@@ -1,11 +1,11 @@
-"""What inferd's OpenAI API and kvroute share about one HTTP exchange: OpenAI's error shape, the API key, and a
-client that hangs up before its answer is ready."""
+"""What inferd's OpenAI API and kvroute share about one HTTP exchange: OpenAI's error shape, the API key, a
+client that hangs up before its answer is ready, and a body streamed until it ends or the client leaves."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -63,3 +63,25 @@ async def disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
     """Returns when the client hangs up (the request's body already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def stream_body(receive: Callable[[], Awaitable[Any]], send: Callable[[dict[str, Any]], Awaitable[None]],
+                      chunks: AsyncIterable[bytes]) -> BaseException | None:
+    """Send `chunks` as ASGI body messages as they come, then end the body; stop at once if the client hangs up.
+
+    Returns what the chunks raised (None when they ended or the client left). One task per exchange and a
+    plain `send` per chunk: a streamed token costs the server no more than its bytes.
+    """
+    async def pump() -> None:
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    pumping = asyncio.ensure_future(pump())
+    gone = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait({pumping, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        pumping.cancel()
+        gone.cancel()
+    return pumping.exception() if pumping.done() and not pumping.cancelled() else None
