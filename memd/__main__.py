@@ -36,6 +36,7 @@ from memd.memory import (
     ShmMemory,
     allocate_pool,
     available_host_memory,
+    kept_file,
     resolve_device,
 )
 from memd.metrics import MemdMetrics
@@ -55,7 +56,7 @@ from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_s
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
-from shared.pool_files import stripe_sizes
+from shared.pool_files import stripe_paths, stripe_sizes
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
 from shared.unix_socket import SocketPathError, claim
@@ -244,14 +245,23 @@ def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout)
     h = found.header
     # Pages on a disk may have outlived the machine, half written: another boot's are not reopened either.
     files_usable = layout.backend == "shm" and h.get("boot_id") == boot_id()
-    if not files_usable or (h.get("backend"), h.get("num_blocks"), h.get("block_bytes")) != \
+    sizes = stripe_sizes(layout.num_blocks * layout.block_bytes)
+    if not files_usable or state.made_new("pool").exists() or (h.get("backend"), h.get("num_blocks"),
+                                                                 h.get("block_bytes")) != \
             (layout.backend, layout.num_blocks, layout.block_bytes):
-        state.remove_pool()              # another pool now: its pages mean nothing
+        state.remove_pool()              # another pool now, or files the journal never saw: no pages of its
     else:                                # before memd counts the memory it needs: an older memd's one file goes
-        state.keep_pool(stripe_sizes(layout.num_blocks * layout.block_bytes))
-    if not files_usable or (h.get("swap_slots"), h.get("block_bytes")) != (layout.swap_slots, layout.block_bytes):
+        state.keep_pool(sizes)
+    if not files_usable or state.made_new("swap").exists() or (h.get("swap_slots"), h.get("block_bytes")) != \
+            (layout.swap_slots, layout.block_bytes):
         with contextlib.suppress(FileNotFoundError):
             state.swap.unlink()
+    # What this start makes anew is not the found journal's until its own journal is written (open_journal).
+    if layout.backend == "shm":
+        if not all(kept_file(p, n) for p, n in zip(stripe_paths(state.pool, len(sizes)), sizes, strict=True)):
+            state.mark_new("pool")
+        if layout.swap_slots and not kept_file(state.swap, layout.swap_slots * layout.block_bytes):
+            state.mark_new("swap")
     return state, found
 
 
@@ -446,6 +456,7 @@ def open_journal(args: argparse.Namespace, state: StateDir | None, layout: Layou
         wal.checkpoint(manager)
     except OSError as exc:
         raise StartupError(f"cannot write the journal in {state.path}: {exc.strerror}") from None
+    state.unmark_new()
     stack.callback(wal.close)
     return wal
 

@@ -157,6 +157,21 @@ class StateDir:
             with contextlib.suppress(FileNotFoundError):
                 extra.unlink()
 
+    def made_new(self, what: str) -> Path:
+        """The mark of `what` ("pool" or "swap") being made anew, there from before its files are made until
+        the journal that describes them is written. A start that dies between the two leaves the journal
+        before it beside new files of the right sizes, zeroed: the mark says they are not that journal's."""
+        return self.path / f"{what}.new"
+
+    def mark_new(self, what: str) -> None:
+        self.made_new(what).touch(mode=0o600)
+
+    def unmark_new(self) -> None:
+        """The journal now describes the files there (written after they were made)."""
+        for what in ("pool", "swap"):
+            with contextlib.suppress(FileNotFoundError):
+                self.made_new(what).unlink()
+
     def remove_pool(self) -> None:
         for p in self.pool_files():
             with contextlib.suppress(FileNotFoundError):
@@ -164,7 +179,7 @@ class StateDir:
 
     def discard(self, reason: str | None) -> None:
         """Remove a pool, swap file and journal that cannot be reused (logged with a reason: sessions are lost)."""
-        files = [*self.pool_files(), self.swap, self.journal]
+        files = [*self.pool_files(), self.swap, self.journal, self.made_new("pool"), self.made_new("swap")]
         present = [p.name for p in files if p.exists()]
         if not present:
             return

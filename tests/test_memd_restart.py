@@ -139,6 +139,38 @@ async def test_a_freed_sequences_id_is_never_handed_out_again_after_restarts(mem
     assert states == {"running": 1, "parked": 1, "swapped": 0, "dropped": 0} and ok
 
 
+async def test_files_a_failed_start_made_anew_are_not_reopened_as_the_journal_befores(
+        memd_factory, spawn_worker, tmp_path):
+    state = tmp_path / "state"
+    flags = ("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB", "--state-dir", str(state))
+    memd = await memd_factory(*flags)
+    worker = await spawn_worker(memd.address)
+    for session in ("parked", "swapped"):
+        opened, = await worker.step({"kind": "open", "token_ids": list(range(40)), "session_id": session})
+        await worker.step({"kind": "park", "seq_id": opened["seq_id"], "commit_to": 40})
+    async with memd.admin() as admin:
+        assert len((await admin.evict(session_id="swapped", mode="swap")).swapped) == 1
+    assert await memd.stop() == 0
+    # A start with blocks twice the size (the same bytes) makes its files anew, zeroed, and fails before its
+    # journal replaces the one before (here: it cannot write it). The pages that journal names are gone.
+    (state / "journal.new").mkdir()
+    rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "128KiB",
+                             "--state-dir", str(state), "--listen", f"unix:{tmp_path}/other.sock")
+    assert rc == 1 and "cannot write the journal" in err
+    assert (state / "pool").stat().st_size == 1 << 20
+    (state / "journal.new").rmdir()
+
+    again = await memd_factory(*flags, "--listen", memd.address)
+    recovered = await again.log.wait_for("recovered the sequences of the memd before")
+    assert recovered["sequences"] == {"dropped": 2}
+    assert recovered["dropped"] == {"pool not reopened": 1, "swap tier not reopened": 1}
+    assert await again.stop() == 0
+    third = await memd_factory(*flags, "--listen", memd.address)    # the files the second made are its journal's
+    recovered = await third.log.wait_for("recovered the sequences of the memd before")
+    assert recovered["sequences"] == {"dropped": 2} and recovered["dropped"] == {}
+    assert not list(state.glob("*.new"))
+
+
 async def test_a_state_dir_serves_one_memd_at_a_time(memd_factory, tmp_path):
     state = tmp_path / "state"
     flags = ("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "64KiB", "--state-dir", str(state))
