@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.RawDescriptionHelpFormatter, version=True)
     p.add_argument("--address", help="memd address (default: $MEMD_ADDRESS, else the per-user socket if it "
                                      "exists, else memd.service's /run/memd/memd.sock)")
-    p.add_argument("--timeout", type=timeout, default=10.0, help="seconds to wait for memd (default: 10)")
+    p.add_argument("--timeout", type=timeout, default=10.0,
+                   help="seconds to wait for memd's answer, or for each part of a snapshot (default: 10)")
     as_json = Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print one JSON document")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -310,9 +310,16 @@ class MemdAdmin:
         """Every block, sequence and worker; `blocks=False` leaves the blocks out, the rest filter sequences."""
         request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id)
         snapshot = pb.SnapshotReply()
+        call = self._stub.Snapshot(request, metadata=self.metadata)
         try:
-            async for part in self._stub.Snapshot(request, timeout=self._timeout, metadata=self.metadata):
+            # The timeout bounds memd's silence, not the snapshot: a million blocks stream for seconds on a busy
+            # host, and a deadline on the whole call failed them as "did not answer" while parts were arriving.
+            while (part := await asyncio.wait_for(call.read(), self._timeout)) is not grpc.aio.EOF:
                 snapshot.MergeFrom(part)            # memd streams it in parts: merged, they are the snapshot
+        except TimeoutError:
+            call.cancel()
+            raise MemdError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"memd sent no part of the snapshot for {self._timeout:g} s") from None
         except grpc.aio.AioRpcError as err:
             raise MemdError.from_rpc(err) from None
         return snapshot

@@ -10,10 +10,12 @@ import os
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
-from shared.client import MemdClient
+from shared.client import MemdAdmin, MemdClient, MemdError
 from shared.ops import Extend, Open, Park
+from shared.rpc import memd_pb2, memd_pb2_grpc
 from tests.clis import run_cli, unit_host_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -370,3 +372,34 @@ def test_diff_refuses_snapshots_of_two_memd_runs():
     assert diff({**empty, "generation": 7}, {**empty, "generation": 7})["used_blocks"] == [0, 0]
     with pytest.raises(SnapshotError, match="different memd runs"):
         diff({**empty, "generation": 7}, {**empty, "generation": 8})
+
+
+class _SlowSnapshots(memd_pb2_grpc.MemdServicer):
+    """A Memd service whose Snapshot streams its parts `gap` seconds apart (a big pool on a busy host)."""
+
+    def __init__(self, gap: float, parts: int) -> None:
+        self.gap, self.parts = gap, parts
+
+    async def Snapshot(self, request, context):
+        for i in range(self.parts):
+            await asyncio.sleep(self.gap)
+            yield memd_pb2.SnapshotReply(blocks=[memd_pb2.BlockRow(block_id=i)])
+
+
+@pytest.mark.parametrize("gap, answered", [(0.3, True), (3.0, False)])
+async def test_the_timeout_bounds_memds_silence_between_snapshot_parts_not_the_whole_snapshot(tmp_path, gap, answered):
+    server = grpc.aio.server()
+    memd_pb2_grpc.add_MemdServicer_to_server(_SlowSnapshots(gap, parts=4), server)
+    address = f"unix:{tmp_path / 'memd.sock'}"
+    server.add_insecure_port(address)
+    await server.start()
+    try:
+        async with MemdAdmin(address, timeout_s=1.0) as admin:
+            if answered:              # 1.2 s in all, more than the timeout: every part came within it
+                assert [b.block_id for b in (await admin.snapshot()).blocks] == [0, 1, 2, 3]
+            else:
+                with pytest.raises(MemdError) as raised:
+                    await admin.snapshot()
+                assert raised.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        await server.stop(None)
