@@ -13,9 +13,10 @@
    With --device cuda:N the pool is memd's GPU pool (CudaMemory) and the
    swap tier its pinned host memory (PinnedSwap): device<->host DMA, once.
 2. Step latency: a probe client sends small Steps (allocate one page, free
-   one) to a real memd, first on a quiet memd, then while another process
-   swaps 16 sequences out and back in without pause (forced evictions and
-   resumes). p50 and p99 of the probe's Steps, and the ratio.
+   one) to a real memd, quiet, and while another process swaps 16 sequences
+   out and back in without pause (forced evictions and resumes): three
+   rounds of each, taking turns. p50 and p99 of the probe's Steps, and the
+   ratio.
 
 Targets: swap >= 90% of the raw copy at every page size and in both
 directions, with the settings memd.service ships (`swap_min_ratio` in
@@ -175,7 +176,10 @@ async def probe(address: str, seconds: float) -> list[float]:
 
 
 async def storm(address: str) -> None:
-    """Swap STORM_SEQS sequences out and back in, round and round, until killed."""
+    """Swap STORM_SEQS sequences out and back in, round and round, until killed.
+
+    Told "pause" on stdin, it ends the sequence's turn it is in (no copy left in flight: an eviction's reply
+    waits for its swap-out, a Resume's for its swap-in) and says "paused"; "go" starts it again."""
     from shared.client import MemdAdmin, MemdClient
 
     client = await MemdClient.attach(address, name="storm", block_size=BLOCK_SIZE, map_memory=False)
@@ -184,13 +188,24 @@ async def storm(address: str) -> None:
     for i, session in enumerate(sessions):
         opened, = await client.step(Open([(i << 20) + t for t in range(tokens)], session_id=session))
         await client.step(Park(opened.seq_id, commit_to=tokens))
+    going = asyncio.Event()
+    going.set()
+    commands = asyncio.ensure_future(_storm_commands(going))
     print("storming", flush=True)
     async with MemdAdmin(address) as admin:
-        while True:
+        while not commands.done():
             for session in sessions:
+                if not going.is_set():
+                    print("paused", flush=True)
+                    await going.wait()
                 await admin.evict(session_id=session, mode="swap")
                 resumed, = await client.step(Resume(session_id=session))
                 await client.step(Park(resumed.seq_id))
+
+
+async def _storm_commands(going: asyncio.Event) -> None:
+    while line := await asyncio.to_thread(sys.stdin.readline):
+        (going.set if line.strip() == "go" else going.clear)()
 
 
 def percentiles(latencies: list[float]) -> dict:
@@ -198,7 +213,10 @@ def percentiles(latencies: list[float]) -> dict:
     return {"steps": len(latencies), "p50_ms": qs[49] * 1e3, "p99_ms": qs[98] * 1e3}
 
 
-def bench_steps(seconds: float, device: str = "cpu") -> dict:
+def bench_steps(seconds: float, device: str = "cpu", rounds: int = 3) -> dict:
+    """The probe's Steps on a quiet memd and during the storm, taking turns `rounds` times (which goes first
+    alternates), `seconds` each in all: what else the machine does meanwhile weighs on both alike. The
+    storm's process lives throughout; it is paused (its last turn finished) for the quiet rounds."""
     page = parse_size(PAGE_FOR_STEPS)
     pool = 4 * STORM_SEQS * STORM_BLOCKS * page                  # room for the storm and the probe
     with tempfile.TemporaryDirectory(prefix="swap-bench-") as tmp:
@@ -208,14 +226,25 @@ def bench_steps(seconds: float, device: str = "cpu") -> dict:
                             "--swap-ratio", "0.5", "--free-watermark", "0", "--listen", address,
                             "--log-level", "warning"], Path(tmp))
         storm_proc = None
+        quiet: list[list[float]] = []
+        stormy: list[list[float]] = []
         try:
-            quiet = uvloop.run(probe(address, seconds))      # on uvloop, as inferd runs its client of memd
-            storm_proc = subprocess.Popen([sys.executable, __file__, "--storm", address], stdout=subprocess.PIPE,
-                                          text=True)
-            assert storm_proc.stdout is not None
+            storm_proc = subprocess.Popen([sys.executable, __file__, "--storm", address], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True)
+            assert storm_proc.stdin is not None and storm_proc.stdout is not None
             if storm_proc.stdout.readline().strip() != "storming":    # its sequences are in place
                 raise RuntimeError("the storm process failed to start")
-            stormy = uvloop.run(probe(address, seconds))
+            paused = False
+            for r in range(rounds):
+                for storming in ((False, True) if r % 2 == 0 else (True, False)):
+                    if storming == paused:                    # a change: told, and a pause waited for
+                        storm_proc.stdin.write("go\n" if storming else "pause\n")
+                        storm_proc.stdin.flush()
+                        if not storming and storm_proc.stdout.readline().strip() != "paused":
+                            raise RuntimeError("the storm process did not pause")
+                        paused = not storming
+                    # On uvloop, as inferd runs its client of memd.
+                    (stormy if storming else quiet).append(uvloop.run(probe(address, seconds / rounds)))
             swaps = asyncio.run(swap_counters(address))
         finally:
             if storm_proc is not None:
@@ -223,9 +252,11 @@ def bench_steps(seconds: float, device: str = "cpu") -> dict:
                 storm_proc.wait()
             memd.terminate()
             memd.wait()
-    q, s = percentiles(quiet), percentiles(stormy)
-    return {"page_bytes": page, "quiet": q, "storm": s, "storm_swaps": swaps,
-            "p50_ratio": s["p50_ms"] / q["p50_ms"], "p99_ratio": s["p99_ms"] / q["p99_ms"]}
+    q, s = percentiles([x for run in quiet for x in run]), percentiles([x for run in stormy for x in run])
+    return {"page_bytes": page, "quiet": q, "storm": s, "storm_swaps": swaps, "rounds": rounds,
+            "p50_ratio": s["p50_ms"] / q["p50_ms"], "p99_ratio": s["p99_ms"] / q["p99_ms"],
+            "rounds_p99_ratio": [percentiles(b)["p99_ms"] / percentiles(a)["p99_ms"]
+                                 for a, b in zip(quiet, stormy, strict=True)]}
 
 
 async def swap_counters(address: str) -> dict:
@@ -274,13 +305,16 @@ def report(res: dict) -> str:
              ["during a swap storm", str(s["storm"]["steps"]), f"{s['storm']['p50_ms']:.3f} ms",
               f"{s['storm']['p99_ms']:.3f} ms"],
              ["ratio", "", f"{s['p50_ratio']:.2f}x", f"{s['p99_ratio']:.2f}x"]]
+    if len(s["rounds_p99_ratio"]) > 1:
+        steps.append(["p99 ratio by round", "", "", ", ".join(f"{x:.2f}x" for x in s["rounds_p99_ratio"])])
     every = [b for table_rows in res["bandwidth"].values() for b in table_rows]
     moved = format_size(every[0]["moved_bytes"])
     locked = all(b["locked"] for b in every)
     return (f"swap bandwidth: {moved} per copy, pages scattered over the pool, best of {res['repeats']}, interleaved "
             f"(swap tier {'locked' if locked else 'NOT locked: raise RLIMIT_MEMLOCK'}); {res['cores']} cores\n"
             f"{table(rows)}\n\n"
-            f"Step latency, {res['seconds']:g} s each, pages of {format_size(s['page_bytes'])}; the storm swapped "
+            f"Step latency, {res['seconds']:g} s each in {s['rounds']} turns, pages of "
+            f"{format_size(s['page_bytes'])}; the storm swapped "
             f"{s['storm_swaps']['swap_outs']} sequences out and {s['storm_swaps']['swap_ins']} in "
             f"({format_size(s['storm_swaps']['swap_out_blocks'] * s['page_bytes'])} out)\n{table(steps)}")
 
@@ -314,7 +348,7 @@ def main() -> None:
     if args.device != "cpu":
         res["device"] = args.device
     res["bandwidth"] = bandwidth_runs(parse_size(args.moved), args.repeats, args.device)
-    res["steps"] = bench_steps(args.seconds, args.device)
+    res["steps"] = bench_steps(args.seconds, args.device, 1 if args.quick else 3)
     # The figures the targets name: the lowest ratio with the settings memd.service ships (on a GPU, the only
     # run), over page sizes and directions; and Step p99 during the storm over quiet.
     shipped = res["bandwidth"].get("memd.service tunable") or next(iter(res["bandwidth"].values()))
