@@ -57,6 +57,7 @@ MAX_SEQ_TOKENS = 1024     # a sequence is freed and reopened here, or earlier if
 BLOCKS_PER_SEQ = 64       # the in-process open/free cycle
 START_TIMEOUT_S = 120.0   # spawning clients imports torch: seconds each on a small machine
 ROUNDS = 3                # turns the Step rate and its anchors take (bench_step_rate)
+_tags = [1]               # the next clients' first token range (decode_client): each client its own
 
 
 # ---- 1. in-process allocator -------------------------------------------------
@@ -200,12 +201,12 @@ class _CollectorPasses:
 # ---- client processes (spawned) ----------------------------------------------
 
 def client_main(kind: str, address: str, index: int, nclients: int, seconds: float,
-                barrier: mp.synchronize.Barrier, results: mp.Queue) -> None:
+                barrier: mp.synchronize.Barrier, results: mp.Queue, tag: int = 0) -> None:
     """Entry point of a spawned client; every outcome, failure included, goes to `results`."""
     # On uvloop, as inferd runs its client of memd; the anchor's client alike.
     try:
         if kind == "decode":
-            results.put(uvloop.run(decode_client(address, index, nclients, seconds, barrier)))
+            results.put(uvloop.run(decode_client(address, index, nclients, seconds, barrier, tag)))
         elif kind in ("echo", "echo_stream"):
             results.put(uvloop.run(echo_client(address, index, seconds, barrier, streamed=kind == "echo_stream")))
         else:
@@ -216,16 +217,18 @@ def client_main(kind: str, address: str, index: int, nclients: int, seconds: flo
 
 
 async def decode_client(address: str, index: int, nclients: int, seconds: float,
-                        barrier: mp.synchronize.Barrier) -> dict:
-    """Decode Steps on SEQS sequences for `seconds`; returns steps done and each Step's latency."""
+                        barrier: mp.synchronize.Barrier, tag: int) -> dict:
+    """Decode Steps on SEQS sequences for `seconds`; returns steps done and each Step's latency.
+
+    `tag` (under 256) picks its token ids: every client of a bench run gets one of its own."""
     from shared.client import MemdClient  # imports torch: in the child, before the barrier
 
     # The control plane is measured, not K/V writes: no need to map the pool.
     client = await MemdClient.attach(address, name=f"bench-{index}", block_size=BLOCK_SIZE, map_memory=False)
     share = client.geometry.num_blocks // nclients // SEQS     # pages one sequence may hold
     limit = min(MAX_SEQ_TOKENS, (share - 1) * BLOCK_SIZE - 1)
-    # Token ids no other client of this or an earlier run used: no prefix-cache hits, every page is new.
-    base = (nclients + index) << 24
+    # Token ids no other client of this bench used: no prefix-cache hits, every page is new.
+    base = tag << 24
     token = iter(range(base, base + (1 << 24)))
     # Staggered prompts, so sequences reach `limit` (free, reopen) in different Steps.
     opened = await client.step(*[Open([next(token) for _ in range(32 + 53 * i)], reserve=1) for i in range(SEQS)])
@@ -390,8 +393,12 @@ def run_clients(ctx: mp.context.SpawnContext, kind: str, address: str, n: int, s
         -> tuple[list[mp.Process], list[dict]]:
     """Spawn `n` clients and collect one message from each (the decode result, or 'ready')."""
     barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=client_main, args=(kind, address, i, n, seconds, barrier, results), daemon=True)
-             for i in range(n)]
+    first = _tags[0]
+    _tags[0] += n
+    if _tags[0] > 256:
+        raise RuntimeError("the bench ran out of token ranges for its clients (256)")
+    procs = [ctx.Process(target=client_main, args=(kind, address, i, n, seconds, barrier, results, first + i),
+                         daemon=True) for i in range(n)]
     for p in procs:
         p.start()
     replies: list[dict] = []

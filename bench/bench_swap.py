@@ -29,10 +29,12 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +52,7 @@ from shared.sizes import format_size, parse_size
 BLOCK_SIZE = 16
 STORM_SEQS, STORM_BLOCKS = 16, 64          # the storm's sequences, pages each
 PAGE_FOR_STEPS = "64KiB"
+START_TIMEOUT_S = 120.0                    # the storm's process: its imports and sequences, or a pause
 SETTLE_S = 0.02                            # idle before each timed copy (best_times)
 
 
@@ -190,10 +193,11 @@ async def storm(address: str) -> None:
         await client.step(Park(opened.seq_id, commit_to=tokens))
     going = asyncio.Event()
     going.set()
-    commands = asyncio.ensure_future(_storm_commands(going))
+    # A daemon thread: should the storm fail, nothing waits for a read of stdin before the process exits.
+    threading.Thread(target=_storm_commands, args=(asyncio.get_running_loop(), going), daemon=True).start()
     print("storming", flush=True)
     async with MemdAdmin(address) as admin:
-        while not commands.done():
+        while True:
             for session in sessions:
                 if not going.is_set():
                     print("paused", flush=True)
@@ -203,9 +207,19 @@ async def storm(address: str) -> None:
                 await client.step(Park(resumed.seq_id))
 
 
-async def _storm_commands(going: asyncio.Event) -> None:
-    while line := await asyncio.to_thread(sys.stdin.readline):
-        (going.set if line.strip() == "go" else going.clear)()
+def _storm_commands(loop: asyncio.AbstractEventLoop, going: asyncio.Event) -> None:
+    for line in sys.stdin:
+        loop.call_soon_threadsafe(going.set if line.strip() == "go" else going.clear)
+
+
+def _storm_says(storm: subprocess.Popen, expected: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait for the storm's process to print `expected`; RuntimeError if it dies or says nothing in time."""
+    assert storm.stdout is not None
+    ready, _, _ = select.select([storm.stdout], [], [], timeout_s)
+    line = storm.stdout.readline().strip() if ready else None
+    if line != expected:
+        raise RuntimeError(f"the storm process did not say {expected!r} "
+                           f"({'exited ' + str(storm.poll()) if storm.poll() is not None else 'no answer'})")
 
 
 def percentiles(latencies: list[float]) -> dict:
@@ -231,20 +245,21 @@ def bench_steps(seconds: float, device: str = "cpu", rounds: int = 3) -> dict:
         try:
             storm_proc = subprocess.Popen([sys.executable, __file__, "--storm", address], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True)
-            assert storm_proc.stdin is not None and storm_proc.stdout is not None
-            if storm_proc.stdout.readline().strip() != "storming":    # its sequences are in place
-                raise RuntimeError("the storm process failed to start")
+            assert storm_proc.stdin is not None
+            _storm_says(storm_proc, "storming")                        # its sequences are in place
             paused = False
             for r in range(rounds):
                 for storming in ((False, True) if r % 2 == 0 else (True, False)):
                     if storming == paused:                    # a change: told, and a pause waited for
                         storm_proc.stdin.write("go\n" if storming else "pause\n")
                         storm_proc.stdin.flush()
-                        if not storming and storm_proc.stdout.readline().strip() != "paused":
-                            raise RuntimeError("the storm process did not pause")
+                        if not storming:
+                            _storm_says(storm_proc, "paused")
                         paused = not storming
                     # On uvloop, as inferd runs its client of memd.
                     (stormy if storming else quiet).append(uvloop.run(probe(address, seconds / rounds)))
+                    if storm_proc.poll() is not None:                  # a storm that died made a quiet round
+                        raise RuntimeError(f"the storm process exited ({storm_proc.returncode})")
             swaps = asyncio.run(swap_counters(address))
         finally:
             if storm_proc is not None:

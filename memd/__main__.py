@@ -286,6 +286,8 @@ async def run_pool(startup: Startup) -> None:
     except BaseException:
         if state is not None and found is None and not state.served:
             state.forget()          # what a start that never served made: it holds memory and nothing else
+        elif state is not None and not state.served:
+            state.remove_new()      # the files it made anew, beside the journal before it (kept)
         raise
 
 

@@ -164,7 +164,19 @@ class StateDir:
         return self.path / f"{what}.new"
 
     def mark_new(self, what: str) -> None:
-        self.made_new(what).touch(mode=0o600)
+        try:
+            self.made_new(what).touch(mode=0o600)
+        except OSError as exc:
+            raise StateError(f"cannot write in the state directory {self.path}: {exc.strerror}") from None
+
+    def remove_new(self) -> None:
+        """Remove the files a start that failed made anew (their marks stay): they hold memory and no pages
+        anyone may resume, and the next start makes them again."""
+        if self.made_new("pool").exists():
+            self.remove_pool()
+        if self.made_new("swap").exists():
+            with contextlib.suppress(FileNotFoundError):
+                self.swap.unlink()
 
     def unmark_new(self) -> None:
         """The journal now describes the files there (written after they were made)."""

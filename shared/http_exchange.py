@@ -79,9 +79,16 @@ async def stream_body(receive: Callable[[], Awaitable[Any]], send: Callable[[dic
 
     pumping = asyncio.ensure_future(pump())
     gone = asyncio.ensure_future(disconnected(receive))
+    for task in (pumping, gone):              # read whatever they end with, even if this call is cancelled first
+        task.add_done_callback(_retrieved)
     try:
         await asyncio.wait({pumping, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         pumping.cancel()
         gone.cancel()
     return pumping.exception() if pumping.done() and not pumping.cancelled() else None
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -151,14 +151,19 @@ async def test_files_a_failed_start_made_anew_are_not_reopened_as_the_journal_be
     async with memd.admin() as admin:
         assert len((await admin.evict(session_id="swapped", mode="swap")).swapped) == 1
     assert await memd.stop() == 0
+    sizes = {name: (state / name).stat().st_size for name in ("pool", "swap")}
     # A start with blocks twice the size (the same bytes) makes its files anew, zeroed, and fails before its
     # journal replaces the one before (here: it cannot write it). The pages that journal names are gone.
     (state / "journal.new").mkdir()
     rc, err = await run_memd("--device", "cpu", "--pool-bytes", "1MiB", "--block-bytes", "128KiB",
                              "--state-dir", str(state), "--listen", f"unix:{tmp_path}/other.sock")
     assert rc == 1 and "cannot write the journal" in err
-    assert (state / "pool").stat().st_size == 1 << 20
+    assert not (state / "pool").exists() and not (state / "swap").exists()     # it removed what it made
+    assert (state / "pool.new").exists() and (state / "journal").exists()
     (state / "journal.new").rmdir()
+    # Killed there instead, it would have left its files: zeroed, of the sizes the journal's layout has too.
+    for name, size in sizes.items():
+        (state / name).write_bytes(bytes(size))
 
     again = await memd_factory(*flags, "--listen", memd.address)
     recovered = await again.log.wait_for("recovered the sequences of the memd before")
