@@ -119,7 +119,7 @@ async def run(args: argparse.Namespace, target: str) -> int:
             data = views.stats_dict(await admin.stats())
             show(args, data, views.render_stats(data))
         elif args.command == "snapshot":
-            reply = await admin.snapshot()
+            reply = await admin.snapshot(packed=True)
             if args.format == "csv":
                 blob = views.snapshot_csv(reply).encode()
             else:

@@ -15,7 +15,7 @@ from google.protobuf.json_format import MessageToDict
 
 from memd.eviction import EvictionReason
 from memd.sequences import SeqState
-from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS
+from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS, block_rows
 from shared.rpc import memd_pb2 as pb
 from shared.sizes import format_size
 
@@ -79,11 +79,11 @@ def snapshot_csv(reply: pb.SnapshotReply) -> str:
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=SNAPSHOT_COLUMNS, lineterminator="\n")
     writer.writeheader()
-    for b in reply.blocks:
+    for b in block_rows(reply):
         writer.writerow({
-            "block_id": b.block_id, "ref_count": b.ref_count, "last_access": round(b.last_access, 6),
-            "seq_id": ";".join(map(str, b.seq_ids)) if b.seq_ids else -1, "state": b.state,
-            "heat": round(b.heat, 4), "owner": ";".join(map(str, b.owners)) if b.owners else "",
+            "block_id": b["block_id"], "ref_count": b["ref_count"], "last_access": round(b["last_access"], 6),
+            "seq_id": ";".join(map(str, b["seq_ids"])) if b["seq_ids"] else -1, "state": b["state"],
+            "heat": round(b["heat"], 4), "owner": ";".join(map(str, b["owners"])) if b["owners"] else "",
         })
     return out.getvalue()
 

@@ -306,9 +306,12 @@ class MemdAdmin:
     async def stats(self) -> pb.StatsReply:
         return await self._call("Stats", pb.StatsRequest())  # type: ignore[return-value]
 
-    async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0) -> pb.SnapshotReply:
-        """Every block, sequence and worker; `blocks=False` leaves the blocks out, the rest filter sequences."""
-        request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id)
+    async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0,
+                       packed: bool = False) -> pb.SnapshotReply:
+        """Every block, sequence and worker; `blocks=False` leaves the blocks out, the rest filter sequences.
+
+        `packed`: the blocks come as msgpack in `packed_blocks` (memd.snapshots.block_rows reads either)."""
+        request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id, packed_blocks=packed)
         snapshot = pb.SnapshotReply()
         call = self._stub.Snapshot(request, metadata=self.metadata)
         try:

@@ -170,8 +170,9 @@ class LocalAdmin:
     async def check(self) -> pb.CheckReply:
         return await self.service.Check(pb.CheckRequest(), CallContext())
 
-    async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0) -> pb.SnapshotReply:
-        request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id)
+    async def snapshot(self, *, blocks: bool = True, state: str = "", worker_id: int = 0,
+                       packed: bool = False) -> pb.SnapshotReply:
+        request = pb.SnapshotRequest(skip_blocks=not blocks, state=state, worker_id=worker_id, packed_blocks=packed)
         snapshot = pb.SnapshotReply()
         async for part in self.service.Snapshot(request, CallContext()):
             snapshot.MergeFromString(part.data)

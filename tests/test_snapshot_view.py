@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from memd import snapshots, views
 from memd.snapshot_view import CHUNK_ROWS, SnapshotView
 from shared.ops import Free, Open, Park
 from shared.rpc import memd_pb2 as pb
@@ -60,3 +63,30 @@ async def test_the_streamed_parts_merge_into_the_whole_reply_and_the_view_stays_
     shared_rows = [row for row in reply.blocks if len(row.seq_ids) > 1]
     assert len(shared_rows) == 2 and all(row.ref_count == CHUNK_ROWS + 100 for row in shared_rows)
     assert {row.state for row in shared_rows} == {"parked,running"}
+
+
+async def test_packed_blocks_read_back_as_the_same_rows_in_every_format(local_memd_factory):
+    memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "2MiB", "--block-bytes", "1KiB",
+                                    "--state-dir", "none")
+    client = await memd.attach(block_size=16)
+    _, parked, freed = await client.step(Open(list(range(100)), reserve=1),
+                                         Open(list(range(500, 564)), reserve=1, session_id="chat"),
+                                         Open(list(range(900, 948)), reserve=1))
+    await client.step(Park(parked.seq_id, commit_to=64), Free(freed.seq_id, commit_to=48))   # its blocks: cached
+    view = await SnapshotView.take(memd.parts.manager, pb.SnapshotRequest(), lambda: [], 1)
+
+    async def reply(packed: bool) -> pb.SnapshotReply:             # of the same instant, either way
+        out = pb.SnapshotReply()
+        async for part in dataclasses.replace(view, request=pb.SnapshotRequest(packed_blocks=packed)).replies():
+            out.MergeFromString(part)
+        return out
+
+    rows, packed = await reply(False), await reply(True)
+    assert not packed.blocks and len(packed.packed_blocks) > 1 and len(rows.blocks) > CHUNK_ROWS
+    assert {row.state for row in rows.blocks} >= {"running", "parked", "cached", "free"}
+    assert any(row.heat > 0 for row in rows.blocks)
+    for fmt in ("json", "msgpack"):
+        assert snapshots.encode(snapshots.document(packed), fmt) == snapshots.encode(snapshots.document(rows), fmt)
+    assert views.snapshot_csv(packed) == views.snapshot_csv(rows)
+    async with memd.admin() as admin:                              # and memctl's way of asking for it
+        assert len(snapshots.block_rows(await admin.snapshot(packed=True))) == client.geometry.num_blocks

@@ -296,14 +296,16 @@ class StatsReply(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., swapped_blocks: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., cluster: _Optional[str] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("skip_blocks", "state", "worker_id")
+    __slots__ = ("skip_blocks", "state", "worker_id", "packed_blocks")
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     skip_blocks: bool
     state: str
     worker_id: int
-    def __init__(self, skip_blocks: _Optional[bool] = ..., state: _Optional[str] = ..., worker_id: _Optional[int] = ...) -> None: ...
+    packed_blocks: bool
+    def __init__(self, skip_blocks: _Optional[bool] = ..., state: _Optional[str] = ..., worker_id: _Optional[int] = ..., packed_blocks: _Optional[bool] = ...) -> None: ...
 
 class BlockRow(_message.Message):
     __slots__ = ("block_id", "ref_count", "last_access", "seq_ids", "state", "heat", "owners")
@@ -370,20 +372,22 @@ class WorkerRow(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., last_seen: _Optional[float] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SnapshotReply(_message.Message):
-    __slots__ = ("taken_at", "block_bytes", "blocks", "sequences", "workers", "generation")
+    __slots__ = ("taken_at", "block_bytes", "blocks", "sequences", "workers", "generation", "packed_blocks")
     TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     taken_at: float
     block_bytes: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRow]
     sequences: _containers.RepeatedCompositeFieldContainer[SeqRow]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerRow]
     generation: int
-    def __init__(self, taken_at: _Optional[float] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRow, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[SeqRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+    packed_blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, taken_at: _Optional[float] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRow, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[SeqRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., generation: _Optional[int] = ..., packed_blocks: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("seq_id", "session_id", "idle_s", "blocks", "worker_id", "mode")
