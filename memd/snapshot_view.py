@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -24,8 +24,10 @@ from memd.state_copy import SeqCopy, StateCopy
 from shared.rpc import memd_pb2 as pb
 
 # A block's BlockRow fields: block_id, ref_count, last_access, state, heat, seq_ids, owners.
-BlockValues = tuple[int, int, float, str, float, list[int], list[int]]
+BlockValues = tuple[int, int, float, str, float, Sequence[int], Sequence[int]]
 CHUNK_ROWS = 512            # rows per reply message: about a millisecond to build and serialize
+PACKED_CHUNK_ROWS = 1_024   # packed blocks per reply message: made in C, about as long as CHUNK_ROWS rows
+UNNAMED_STATES = ("free", "cached")    # a block no sequence holds and no fence names, by whether it is cached
 SEQS_SLICE = 512            # sequences indexed or filtered between two turns of the loop
 
 
@@ -89,11 +91,10 @@ class SnapshotView:
         A row is made in its message (`add`) with only the fields it has: built apart and copied in it cost
         three times as much, and a million of them were most of a snapshot's time on the loop. Packed, a
         row is one tuple, and msgpack encodes the chunk in C."""
-        rows = self._block_rows(holders)
         if self.request.packed_blocks:
-            while chunk := list(itertools.islice(rows, CHUNK_ROWS)):
-                yield pb.SnapshotReply(packed_blocks=[msgpack.packb(chunk)]).SerializeToString()
+            yield from self._packed_chunks(holders)
             return
+        rows = self._block_rows(holders)
         reply = pb.SnapshotReply()
         add = reply.blocks.add
         for block, ref, touched, state, heat, seq_ids, owners in rows:
@@ -110,19 +111,47 @@ class SnapshotView:
         if reply.blocks:
             yield reply.SerializeToString()
 
+    def _packed_chunks(self, holders: dict[int, list[SeqCopy]]) -> Iterator[bytes]:
+        """Packed parts of PACKED_CHUNK_ROWS blocks. The rows of blocks no sequence holds and no fence names
+        (most of a pool) are zipped, in C, from the copy's arrays; only the others are made one by one."""
+        blocks, fenced = self.state.blocks, self._fenced()
+        assert blocks is not None
+        named = sorted({*holders, *fenced})
+        at, start = 0, 0                                  # into `named`; the first block of the slice
+        for refs, touched, cached in zip(blocks.ref, blocks.last_access, blocks.cached, strict=True):
+            for lo in range(0, len(refs), PACKED_CHUNK_ROWS):
+                hi, first = min(lo + PACKED_CHUNK_ROWS, len(refs)), start + lo
+                rows: list[BlockValues] = list(zip(
+                    range(first, first + hi - lo), refs[lo:hi].tolist(), touched[lo:hi].tolist(),
+                    map(UNNAMED_STATES.__getitem__, cached[lo:hi]), itertools.repeat(0.0),
+                    itertools.repeat(()), itertools.repeat(())))
+                while at < len(named) and named[at] < first + hi - lo:
+                    block = named[at]
+                    i = block - first
+                    rows[i] = self._block_row(block, rows[i][1], rows[i][2], cached[lo + i], holders, fenced)
+                    at += 1
+                yield pb.SnapshotReply(packed_blocks=[msgpack.packb(rows)]).SerializeToString()
+            start += len(refs)
+
     def _block_rows(self, holders: dict[int, list[SeqCopy]]) -> Iterator[BlockValues]:
-        state, now = self.state, self.taken_at
-        fenced = {block for pages in state.fences.values() for block in pages}
-        assert state.blocks is not None
-        for block, (ref, touched, cached) in enumerate(state.blocks.rows()):
-            seqs = holders.get(block)
-            if seqs:
-                yield (block, ref, touched, ",".join(sorted({s.state for s in seqs})),
-                       max(state.heat(s, now) for s in seqs), [s.seq_id for s in seqs],
-                       sorted({s.owner for s in seqs if s.running and s.owner}))
-            else:
-                yield (block, ref, touched, "fenced" if block in fenced         # a reclaimed worker may write it
-                       else "cached" if cached else "free", 0.0, [], [])
+        fenced = self._fenced()
+        assert self.state.blocks is not None
+        for block, (ref, touched, cached) in enumerate(self.state.blocks.rows()):
+            yield self._block_row(block, ref, touched, cached, holders, fenced)
+
+    def _block_row(self, block: int, ref: int, touched: float, cached: int, holders: dict[int, list[SeqCopy]],
+                   fenced: set[int]) -> BlockValues:
+        seqs = holders.get(block)
+        if seqs:
+            state, now = self.state, self.taken_at
+            return (block, ref, touched, ",".join(sorted({s.state for s in seqs})),
+                    max(state.heat(s, now) for s in seqs), [s.seq_id for s in seqs],
+                    sorted({s.owner for s in seqs if s.running and s.owner}))
+        return (block, ref, touched, "fenced" if block in fenced            # a reclaimed worker may still write it
+                else UNNAMED_STATES[cached], 0.0, [], [])
+
+    def _fenced(self) -> set[int]:
+        return {block for pages in self.state.fences.values() for block in pages}
 
     def _seq_row(self, row: pb.SeqRow, s: SeqCopy) -> None:
         row.seq_id, row.session_id, row.state, row.owner = s.seq_id, s.session_id, s.state, s.owner

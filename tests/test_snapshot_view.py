@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from memd import snapshots, views
-from memd.snapshot_view import CHUNK_ROWS, SnapshotView
+from memd.snapshot_view import CHUNK_ROWS, PACKED_CHUNK_ROWS, SnapshotView
 from shared.ops import Free, Open, Park
 from shared.rpc import memd_pb2 as pb
 
@@ -66,13 +66,16 @@ async def test_the_streamed_parts_merge_into_the_whole_reply_and_the_view_stays_
 
 
 async def test_packed_blocks_read_back_as_the_same_rows_in_every_format(local_memd_factory):
-    memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "2MiB", "--block-bytes", "1KiB",
-                                    "--state-dir", "none")
+    memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "10MiB", "--block-bytes", "1KiB",
+                                    "--state-dir", "none")         # several of the copy's slices and packed parts
     client = await memd.attach(block_size=16)
     _, parked, freed = await client.step(Open(list(range(100)), reserve=1),
                                          Open(list(range(500, 564)), reserve=1, session_id="chat"),
                                          Open(list(range(900, 948)), reserve=1))
     await client.step(Park(parked.seq_id, commit_to=64), Free(freed.seq_id, commit_to=48))   # its blocks: cached
+    spread = await client.step(*[Open(list(range(10_000 * (i + 1), 10_000 * (i + 1) + 2_000)), reserve=1)
+                                 for i in range(40)])             # held blocks in more than one packed part
+    assert max(b for r in spread for b in r.block_ids) > PACKED_CHUNK_ROWS
     view = await SnapshotView.take(memd.parts.manager, pb.SnapshotRequest(), lambda: [], 1)
 
     async def reply(packed: bool) -> pb.SnapshotReply:             # of the same instant, either way
@@ -82,7 +85,7 @@ async def test_packed_blocks_read_back_as_the_same_rows_in_every_format(local_me
         return out
 
     rows, packed = await reply(False), await reply(True)
-    assert not packed.blocks and len(packed.packed_blocks) > 1 and len(rows.blocks) > CHUNK_ROWS
+    assert not packed.blocks and len(packed.packed_blocks) > 2 and len(rows.blocks) > 2 * PACKED_CHUNK_ROWS
     assert {row.state for row in rows.blocks} >= {"running", "parked", "cached", "free"}
     assert any(row.heat > 0 for row in rows.blocks)
     for fmt in ("json", "msgpack"):
