@@ -37,6 +37,7 @@ from memd.memory import (
     allocate_pool,
     available_host_memory,
     kept_file,
+    pool_kept,
     resolve_device,
 )
 from memd.metrics import MemdMetrics
@@ -56,7 +57,7 @@ from shared.geometry import GeometryError, PoolGeometry, plan_pool, read_model_s
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
-from shared.pool_files import stripe_paths, stripe_sizes
+from shared.pool_files import stripe_sizes
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.sizes import format_size, parse_size
 from shared.unix_socket import SocketPathError, claim
@@ -258,7 +259,7 @@ def open_state(args: argparse.Namespace, sock_path: Path | None, layout: Layout)
             state.swap.unlink()
     # What this start makes anew is not the found journal's until its own journal is written (open_journal).
     if layout.backend == "shm":
-        if not all(kept_file(p, n) for p, n in zip(stripe_paths(state.pool, len(sizes)), sizes, strict=True)):
+        if not pool_kept(state.pool, layout.num_blocks, layout.block_bytes):
             state.mark_new("pool")
         if layout.swap_slots and not kept_file(state.swap, layout.swap_slots * layout.block_bytes):
             state.mark_new("swap")

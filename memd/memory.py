@@ -100,6 +100,12 @@ def kept_file(path: Path | None, size: int) -> bool:
     return path is not None and path.exists() and path.stat().st_size == size
 
 
+def pool_kept(path: Path, num_blocks: int, block_bytes: int) -> bool:
+    """Every file of a pool kept at `path` (shared.pool_files) is there, of its size: the pool is reopened."""
+    sizes = stripe_sizes(num_blocks * block_bytes)
+    return all(kept_file(p, n) for p, n in zip(stripe_paths(path, len(sizes)), sizes, strict=True))
+
+
 class ShmMemory:
     """Shared memory for the pool: memfds, or files in memd's state directory that outlive memd.
 
@@ -121,7 +127,7 @@ class ShmMemory:
         self.size, self.block_bytes = size, block_bytes
         self.stripes = stripe_sizes(size)
         paths = stripe_paths(path, len(self.stripes)) if path is not None else [None] * len(self.stripes)
-        self.reopened = path is not None and all(kept_file(p, n) for p, n in zip(paths, self.stripes, strict=True))
+        self.reopened = path is not None and pool_kept(path, num_blocks, block_bytes)
         if not self.reopened:
             require_host_memory("pool", size)
         self.fds: list[int] = []

@@ -120,12 +120,13 @@ class SnapshotView:
         at, start = 0, 0                                  # into `named`; the first block of the slice
         for refs, touched, cached in zip(blocks.ref, blocks.last_access, blocks.cached, strict=True):
             for lo in range(0, len(refs), PACKED_CHUNK_ROWS):
-                hi, first = min(lo + PACKED_CHUNK_ROWS, len(refs)), start + lo
+                hi = min(lo + PACKED_CHUNK_ROWS, len(refs))
+                first, end = start + lo, start + hi
                 rows: list[BlockValues] = list(zip(
-                    range(first, first + hi - lo), refs[lo:hi].tolist(), touched[lo:hi].tolist(),
+                    range(first, end), refs[lo:hi].tolist(), touched[lo:hi].tolist(),
                     map(UNNAMED_STATES.__getitem__, cached[lo:hi]), itertools.repeat(0.0),
                     itertools.repeat(()), itertools.repeat(())))
-                while at < len(named) and named[at] < first + hi - lo:
+                while at < len(named) and named[at] < end:
                     block = named[at]
                     i = block - first
                     rows[i] = self._block_row(block, rows[i][1], rows[i][2], cached[lo + i], holders, fenced)
