@@ -7,7 +7,6 @@ gRPC. `wire` builds them over memory that is already allocated.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import dataclass
@@ -19,33 +18,12 @@ from memd.leases import Leases
 from memd.manager import KvManager
 from memd.memory import PoolMemory
 from memd.page_copier import PageCopier
+from memd.policy import Policy
 from memd.scrub import Scrubber
 from memd.service import MemdService
 from memd.step_runner import StepRunner
 from memd.swap import SwapMemory
 from shared.geometry import PoolGeometry
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """The flags that shape memd's behaviour once its memory is allocated."""
-
-    lease_timeout_s: float = 10.0
-    heat_decay: float = 0.9
-    heat_interval_s: float = 10.0
-    swap_ratio: float = 0.3              # 0: no swap tier
-    idle_ttl_s: float = 300.0            # 0: never
-    free_watermark: float = 0.02
-    prefix_cache: bool = True
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Policy:
-        return cls(args.lease_timeout, args.heat_decay, args.heat_interval,
-                   0.0 if args.disable_swap else args.swap_ratio, args.idle_ttl, args.free_watermark,
-                   not args.no_prefix_cache)
-
-    def swap_slots(self, geometry: PoolGeometry) -> int:
-        return int(geometry.num_blocks * self.swap_ratio)
 
 
 @dataclass(slots=True)

@@ -25,8 +25,9 @@ from memd.__main__ import build_parser, plan
 from memd.errors import KvError, OpError
 from memd.leases import Notice
 from memd.memory import allocate_pool
+from memd.policy import Policy
 from memd.swap import allocate_swap
-from memd.wiring import Parts, Policy, new_manager, wire
+from memd.wiring import Parts, new_manager, wire
 from shared.client import MemdError
 from shared.geometry import PoolGeometry
 from shared.ops import Op, OpResult

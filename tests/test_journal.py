@@ -249,7 +249,7 @@ def test_garbled_records_and_clashing_tables_are_never_trusted(tmp_path):
 
 
 def test_a_state_directory_too_small_for_the_pool_is_refused_in_one_line(tmp_path, monkeypatch):
-    from memd.__main__ import StartupError, check_room
+    from memd.startup import StartupError, check_room
 
     small = os.statvfs_result((4096, 4096, 25000, 25000, 25000, 100, 100, 100, 0, 255))   # 100 MB free
     monkeypatch.setattr(os, "statvfs", lambda path: small)

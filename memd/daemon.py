@@ -1,0 +1,267 @@
+"""memd serving: its parts wired over the memory memd.startup allocated, gRPC, READY=1, until SIGTERM.
+
+Imported while the kernel allocates the pool's pages (memd.startup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from memd.access import AccessControl
+from memd.cluster import ClusterTier
+from memd.cluster_lookup import Lookups
+from memd.fdpass import FdServer
+from memd.host_pages import huge_pages
+from memd.interceptors import MEMD_SERVICE, RpcCounter, SerializedReplies
+from memd.journal import Recovered, WriteAheadLog
+from memd.manager import KvManager
+from memd.memory import PoolMemory, ShmMemory
+from memd.metrics import MemdMetrics
+from memd.recovery import restore
+from memd.scrub import Scrubber
+from memd.service import MemdService
+from memd.startup import Startup, StartupError
+from memd.state import Layout, StateDir
+from memd.swap import SwapMemory
+from memd.token_files import Credentials
+from memd.wiring import Parts, new_manager, wire
+from shared import address as addr
+from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
+from shared.decoding import RequestDecoder
+from shared.metrics_http import MetricsPortError
+from shared.notify import keep_watchdog, notify, watchdog_interval
+from shared.rpc import memd_pb2_grpc as pb_grpc
+from shared.sizes import format_size
+
+log = structlog.get_logger("memd")
+SLOW_SMALL_PAGES_BYTES = 4 << 30     # a pool in 4 KiB pages this large takes over a second to allocate
+
+
+def pool_status(manager: KvManager) -> str:
+    """The STATUS= line systemctl status shows: pool use, swap use, sequences."""
+    total, free = manager.geometry.num_blocks, manager.pool.num_free
+    swap = f", swap {manager.swap.num_slots - manager.swap.num_free}/{manager.swap.num_slots}" if manager.swap else ""
+    states = ", ".join(f"{n} {state}" for state, n in manager.state_counts().items() if n)
+    return (f"pool {100 * (total - free) / total:.0f}% used ({total - free}/{total} blocks){swap}; "
+            f"{len(manager.workers)} worker(s); sequences: {states or 'none'}")
+
+
+async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered | None, memory: PoolMemory,
+                     swap: SwapMemory | None) -> None:
+    """Recover, listen, say READY=1 once the pool's pages are allocated, serve until SIGTERM; everything opened
+    is closed in reverse (the memory after all of it: memd.startup)."""
+    args, geometry, policy, layout = startup.args, startup.geometry, startup.policy, startup.layout
+    async with contextlib.AsyncExitStack() as stack:
+        manager = new_manager(geometry, policy)
+        wal = open_journal(args, state, layout, manager, memory, swap, found, stack)
+        fd_server = await start_fd_server(memory, startup.sock_path, stack)
+        parts = wire(manager, policy, memory, swap, wal, fd_server)
+        if args.cluster_master:
+            await pages_allocated(memory)                   # the store registers the pool's pages
+            await join_cluster(args, memory, parts, stack)   # left after the copier's fetches are done
+        stack.push_async_callback(parts.runner.close)       # queued copies land before the pool goes
+        stack.callback(parts.scrubber.close)
+        if found is not None and getattr(memory, "reopened", False):
+            await pages_allocated(memory)
+            check_reopened(parts.scrubber)
+        stack.callback(parts.fences.close)
+        if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
+            metrics = MemdMetrics(parts.service, asyncio.get_running_loop())
+            try:
+                metrics.serve(args.metrics_port, args.metrics_host)
+            except MetricsPortError as exc:
+                raise StartupError(str(exc)) from None
+            parts.service.step_seconds = metrics.step_seconds
+        target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
+                                                     startup.sock_path, stack)
+        # What start-up made (modules, the recovered state) lives as long as memd: out of the collector's way,
+        # so a full collection walks only what came after (it walked every import, tens of ms on the loop).
+        gc.collect()
+        gc.freeze()
+        await pages_allocated(memory)          # the pool whole before READY=1, as the pool promises
+        parts.fences.watch()                            # pages the workers of the memd before may still write
+        tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
+                 asyncio.create_task(parts.runner.police(), name="eviction-policy")]
+        if args.scrub_interval:
+            tasks.append(asyncio.create_task(scrub_every(parts.scrubber, args.scrub_interval, args.scrub_rate),
+                                             name="scrub"))
+        if (interval := watchdog_interval()) is not None:
+            tasks.append(asyncio.create_task(keep_watchdog(interval, lambda: pool_status(manager)), name="watchdog"))
+        stack.push_async_callback(_cancel, tasks)
+        huge = huge_pages(state.pool if state is not None else None) if memory.backend == "shm" else None
+        if huge is False and geometry.pool_bytes >= SLOW_SMALL_PAGES_BYTES:
+            log.info("the pool is in 4 KiB pages, which the kernel allocates one at a time (seconds before READY "
+                     "for a pool this size): a state directory on a tmpfs mounted with huge=within_size takes "
+                     "2 MiB pages, allocated in a fraction of that", pool=format_size(geometry.pool_bytes))
+        log.info("memd ready", listen=target, backend=memory.backend, device=memory.device,
+                 num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes,
+                 bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
+                 pool=format_size(geometry.pool_bytes), lease_timeout_s=args.lease_timeout,
+                 swap=format_size(layout.swap_slots * geometry.block_bytes) if swap else "off",
+                 swap_locked="locking in the background" if swap is not None and swap.locked is None
+                 else getattr(swap, "locked", None), idle_ttl_s=args.idle_ttl,
+                 state_dir=str(state.path) if state is not None else "none",
+                 swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
+                 pool_pages=None if huge is None else "2 MiB" if huge else "4 KiB",
+                 pool_files=len(getattr(memory, "stripes", ())) or None,
+                 metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
+        if state is not None:
+            state.served = True
+        stop = stop_on_signals()              # before READY=1: a SIGTERM right after it must stop memd cleanly
+        notify("READY=1", f"STATUS=pool {format_size(geometry.pool_bytes)}, {geometry.num_blocks} blocks, "
+                          f"listening on {target}")
+        await stop.wait()
+        log.info("memd stopping")
+        notify("STOPPING=1")
+        await health_servicer.enter_graceful_shutdown()
+
+
+async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Parts,
+                       stack: contextlib.AsyncExitStack) -> None:
+    """--cluster-master: join the Mooncake store; parked sessions are published to it from now on."""
+    if not args.cluster_metadata:
+        raise StartupError("--cluster-master needs --cluster-metadata (the store's HTTP metadata server URL)")
+    if not isinstance(memory, ShmMemory):
+        raise StartupError("the cluster tier serves CPU (shared-memory) pools for now; use --device cpu")
+    config = ClusterConfig(args.cluster_master, args.cluster_metadata, args.cluster_host, args.cluster_segment,
+                           args.cluster_replicas)
+    store = ClusterStore(config, memory.base, memory.size, parts.manager.geometry.block_bytes)
+    try:
+        await store.start()
+    except ClusterError as exc:
+        store.close()
+        raise StartupError(str(exc)) from None
+    tier = ClusterTier(parts.manager, store)
+    parts.runner.after_step.append(tier.after_step)
+    parts.runner.lookups = Lookups(parts.manager, store)
+    parts.runner.copier.remote = store
+    parts.service.cluster_status = tier.status
+    stack.push_async_callback(tier.close)
+    log.info("joined the cluster store", master=config.master, metadata=config.metadata,
+             segment=format_size(config.segment_bytes), replicas=config.replicas)
+
+
+def check_reopened(scrubber: Scrubber) -> None:
+    """Pages reopened from the state directory are checked before anyone may resume them."""
+    report = scrubber.check_reopened()
+    if report.pages:
+        log.info("checked the reopened pages", pages=report.pages, failed=len(report.failures),
+                 seconds=round(report.seconds, 3))
+
+
+async def scrub_every(scrubber: Scrubber, interval_s: float, rate_mb_s: float) -> None:
+    """--scrub-interval: a scrub pass every `interval_s` seconds, at `rate_mb_s`."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await scrubber.scrub(rate_mb_s * 1e6)
+        except Exception:                   # one failed pass must not end the periodic scrubbing
+            log.exception("a periodic scrub failed; the next one runs on time")
+
+
+async def pages_allocated(memory: PoolMemory) -> None:
+    """Every page of the pool allocated; PoolMemoryError (memd does not start) if not. (The swap file's come
+    after them, and nothing before READY=1 waits for those: a swap copy does.)"""
+    await asyncio.to_thread(memory.allocated)
+
+
+def open_journal(args: argparse.Namespace, state: StateDir | None, layout: Layout, manager: KvManager,
+                 memory: PoolMemory, swap: SwapMemory | None, found: Recovered | None,
+                 stack: contextlib.AsyncExitStack) -> WriteAheadLog | None:
+    """Adopt what the memd before left (if its files were reopened), then start a fresh journal."""
+    if state is None:
+        return None
+    if found is not None:
+        restored = restore(found, pool_kept=getattr(memory, "reopened", False),
+                           swap_kept=getattr(swap, "reopened", False), num_blocks=layout.num_blocks,
+                           num_slots=layout.swap_slots)
+        manager.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums,
+                      restored.block_checksums)
+        log.info("recovered the sequences of the memd before", state_dir=str(state.path),
+                 sequences=restored.by_state, dropped=restored.dropped, discarded=restored.discarded,
+                 fenced={pid: len(b) for pid, b in restored.fences.items()},
+                 torn_record=found.torn, previous_pid=found.header.get("pid"))
+    wal = WriteAheadLog(state, layout, fsync=args.journal_fsync == "always")
+    try:
+        wal.checkpoint(manager)
+    except OSError as exc:
+        raise StartupError(f"cannot write the journal in {state.path}: {exc.strerror}") from None
+    state.unmark_new()
+    stack.callback(wal.close)
+    return wal
+
+
+async def start_fd_server(memory: PoolMemory, sock_path: Path | None,
+                          stack: contextlib.AsyncExitStack) -> FdServer | None:
+    """The side socket that hands the pool's memfd to workers (shm only), up before the first Attach."""
+    if memory.backend != "shm":
+        return None
+    fd_path = Path(f"{sock_path}.fd") if sock_path else addr.runtime_dir() / f"memd-{os.getpid()}.fd"
+    fd_path.parent.mkdir(mode=0o700, exist_ok=True)      # beside the socket, or kvpool's runtime directory
+    fd_server = FdServer(fd_path, memory.fds)  # type: ignore[attr-defined]
+    await fd_server.start()
+    stack.push_async_callback(fd_server.close)
+    return fd_server
+
+
+async def start_server(service: MemdService, credentials: Credentials, target: str, sock_path: Path | None,
+                       stack: contextlib.AsyncExitStack) -> tuple[str, health.aio.HealthServicer]:
+    """Listen with access control, health and reflection; returns the address listened on."""
+    server = grpc.aio.server(interceptors=[AccessControl(credentials), RpcCounter(service.rpcs),
+                                           RequestDecoder(iterated=frozenset({"Steps"})), SerializedReplies()],
+                             options=[
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 256 << 20),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_MemdServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [MEMD_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError:
+        raise StartupError(f"cannot listen on {target}") from None
+    if sock_path is None and target.endswith(":0"):
+        target = f"{target[:-2]}:{port}"          # report the port the kernel chose
+    await server.start()
+    if sock_path is not None:
+        os.chmod(sock_path, 0o660)
+        stack.callback(_unlink, sock_path)
+    stack.push_async_callback(server.stop, 2.0)
+    for name in ("", MEMD_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return target, health_servicer
+
+
+def stop_on_signals() -> asyncio.Event:
+    """Set on SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
