@@ -27,7 +27,7 @@ from memd.recovery import restore
 from memd.sequences import SeqState, blocks_for
 from memd.state import Layout, StateDir, StateError
 from shared.ops import Extend, Free, Open, Park, Resume
-from tests.test_manager_properties import NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
+from tests.test_manager_properties import BLOCK_SIZE, NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
 
 LAYOUT = Layout("shm", NUM_BLOCKS, 4096, SWAP_SLOTS)
 
@@ -71,6 +71,12 @@ def recovered(state: StateDir) -> KvManager:
     return fresh
 
 
+def as_recovered(fresh: KvManager) -> dict[int, tuple]:
+    """The sequences a restarted manager has, in `expected_after_restart`'s terms."""
+    return {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
+                       list(s.token_ids), s.turn_start, s.interrupted, s.turn_id) for s in fresh.seqs.values()}
+
+
 class JournaledMachine(KvManagerMachine):
     """The manager state machine, journaled; each rule ends with a flush, as memd's service does."""
 
@@ -86,9 +92,7 @@ class JournaledMachine(KvManagerMachine):
     def _flush_and_recover(self) -> None:
         self.wal.flush(self.manager)
         fresh = recovered(self.state)
-        got = {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
-                          list(s.token_ids), s.turn_start, s.interrupted, s.turn_id) for s in fresh.seqs.values()}
-        assert got == expected_after_restart(self.manager)
+        assert as_recovered(fresh) == expected_after_restart(self.manager)
         for seq in fresh.seqs.values():       # a page's checksum comes back, or none (never another)
             for block in seq.block_ids:
                 assert fresh.pool.checksum[block] in (0, self.manager.pool.checksum[block])
@@ -359,3 +363,108 @@ def read_records(state: StateDir) -> int:
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(state.journal.read_bytes())
     return sum(1 for _ in unpacker) - 1                     # the header aside
+
+
+def journal_records(state: StateDir) -> list[list]:
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(state.journal.read_bytes())
+    return list(unpacker)
+
+
+def test_a_decoding_sequences_records_carry_the_end_of_its_table_and_read_back_whole(tmp_path):
+    """A decode Step's record carries the table from the first page the journal has no checksum for, not the
+    whole table, so journaling a Step does not grow with the context; read back, the table is whole, and so
+    are its pages' checksums."""
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open([1, 2, 3, 4, 5], reserve=1, session_id="s")]).results
+    seq = manager.seqs[opened.seq_id]
+    manager.step(worker, [Extend(seq.seq_id, commit_to=5, reserve=1, sums_from=0, page_sums=[900])])
+    wal.flush(manager)
+    carried = []
+    while seq.num_committed < 60:
+        n = seq.num_committed + 1                       # a page's checksum is sent once the page is full
+        sums = {"sums_from": n // BLOCK_SIZE - 1, "page_sums": [900 + n]} if n % BLOCK_SIZE == 0 else {}
+        manager.step(worker, [Extend(seq.seq_id, append=[n], commit_to=n, reserve=1, **sums)])
+        wal.flush(manager)
+        carried.append(len(journal_records(state)[-1][memd.journal.BLOCKS]))
+        fresh = recovered(state)
+        assert as_recovered(fresh) == expected_after_restart(manager)
+        back = fresh.seqs[seq.seq_id].block_ids
+        assert [fresh.pool.checksum[b] for b in back] == [manager.pool.checksum[b] for b in back]
+        assert all(fresh.pool.checksum[b] for b in back)
+    assert len(seq.block_ids) == 16 and max(carried) == 2
+
+
+def test_a_parked_pages_checksum_goes_from_the_journal_once_its_sequence_resumes(tmp_path):
+    """The partly filled last page is summed when its sequence parks, and written again once it resumes: the
+    journal must not keep that checksum for it (a restart would find the page rotten)."""
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open(list(range(6)), reserve=1, session_id="s")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=6, sums_from=0, page_sums=[71, 72])])
+    wal.flush(manager)
+    assert [recovered(state).pool.checksum[b] for b in manager.seqs[opened.seq_id].block_ids] == [71, 72]
+    manager.step(worker, [Resume(session_id="s", reserve=1)])
+    manager.step(worker, [Park(opened.seq_id, append=[6], commit_to=7)])          # no checksum sent this time
+    wal.flush(manager)
+    fresh = recovered(state)
+    assert [fresh.pool.checksum[b] for b in fresh.seqs[opened.seq_id].block_ids] == [71, 0]
+
+
+def test_a_table_cut_back_is_written_whole_again(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open(list(range(12)), reserve=1, session_id="s")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=12, sums_from=0, page_sums=[71, 72, 73])])
+    wal.flush(manager)
+    # The same session sent again with its history changed after the first page: a retried turn.
+    manager.step(worker, [Open([0, 1, 2, 3, 50, 51, 52], session_id="s", continue_session=True,
+                               whole_history=True)])
+    wal.flush(manager)
+    record = journal_records(state)[-1]
+    assert record[memd.journal.BLOCKS_FROM] == 0
+    assert as_recovered(recovered(state)) == expected_after_restart(manager)
+
+
+def test_a_journal_of_the_version_before_is_read(tmp_path):
+    """Upgrading memd keeps the parked sessions: version 1 records carry the whole table, and no blocks_from."""
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open(list(range(9)), session_id="s")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=9, sums_from=0, page_sums=[71, 72, 73])])
+    wal.flush(manager)
+    wal.close()
+    records = journal_records(state)
+    records[0][1]["version"] = 1
+    old = [records[0]] + [r[:memd.journal.BLOCKS_FROM] if r[0] == "S" else r for r in records[1:]]
+    state.journal.write_bytes(b"".join(msgpack.packb(r) for r in old))
+    fresh = recovered(state)
+    assert as_recovered(fresh) == expected_after_restart(manager)
+    assert [fresh.pool.checksum[b] for b in fresh.seqs[opened.seq_id].block_ids] == [71, 72, 73]
+
+
+def test_the_end_of_a_table_without_the_record_before_it_is_never_trusted(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open(list(range(5)), reserve=1, session_id="s")]).results
+    manager.step(worker, [Extend(opened.seq_id, commit_to=5, reserve=1, sums_from=0, page_sums=[71])])
+    wal.flush(manager)
+    manager.step(worker, [Park(opened.seq_id, append=[5], commit_to=6)])
+    wal.flush(manager)
+    header, _whole, end = journal_records(state)
+    assert end[memd.journal.BLOCKS_FROM] == 1
+    state.journal.write_bytes(msgpack.packb(header) + msgpack.packb(end))
+    found = state.read()
+    assert found is not None and found.torn and not found.records
+
+
+def test_a_table_swapped_out_and_in_is_written_whole_again(tmp_path):
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open(list(range(9)), session_id="s")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=9, sums_from=0, page_sums=[71, 72, 73])])
+    wal.flush(manager)
+    seq = manager.seqs[opened.seq_id]
+    job, = manager.evictions.evict(seq, "swap", None).jobs
+    job.checksums = [71, 72, 73]
+    assert manager.evictions.finish_swap_out(job)
+    wal.flush(manager)
+    assert as_recovered(recovered(state)) == expected_after_restart(manager)
+    manager.step(worker, [Resume(session_id="s")])             # back into other pages
+    wal.flush(manager)
+    assert as_recovered(recovered(state)) == expected_after_restart(manager)
