@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from inferd.block_table import BlockTable
 from inferd.page_sums import PageSums
 from inferd.requests import Event, GenerationError, Request, RequestStatus
 from shared.client import MemdError
@@ -72,7 +73,7 @@ class Admit(PendingOp):
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.seq_id = result.seq_id
-        request.table = list(result.block_ids)
+        request.table = BlockTable(result.block_ids)
         scheduler.page_sums.admitted(request, result.num_committed)
         if resumed:
             request.tokens = list(result.token_ids) if result.token_ids else request.tokens
@@ -181,7 +182,7 @@ class ForkChild(PendingOp):
         if scheduler.audit is not None:
             scheduler.audit.forget(id(request))        # a new table: its positions are taken as found when it runs
         request.status = RequestStatus.RUNNING
-        request.seq_id, request.table = result.seq_id, list(result.block_ids)
+        request.seq_id, request.table = result.seq_id, BlockTable(result.block_ids)
         request.num_computed = request.num_known_to_memd = result.num_committed
         scheduler.page_sums.admitted(request, result.num_committed)
 
@@ -240,7 +241,7 @@ class Preempt(PendingOp):
     def applied(self, scheduler: Scheduler, result: OpResult) -> None:
         if scheduler.audit is not None:
             scheduler.audit.forget(id(self.request))   # a new table: its positions are taken as found when it runs
-        self.request.table = []
+        self.request.table = BlockTable()
         scheduler._requeue(self.request)
 
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:

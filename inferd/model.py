@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
 from inferd.layer_stack import AttentionLayout, DecodeGraphs, LayerStack
 
@@ -47,12 +48,10 @@ def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
         qlens.append(len(new))
         clens.append(cached + len(new))
     # Only the blocks that hold context are read: a table's lookahead blocks would widen every gather.
-    used = [table[:-(-ctx // block_size)] for table, ctx in zip((t for _, _, t in seqs), clens, strict=True)]
-    width = max(len(t) for t in used)
-    tables = [t + [t[0]] * (width - len(t)) for t in used]
+    tables = padded_tables([t for _, _, t in seqs], [-(-ctx // block_size) for ctx in clens])
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return Batch(as_long(tokens), as_long(positions), as_long(blocks), as_long(offsets), qlens, clens,
-                 as_long(tables))
+                 tables.to(device))
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

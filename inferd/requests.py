@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers.decoders import DecodeStream
 
+from inferd.block_table import BlockTable
 from inferd.sampling import SamplingParams, TokenLogprob
 
 __all__ = ["Event", "GenerationError", "Request", "RequestStatus", "TokenLogprob"]
@@ -60,7 +61,7 @@ class Request:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     status: RequestStatus = RequestStatus.WAITING
     seq_id: int = 0                                    # memd's sequence, once it has one (0: none)
-    table: list[int] = field(default_factory=list)
+    table: list[int] = field(default_factory=BlockTable)    # pool blocks, in order (inferd.block_table)
     tokens: list[int] = field(default_factory=list)    # the whole history: memd's, the prompt, the generated
     num_computed: int = 0                              # tokens whose K/V are in the pool
     num_known_to_memd: int = 0                         # history length memd knows

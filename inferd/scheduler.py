@@ -40,6 +40,7 @@ import structlog
 import torch
 from tokenizers.decoders import DecodeStream
 
+from inferd.block_table import BlockTable
 from inferd.forward_thread import Ahead, ForwardThread, Sampling
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import (
@@ -311,7 +312,7 @@ class Scheduler:
 
     def _start_over(self, request: Request) -> None:
         """A new request again, in its place in the queue (memd freed its sequence)."""
-        request.status, request.seq_id, request.table, request.tokens = RequestStatus.WAITING, 0, [], []
+        request.status, request.seq_id, request.table, request.tokens = RequestStatus.WAITING, 0, BlockTable(), []
         request.num_computed = request.num_cached = request.num_known_to_memd = request.num_summed = 0
         self._requeue(request)
 
