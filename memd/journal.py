@@ -5,7 +5,7 @@ changed (their block table, swap slots, committed length and the token ids
 not yet written) or their removal, before any reply that lets a worker write
 to a page. A record carries the block table from its first entry the journal
 does not hold yet: the leading full pages whose checksums it holds are
-written once (`_Written`). A whole table in every record made a decode Step's
+written once (`_Held`). A whole table in every record made a decode Step's
 journaling grow with its sequences' contexts: 3.5 ms of memd's loop a Step
 for 16 sequences of 32k tokens here, 0.14 ms at 256 tokens. A record torn by
 a crash is ignored. On start-up the journal is read back (`read_journal`;
@@ -156,14 +156,20 @@ def _whole_table(record: list[Any], before: list[Any] | None) -> None:
 
 
 @dataclass(slots=True)
-class _Written:
-    """What one journal file holds of a sequence: its first `tokens` token ids, and the leading entries of its
-    block table (`settled`): full pages whose checksums it holds too. A full page's checksum, once known,
-    stays as long as the page is in the table, so the file needs those entries again only when the table no
-    longer starts with them (cut back, or its pages replaced)."""
+class _Held:
+    """What one journal file holds of each sequence: its first `tokens[seq_id]` token ids, and the leading
+    entries of its block table `settled[seq_id]` (only where there are some): full pages whose checksums the
+    file holds too. A full page's checksum, once known, stays as long as the page is in the table, so the
+    file needs those entries again only when the table no longer starts with them (cut back, or its pages
+    replaced)."""
 
-    tokens: int = 0
-    settled: list[int] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)
+    settled: dict[int, list[int]] = field(default_factory=dict)
+
+    def forget(self, seq_id: int) -> bool:
+        """The sequence is gone; whether the file holds a record of it."""
+        self.settled.pop(seq_id, None)
+        return self.tokens.pop(seq_id, None) is not None
 
 
 @dataclass(slots=True)
@@ -172,7 +178,7 @@ class _Rewrite:
 
     fd: int
     pending: list[int]                         # sequences not copied in yet
-    written: dict[int, _Written] = field(default_factory=dict)
+    held: _Held = field(default_factory=_Held)
     records: int = 0
 
 
@@ -182,7 +188,7 @@ class WriteAheadLog:
     def __init__(self, state: StateDir, layout: Layout, *, fsync: bool) -> None:
         self.state, self.layout, self.fsync = state, layout, fsync
         self._fd: int | None = None
-        self._written: dict[int, _Written] = {}
+        self._held = _Held()
         self.records = 0                     # appended since the last checkpoint
         self._rewrite: _Rewrite | None = None
         self._rewrite_deferred = 0           # records before the next rewrite begins, past the usual threshold
@@ -194,7 +200,7 @@ class WriteAheadLog:
         self._abandon_rewrite()
         tmp = self._new_path()
         parts = [self._header(manager)]
-        self._written, self._max_seq_id = {}, manager.max_seq_id
+        self._held, self._max_seq_id = _Held(), manager.max_seq_id
         manager.take_changes()               # all of it is in the checkpoint
         for seq in manager.seqs.values():
             parts.append(self._seq_record(seq, manager))
@@ -222,7 +228,7 @@ class WriteAheadLog:
         changes = manager.take_changes()
         if self._fd is None:
             return                           # persistence given up (a write failed): nothing to record
-        parts = self._change_records(manager, changes, self._written)
+        parts = self._change_records(manager, changes, self._held)
         mark = self._seq_id_mark(manager)
         parts += mark
         try:
@@ -243,17 +249,17 @@ class WriteAheadLog:
         except OSError as exc:
             self._rewrite_failed(exc)
 
-    def _change_records(self, manager: KvManager, changes: Changes, written: dict[int, _Written]) -> list[bytes]:
-        """Records of what changed, for the file that holds `written` of each sequence."""
+    def _change_records(self, manager: KvManager, changes: Changes, held: _Held) -> list[bytes]:
+        """Records of what changed, for the file that holds `held` of each sequence."""
         parts = [_pack(["F", pid, manager.fences.get(pid, [])]) for pid in changes.fence_pids]
         for seq_id in changes.seq_ids:
             seq = manager.seqs.get(seq_id)
             if seq is None:
-                if written.pop(seq_id, None) is not None:
+                if held.forget(seq_id):
                     parts.append(_pack(["D", seq_id]))
             else:
                 parts.append(self._seq_record(seq, manager, tokens_cut=seq_id in changes.tokens_cut,
-                                              written=written))
+                                              held=held))
         return parts
 
     def _header(self, manager: KvManager) -> bytes:
@@ -284,9 +290,9 @@ class WriteAheadLog:
         last record of a sequence there is its latest. Once every sequence is in, the new journal takes over."""
         rewrite = self._rewrite
         assert rewrite is not None
-        parts = self._change_records(manager, changes, rewrite.written) + mark
+        parts = self._change_records(manager, changes, rewrite.held) + mark
         chunk, rewrite.pending = rewrite.pending[-REWRITE_CHUNK:], rewrite.pending[:-REWRITE_CHUNK]
-        parts += [self._seq_record(seq, manager, written=rewrite.written)
+        parts += [self._seq_record(seq, manager, held=rewrite.held)
                   for seq_id in chunk if (seq := manager.seqs.get(seq_id)) is not None]
         if parts:
             _write_all(rewrite.fd, b"".join(parts))
@@ -303,7 +309,7 @@ class WriteAheadLog:
         # From here the new journal is the one in use, and a failure is the journal's own.
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        self._fd, self._written, self.records = rewrite.fd, rewrite.written, rewrite.records
+        self._fd, self._held, self.records = rewrite.fd, rewrite.held, rewrite.records
         self._rewrite, self._rewrite_deferred = None, 0
         if self._rewrite_failing:
             self._rewrite_failing = False
@@ -357,26 +363,30 @@ class WriteAheadLog:
                   journal=str(self.state.journal), error=exc.strerror or str(exc))
 
     def _seq_record(self, seq: Sequence, manager: KvManager, *, tokens_cut: bool = False,
-                    written: dict[int, _Written] | None = None) -> bytes:
-        """The record of `seq` for the file that holds `written` of it (default: the journal in use): the token
-        ids and block table entries the file lacks, and the rest of the sequence whole."""
-        written = self._written if written is None else written
-        held = written.get(seq.seq_id)
-        if held is None:
-            held = written[seq.seq_id] = _Written()
-        start = held.tokens
+                    held: _Held | None = None) -> bytes:
+        """The record of `seq` for the file that holds `held` of it (default: the journal in use): the token ids
+        and block table entries the file lacks, and the rest of the sequence whole."""
+        held = self._held if held is None else held
+        seq_id, blocks = seq.seq_id, seq.block_ids
+        start = held.tokens.get(seq_id, 0)
         if start > len(seq.token_ids) or tokens_cut:
             start = 0                        # cut back (a retried turn): rewrite them all
-        held.tokens = len(seq.token_ids)
-        blocks, settled = seq.block_ids, held.settled
-        first = len(settled)
-        if first and (tokens_cut or blocks[:first] != settled):     # compared at C speed, not in a Python loop
-            first = 0
-            settled.clear()
+        held.tokens[seq_id] = len(seq.token_ids)
+        first, settled = 0, held.settled.get(seq_id)
+        if settled is not None:
+            if not tokens_cut and blocks[:len(settled)] == settled:      # compared in C, not in a Python loop
+                first = len(settled)
+            else:
+                del held.settled[seq_id]
         sums = _picked(manager.pool.checksum, blocks[first:])
         # Full pages only: the partly filled last one's checksum (taken when it parks) goes once it resumes.
         full = max(min(seq.num_full_blocks, len(blocks)) - first, 0)
-        settled += blocks[first:first + next((i for i, value in enumerate(sums[:full]) if not value), full)]
+        head = sums[:full]
+        if known := head.index(0) if 0 in head else full:
+            if first:
+                settled += blocks[first:first + known]     # type: ignore[operator]
+            else:
+                held.settled[seq_id] = blocks[:known]
         return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,
                       seq.num_committed, blocks[first:], seq.slots, seq.heat, seq.heat_at, seq.last_access,
                       start, seq.token_ids[start:].tolist(), manager.filling(seq.seq_id), seq.turn_start,
