@@ -146,7 +146,8 @@ def _whole_table(record: list[Any], before: list[Any] | None) -> None:
     record[BLOCKS_FROM] = 0
     if not start:
         return
-    if before is None or len(before[BLOCKS]) < start or len(before) <= BLOCK_SUMS:
+    if before is None or len(before) <= BLOCK_SUMS or min(len(before[BLOCKS]), len(before[BLOCK_SUMS])) < start \
+            or len(record[BLOCKS]) != len(record[BLOCK_SUMS]):
         raise ValueError(f"sequence {record[SEQ_ID]}: block table from {start}, no record before holds that")
     blocks, sums = before[BLOCKS], before[BLOCK_SUMS]
     del blocks[start:], sums[start:]

@@ -440,18 +440,25 @@ def test_a_journal_of_the_version_before_is_read(tmp_path):
     assert [fresh.pool.checksum[b] for b in fresh.seqs[opened.seq_id].block_ids] == [71, 72, 73]
 
 
-def test_the_end_of_a_table_without_the_record_before_it_is_never_trusted(tmp_path):
+@pytest.mark.parametrize("garbled", ["no record before", "its checksums cut short", "its own checksums cut"])
+def test_the_end_of_a_table_that_the_record_before_does_not_hold_is_never_trusted(tmp_path, garbled):
     state, manager, wal, worker = journaled(tmp_path)
     opened, = manager.step(worker, [Open(list(range(5)), reserve=1, session_id="s")]).results
     manager.step(worker, [Extend(opened.seq_id, commit_to=5, reserve=1, sums_from=0, page_sums=[71])])
     wal.flush(manager)
     manager.step(worker, [Park(opened.seq_id, append=[5], commit_to=6)])
     wal.flush(manager)
-    header, _whole, end = journal_records(state)
+    header, whole, end = journal_records(state)
     assert end[memd.journal.BLOCKS_FROM] == 1
-    state.journal.write_bytes(msgpack.packb(header) + msgpack.packb(end))
+    if garbled == "its checksums cut short":
+        whole[memd.journal.BLOCK_SUMS] = []
+    elif garbled == "its own checksums cut":
+        end[memd.journal.BLOCK_SUMS] = []
+    records = [header, end] if garbled == "no record before" else [header, whole, end]
+    state.journal.write_bytes(b"".join(msgpack.packb(r) for r in records))
     found = state.read()
-    assert found is not None and found.torn and not found.records
+    assert found is not None and found.torn
+    assert not found.records or found.records[opened.seq_id][memd.journal.COMMITTED] == 5     # the record before
 
 
 def test_a_table_swapped_out_and_in_is_written_whole_again(tmp_path):
