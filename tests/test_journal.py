@@ -308,7 +308,29 @@ def test_the_journal_is_rewritten_a_chunk_per_flush_and_stays_whole_meanwhile(tm
     assert flushes == 4                                     # 12 sequences, 3 per flush
     assert {s.seq_id: s.token_ids for s in recovered(state).seqs.values()} == \
         {s.seq_id: s.token_ids for s in manager.seqs.values()}
-    assert read_records(state) == len(manager.seqs) + 4     # the live state, and what the last flushes changed
+    # The live state, and the one change made to a sequence already copied (the 3 before it changed sequences
+    # not copied yet, which were copied as they were then).
+    assert read_records(state) == len(manager.seqs) + 1
+    wal.close()
+
+
+def test_a_rewrite_copies_long_histories_a_few_at_a_time(tmp_path, monkeypatch):
+    """A chunk is bounded by token ids too: a long chat's record holds its whole history."""
+    monkeypatch.setattr(memd.journal, "CHECKPOINT_RECORDS", 10)
+    monkeypatch.setattr(memd.journal, "REWRITE_CHUNK_TOKENS", 20)
+    state, manager, wal, worker = journaled(tmp_path)
+    opened = manager.step(worker, [Open(list(range(100 * i, 100 * i + 12)), session_id=f"s{i}")
+                                   for i in range(4)]).results
+    new, copied = tmp_path / "journal.new", []
+    while not copied or new.exists():                       # decoding: every sequence changes at every flush
+        manager.step(worker, [Extend(r.seq_id, append=[7]) for r in opened])
+        before = new.stat().st_size if new.exists() else None
+        wal.flush(manager)
+        if before is not None:
+            copied.append(len(wal._held.tokens) if not new.exists() else len(wal._rewrite.held.tokens))
+        assert as_recovered(recovered(state)) == expected_after_restart(manager)
+    assert copied == [2, 4]                                 # 2 sequences (24+ tokens) a flush, not all 4
+    assert as_recovered(recovered(state)) == expected_after_restart(manager)
     wal.close()
 
 
@@ -355,7 +377,8 @@ def test_a_rewrite_that_cannot_be_written_is_abandoned_and_the_journal_in_use_go
             if logs:
                 break
     assert [e["event"] for e in logs] == ["the journal was rewritten again"] and not new.exists()
-    assert read_records(state) == len(manager.seqs) + 4 * 12 < grown     # the live state, the last 4 flushes
+    # The live state, and each of the 4 flushes' changes to the sequences it had copied already (3, 6, 9).
+    assert read_records(state) == len(manager.seqs) + 3 + 6 + 9 < grown
     wal.close()
 
 
