@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -780,3 +780,21 @@ def test_a_session_resumed_under_other_weights_keeps_its_history_and_none_of_its
     m.release_slots(outcome.read_slots)
     assert m.violations() == []
     free_everything(m)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=80), st.lists(st.integers(-1, 3), max_size=80),
+       st.integers(1, 9))
+def test_the_tokens_two_histories_share_are_counted_whatever_their_lengths(history, tokens, chunk):
+    """memd.step_ops._common_prefix compares in chunks and halves; it says what a plain loop says, for
+    every chunk size, also past a token no history holds (-1)."""
+    from array import array
+
+    from memd.step_ops import _common_prefix
+
+    mine = array("I", history)
+    for theirs in (tokens, history + tokens, history[:len(history) // 2] + tokens):
+        same = 0
+        while same < min(len(mine), len(theirs)) and mine[same] == theirs[same]:
+            same += 1
+        assert _common_prefix(mine, theirs, chunk) == same
