@@ -109,12 +109,12 @@ class BlockTable(list[int]):
         return self
 
 
-def padded_tables(tables: Sequence[Sequence[int]], counts: list[int]) -> torch.Tensor:
+def padded_tables(tables: Sequence[list[int]], counts: list[int]) -> torch.Tensor:
     """[B, max(counts)] int64: the first `counts[i]` ids of each table, padded with its own first id (any
     valid block serves: a mask hides the padding, and a block of its own holds nothing another wrote)."""
     if sum(counts) < FEW_ENTRIES or not all(isinstance(t, BlockTable) for t in tables):
         width = max(counts)
-        return torch.tensor([list(t[:n]) + [t[0]] * (width - n) for t, n in zip(tables, counts, strict=True)],
+        return torch.tensor([t[:n] + [t[0]] * (width - n) for t, n in zip(tables, counts, strict=True)],
                             dtype=torch.long)
     rows = [t.ids()[:n] for t, n in zip(tables, counts, strict=True)]   # type: ignore[union-attr]
     out = pad_sequence(rows, batch_first=True, padding_value=-1)

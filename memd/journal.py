@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -179,13 +180,9 @@ class _Rewrite:
     """A journal being rewritten from the live state beside the one in use (`journal.new`)."""
 
     fd: int
-    pending: list[int]                         # sequences not copied in yet
+    pending: dict[int, None]                   # sequences not copied in yet (ordered, and to look up)
     held: _Held = field(default_factory=_Held)
     records: int = 0
-    waiting: set[int] = field(init=False)      # the same, to look up
-
-    def __post_init__(self) -> None:
-        self.waiting = set(self.pending)
 
 
 class WriteAheadLog:
@@ -256,7 +253,7 @@ class WriteAheadLog:
             self._rewrite_failed(exc)
 
     def _change_records(self, manager: KvManager, changes: Changes, held: _Held,
-                        later: set[int] | frozenset[int] = frozenset()) -> list[bytes]:
+                        later: Collection[int] = ()) -> list[bytes]:
         """Records of what changed, for the file that holds `held` of each sequence; none for those it copies
         `later` as they are then."""
         parts = [_pack(["F", pid, manager.fences.get(pid, [])]) for pid in changes.fence_pids]
@@ -291,7 +288,7 @@ class WriteAheadLog:
 
     def _start_rewrite(self, manager: KvManager) -> None:
         fd = os.open(self._new_path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        self._rewrite = _Rewrite(fd, list(manager.seqs))
+        self._rewrite = _Rewrite(fd, dict.fromkeys(manager.seqs))
         parts = [self._header(manager)] + [_pack(["F", pid, blocks]) for pid, blocks in manager.fences.items()]
         _write_all(fd, b"".join(parts))
 
@@ -307,11 +304,10 @@ class WriteAheadLog:
         """
         rewrite = self._rewrite
         assert rewrite is not None
-        parts = self._change_records(manager, changes, rewrite.held, later=rewrite.waiting) + mark
+        parts = self._change_records(manager, changes, rewrite.held, later=rewrite.pending.keys()) + mark
         count, tokens = 0, 0
         while rewrite.pending and count < REWRITE_CHUNK and tokens < REWRITE_CHUNK_TOKENS:
-            seq_id = rewrite.pending.pop()
-            rewrite.waiting.discard(seq_id)
+            seq_id, _ = rewrite.pending.popitem()
             if (seq := manager.seqs.get(seq_id)) is not None:
                 parts.append(self._seq_record(seq, manager, held=rewrite.held))
                 count, tokens = count + 1, tokens + len(seq.token_ids)

@@ -438,12 +438,12 @@ def _set_model(seq: Sequence, model: str, block_size: int) -> None:
     seq.model, seq.block_size = model, block_size
 
 
-def _common_prefix(a: array[int], b: list[int], chunk: int = 4096) -> int:
+def _common_prefix(a: array[int], b: list[int]) -> int:
     """How many leading tokens a history (`a`, as a Sequence keeps it) and a client's tokens share.
 
-    Compared in C, a chunk at a time, then halving the chunk that differs:
-    a chat client resends the whole conversation every turn, and a Python
-    loop over a 32k-token one held memd's loop 4.2 ms (0.7 ms now).
+    Compared in C: whole, then halving the part that differs. A chat client
+    resends the whole conversation every turn, and a Python loop over a
+    32k-token one held memd's loop 4.2 ms.
     """
     end = min(len(a), len(b))
     try:
@@ -453,19 +453,15 @@ def _common_prefix(a: array[int], b: list[int], chunk: int = 4096) -> int:
         while same < end and a[same] == b[same]:
             same += 1
         return same
-    same = 0
-    while same < end:
-        step = min(chunk, end - same)
-        if mine[same:same + step] != theirs[same:same + step]:
-            while step > 1:                  # the first difference is in [same, same + step)
-                half = step // 2
-                if mine[same:same + half] == theirs[same:same + half]:
-                    same += half
-                    step -= half
-                else:
-                    step = half
-            return same
-        same += step
+    if mine == theirs:
+        return end
+    same, step = 0, end                      # the first difference is in [same, same + step)
+    while step > 1:
+        half = step // 2
+        if mine[same:same + half] == theirs[same:same + half]:
+            same, step = same + half, step - half
+        else:
+            step = half
     return same
 
 
