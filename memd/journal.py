@@ -4,10 +4,11 @@ The journal is physical: after every change memd appends the sequences it
 changed (their block table, swap slots, committed length and the token ids
 not yet written) or their removal, before any reply that lets a worker write
 to a page. A record carries the block table from its first entry the journal
-does not hold yet: the leading full pages whose checksums it holds are
-written once (`_Held`). A whole table in every record made a decode Step's
-journaling grow with its sequences' contexts: 3.5 ms of memd's loop a Step
-for 16 sequences of 32k tokens here, 0.14 ms at 256 tokens. A record torn by
+does not hold yet: the leading full pages are written once, and again from
+the first whose checksum was set since (`_Held`). A whole table in every
+record made a decode Step's journaling grow with its sequences' contexts:
+3.5 ms of memd's loop a Step for 16 sequences of 32k tokens here, 0.14 ms at
+256 tokens. A record torn by
 a crash is ignored. On start-up the journal is read back (`read_journal`;
 `memd.recovery` decides what to trust), and a fresh journal replaces the old
 one (a checkpoint). Every few thousand records the journal is rewritten from
@@ -161,10 +162,11 @@ def _whole_table(record: list[Any], before: list[Any] | None) -> None:
 @dataclass(slots=True)
 class _Held:
     """What one journal file holds of each sequence: its first `tokens[seq_id]` token ids, and the leading
-    entries of its block table `settled[seq_id]` (only where there are some): full pages whose checksums the
-    file holds too. A full page's checksum, once known, stays as long as the page is in the table, so the
-    file needs those entries again only when the table no longer starts with them (cut back, or its pages
-    replaced)."""
+    entries of its block table `settled[seq_id]` (only where there are some): its full pages, with their
+    checksums as they were then (0 where none was known yet). The file needs those entries again only when the
+    table no longer starts with them (cut back, or its pages replaced), or from the first whose checksum was
+    set since (`Changes.sums_from`). A page shared with another sequence may get its checksum from that
+    sequence's op: that sequence's record carries it, and recovery takes a page's checksum from any record."""
 
     tokens: dict[int, int] = field(default_factory=dict)
     settled: dict[int, list[int]] = field(default_factory=dict)
@@ -266,6 +268,7 @@ class WriteAheadLog:
                     parts.append(_pack(["D", seq_id]))
             else:
                 parts.append(self._seq_record(seq, manager, tokens_cut=seq_id in changes.tokens_cut,
+                                              sums_from=changes.sums_from.get(seq_id),
                                               held=held))
         return parts
 
@@ -380,30 +383,28 @@ class WriteAheadLog:
                   journal=str(self.state.journal), error=exc.strerror or str(exc))
 
     def _seq_record(self, seq: Sequence, manager: KvManager, *, tokens_cut: bool = False,
-                    held: _Held | None = None) -> bytes:
+                    sums_from: int | None = None, held: _Held | None = None) -> bytes:
         """The record of `seq` for the file that holds `held` of it (default: the journal in use): the token ids
-        and block table entries the file lacks, and the rest of the sequence whole."""
+        and block table entries the file lacks, the table from entry `sums_from` on (its checksums set since),
+        and the rest of the sequence whole."""
         held = self._held if held is None else held
         seq_id, blocks = seq.seq_id, seq.block_ids
         start = held.tokens.get(seq_id, 0)
         if start > len(seq.token_ids) or tokens_cut:
             start = 0                        # cut back (a retried turn): rewrite them all
         held.tokens[seq_id] = len(seq.token_ids)
-        first, settled = 0, held.settled.get(seq_id)
-        if settled is not None:
-            if not tokens_cut and blocks[:len(settled)] == settled:      # compared in C, not in a Python loop
-                first = len(settled)
-            else:
-                del held.settled[seq_id]
-        sums = _picked(manager.pool.checksum, blocks[first:])
         # Full pages only: the partly filled last one's checksum (taken when it parks) goes once it resumes.
-        full = max(min(seq.num_full_blocks, len(blocks)) - first, 0)
-        head = sums[:full]
-        if known := head.index(0) if 0 in head else full:
-            if first:
-                settled += blocks[first:first + known]     # type: ignore[operator]
-            else:
-                held.settled[seq_id] = blocks[:known]
+        full = min(seq.num_full_blocks, len(blocks))
+        first, settled = 0, held.settled.get(seq_id)
+        if settled is not None and not tokens_cut and blocks[:len(settled)] == settled:   # compared in C
+            first = min(len(settled), full, len(settled) if sums_from is None else sums_from)
+            del settled[first:]
+            settled += blocks[first:full]
+        elif full:
+            held.settled[seq_id] = blocks[:full]
+        else:
+            held.settled.pop(seq_id, None)
+        sums = _picked(manager.pool.checksum, blocks[first:])
         return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,
                       seq.num_committed, blocks[first:], seq.slots, seq.heat, seq.heat_at, seq.last_access,
                       start, seq.token_ids[start:].tolist(), manager.filling(seq.seq_id), seq.turn_start,

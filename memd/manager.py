@@ -81,6 +81,7 @@ class Changes:
 
     seq_ids: set[int]           # sequences changed or gone
     tokens_cut: set[int]         # of those, sequences whose token ids were cut back (a retried turn)
+    sums_from: dict[int, int]    # of those, the first table entry whose page checksum was set, per sequence
     fence_pids: set[int]        # processes whose fenced pages changed
 
 
@@ -126,6 +127,7 @@ class KvManager(StepOps):
         # (memd.state_copy): it copies them again at the end.
         self.watches: list[set[int]] = []
         self._tokens_cut: set[int] = set()
+        self._sums_from: dict[int, int] = {}
         self._fences_changed: set[int] = set()
         # Pages a worker that may still be running could write late (its turns' unwritten tails), kept
         # from reuse by the pid of that worker until it exits or attaches again (memd.fences watches).
@@ -279,6 +281,7 @@ class KvManager(StepOps):
                 bs = seq.block_size
                 self._offer(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
                 self.pool.set_checksum(b.block, sums.get(b.block, 0))    # a full block: what it holds from now on
+                self._sum_set(seq, b.index)
         self._filling -= outcome.filling
         self._note_all(outcome.filling)
 
@@ -316,8 +319,8 @@ class KvManager(StepOps):
 
     def take_changes(self) -> Changes:
         """What changed since the last call, for the journal: the one consumer, which must write all of it."""
-        changes = Changes(self._changed, self._tokens_cut, self._fences_changed)
-        self._changed, self._tokens_cut, self._fences_changed = set(), set(), set()
+        changes = Changes(self._changed, self._tokens_cut, self._sums_from, self._fences_changed)
+        self._changed, self._tokens_cut, self._sums_from, self._fences_changed = set(), set(), {}, set()
         return changes
 
     def adopt(self, seqs: list[Sequence], next_seq: int, fences: dict[int, list[int]] | None = None,
@@ -505,6 +508,12 @@ class KvManager(StepOps):
         self._changed.update(seq_ids)
         for watch in self.watches:
             watch.update(seq_ids)
+
+    def _sum_set(self, seq: Sequence, index: int) -> None:
+        """The checksum of entry `index` of `seq`'s table was set: the journal writes the table from there."""
+        first = self._sums_from.get(seq.seq_id)
+        if first is None or index < first:
+            self._sums_from[seq.seq_id] = index
 
     def _touch(self, seq: Sequence, now: float) -> None:
         seq.heat = self.heat(seq, now) + 1.0

@@ -368,9 +368,11 @@ class StepOps:
         if any(not 0 <= value < 2**64 for value in sums):
             raise InvalidArgument("a page sum out of the range of 64 bits")
         checksum = self.pool.checksum
-        for block, value in zip(seq.block_ids[first:first + len(sums)], sums, strict=True):
+        for index, (block, value) in enumerate(zip(seq.block_ids[first:first + len(sums)], sums, strict=True),
+                                               first):
             if value and not checksum[block]:
                 self.pool.set_checksum(block, value)
+                self._sum_set(seq, index)
 
     def _distrusted(self, txn: _Txn, seq: Sequence, indices: list[int]) -> None:
         """The worker recomputed these full blocks and got other K/V: no one is handed them again."""

@@ -93,9 +93,13 @@ class JournaledMachine(KvManagerMachine):
         self.wal.flush(self.manager)
         fresh = recovered(self.state)
         assert as_recovered(fresh) == expected_after_restart(self.manager)
-        for seq in fresh.seqs.values():       # a page's checksum comes back, or none (never another)
+        live = self.manager.pool
+        for seq in fresh.seqs.values():
             for block in seq.block_ids:
-                assert fresh.pool.checksum[block] in (0, self.manager.pool.checksum[block])
+                # A page's checksum comes back, or none (never another); a page no other sequence shares comes
+                # back with its own (a shared one's may have been set by a sequence gone since).
+                assert fresh.pool.checksum[block] in (0, live.checksum[block])
+                assert live.ref[block] > 1 or fresh.pool.checksum[block] == live.checksum[block]
         assert {b for blocks in fresh.fences.values() for b in blocks} == expected_fences(self.manager)
         assert fresh.violations() == []
         # The restarted manager works: a new sequence gets an id never handed out before, a freed one's included.
@@ -394,28 +398,42 @@ def journal_records(state: StateDir) -> list[list]:
     return list(unpacker)
 
 
-def test_a_decoding_sequences_records_carry_the_end_of_its_table_and_read_back_whole(tmp_path):
-    """A decode Step's record carries the table from the first page the journal has no checksum for, not the
-    whole table, so journaling a Step does not grow with the context; read back, the table is whole, and so
-    are its pages' checksums."""
+@pytest.mark.parametrize("sent", ["as pages fill", "never", "late"])
+def test_a_decoding_sequences_records_carry_the_end_of_its_table_and_read_back_whole(tmp_path, sent):
+    """A decode Step's record carries the end of the table (its pages not yet full), not the whole table, so
+    journaling a Step does not grow with the context, whether the worker sends its pages' checksums as they
+    fill, never, or later for pages the journal holds already; read back, the table is whole, and so are its
+    pages' checksums."""
     state, manager, wal, worker = journaled(tmp_path)
     opened, = manager.step(worker, [Open([1, 2, 3, 4, 5], reserve=1, session_id="s")]).results
     seq = manager.seqs[opened.seq_id]
-    manager.step(worker, [Extend(seq.seq_id, commit_to=5, reserve=1, sums_from=0, page_sums=[900])])
+    manager.step(worker, [Extend(seq.seq_id, commit_to=5, reserve=1,
+                                 **({"sums_from": 0, "page_sums": [900]} if sent == "as pages fill" else {}))])
     wal.flush(manager)
     carried = []
-    while seq.num_committed < 60:
-        n = seq.num_committed + 1                       # a page's checksum is sent once the page is full
-        sums = {"sums_from": n // BLOCK_SIZE - 1, "page_sums": [900 + n]} if n % BLOCK_SIZE == 0 else {}
-        manager.step(worker, [Extend(seq.seq_id, append=[n], commit_to=n, reserve=1, **sums)])
-        wal.flush(manager)
-        carried.append(len(journal_records(state)[-1][memd.journal.BLOCKS]))
+
+    def check() -> None:
         fresh = recovered(state)
         assert as_recovered(fresh) == expected_after_restart(manager)
         back = fresh.seqs[seq.seq_id].block_ids
         assert [fresh.pool.checksum[b] for b in back] == [manager.pool.checksum[b] for b in back]
-        assert all(fresh.pool.checksum[b] for b in back)
+
+    while seq.num_committed < 60:
+        n = seq.num_committed + 1                       # a page's checksum is sent once the page is full
+        sums = {"sums_from": n // BLOCK_SIZE - 1, "page_sums": [900 + n]} \
+            if n % BLOCK_SIZE == 0 and sent == "as pages fill" else {}
+        manager.step(worker, [Extend(seq.seq_id, append=[n], commit_to=n, reserve=1, **sums)])
+        wal.flush(manager)
+        carried.append(len(journal_records(state)[-1][memd.journal.BLOCKS]))
+        check()
     assert len(seq.block_ids) == 16 and max(carried) == 2
+    if sent == "late":          # every full page's checksum at once, from the first
+        manager.step(worker, [Extend(seq.seq_id, commit_to=60, reserve=1, sums_from=0,
+                                     page_sums=list(range(900, 900 + seq.num_full_blocks)))])
+        wal.flush(manager)
+        assert journal_records(state)[-1][memd.journal.BLOCKS_FROM] == 0
+        check()
+    assert all(manager.pool.checksum[b] for b in seq.block_ids[:seq.num_full_blocks]) == (sent != "never")
 
 
 def test_a_parked_pages_checksum_goes_from_the_journal_once_its_sequence_resumes(tmp_path):
@@ -495,6 +513,15 @@ def test_a_table_swapped_out_and_in_is_written_whole_again(tmp_path):
     assert manager.evictions.finish_swap_out(job)
     wal.flush(manager)
     assert as_recovered(recovered(state)) == expected_after_restart(manager)
-    manager.step(worker, [Resume(session_id="s")])             # back into other pages
+    # Every free page taken and given back: the prefix cache no longer holds the sequence's pages.
+    filler, = manager.step(worker, [Open(list(range(100, 100 + BLOCK_SIZE * manager.pool.num_free)))]).results
+    manager.step(worker, [Free(filler.seq_id)])
+    outcome = manager.step(worker, [Resume(session_id="s")])             # back into other pages
+    assert len(outcome.effects) == 3
     wal.flush(manager)
     assert as_recovered(recovered(state)) == expected_after_restart(manager)
+    manager.effects_landed(outcome)               # the pages copied back: their checksums are theirs again
+    wal.flush(manager)
+    fresh = recovered(state)
+    assert as_recovered(fresh) == expected_after_restart(manager)
+    assert [fresh.pool.checksum[b] for b in fresh.seqs[opened.seq_id].block_ids] == [71, 72]   # its full pages
