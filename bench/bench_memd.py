@@ -310,15 +310,16 @@ ECHO_STREAM_METHOD = "/bench.Echo/EchoStream"
 
 
 def step_messages() -> tuple[bytes, bytes]:
-    """A decode Step's request and reply as memd's clients send and receive them: 16 Extends, 16 results."""
+    """A decode Step's request and reply as memd's clients send and receive them (packed): 16 Extends, 16
+    results."""
+    from shared.ops import OpResult
+    from shared.packed_steps import pack_ops, pack_results
     from shared.rpc import memd_pb2 as pb
-    from shared.wire import op_to_proto
 
-    request = pb.StepRequest(worker_id=3, lease=os.urandom(16), ops=[
-        op_to_proto(Extend(1000 + i, append=[123_456], commit_to=700 + i, reserve=1)) for i in range(SEQS)])
-    reply = pb.StepReply(free_blocks=12_345, results=[
-        pb.OpResult(seq_id=1000 + i, state="running", first_block=45, block_ids=[9_000 + i], num_blocks=46,
-                    num_committed=700 + i) for i in range(SEQS)])
+    request = pb.StepRequest(worker_id=3, lease=os.urandom(16), packed_ops=pack_ops(
+        [Extend(1000 + i, append=[123_456], commit_to=700 + i, reserve=1) for i in range(SEQS)]))
+    reply = pb.StepReply(free_blocks=12_345, packed_results=pack_results(
+        [OpResult(1000 + i, "running", 45, [9_000 + i], 46, 700 + i) for i in range(SEQS)]))
     return request.SerializeToString(), reply.SerializeToString()
 
 

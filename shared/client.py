@@ -32,6 +32,7 @@ from shared import address as addr
 from shared import tokens
 from shared.geometry import PoolGeometry
 from shared.ops import Fork, Free, Op, OpResult, Park, Resume
+from shared.packed_steps import pack_ops, unpack_results
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, decode_handle, ops_into, result_from_proto
@@ -102,6 +103,8 @@ class MemdClient:
         self._steps_busy = False
         self._closing = False
         self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
+        # Steps go packed (shared.packed_steps) to a memd that reads them; as protobuf ops to an older one.
+        self.packed_steps = False
         # Called with (seq_id, reason) for each sequence memd revokes.
         self.on_revoke: Callable[[int, str], None] = lambda seq_id, reason: None
         # An operator's drain (True) or its end (False): stop or resume admitting requests. memd may say
@@ -133,6 +136,7 @@ class MemdClient:
             PoolGeometry(g.num_blocks, g.block_bytes, g.block_size, g.bytes_per_token),
             g.generation, reply.lease_timeout_s)
         client = cls(chan, attachment, None, reply.lease, token)
+        client.packed_steps = reply.packed_steps
         try:
             await client._start_lease()
             if map_memory:
@@ -213,7 +217,10 @@ class MemdClient:
             # kernels that wrote them here must be finished first.
             self.pool.synchronize()
         request = pb.StepRequest(worker_id=self.worker_id, lease=self._lease, wanted_blocks=wanted_blocks)
-        ops_into(request.ops, list(ops))
+        if self.packed_steps:
+            request.packed_ops = pack_ops(ops)
+        else:
+            ops_into(request.ops, list(ops))
         try:
             if self._steps_busy:
                 reply = await self._stub.Step(request, metadata=self._metadata)
@@ -229,6 +236,11 @@ class MemdClient:
             refused = reply.refused
             raise MemdError(getattr(grpc.StatusCode, refused.code, grpc.StatusCode.UNKNOWN), refused.message,
                             refused.op_index if refused.op_index >= 0 else None, reply.free_blocks)
+        if reply.packed_results:
+            results = unpack_results(reply.packed_results)
+            if len(results) != len(ops):
+                raise MemdError(grpc.StatusCode.INTERNAL, f"memd answered {len(results)} results to {len(ops)} ops")
+            return results
         return [result_from_proto(r, isinstance(op, Resume | Fork) or getattr(op, "continue_session", False))
                 for r, op in zip(reply.results, ops, strict=True)]
 

@@ -1,8 +1,9 @@
 """Codecs between kvpool's values and what crosses the wire.
 
 Pool handles travel as msgpack (all fields ints, bytes and strings: nothing
-is unpickled from the network). Step operations travel as protobuf; these
-functions are the one place that maps them to and from `shared.ops`.
+is unpickled from the network). Step operations travel as protobuf, or packed
+(`shared.packed_steps`) where memd says it reads that; these functions are the
+one place that maps them to and from protobuf.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+import msgpack
 import pytest
 
 from shared.client import MemdClient, MemdError
@@ -124,6 +125,25 @@ async def test_an_empty_operation_is_invalid(memd, scene):
     assert await fingerprint(memd) == before
     async with memd.admin() as admin:
         assert (await admin.stats()).counters["steps_refused"] == refused + 1     # counted like any refusal
+
+
+async def test_a_packed_step_that_cannot_be_read_is_refused_naming_its_op_and_changes_nothing(memd, scene):
+    before = await fingerprint(memd)
+    b = scene["b"]
+    good = [1, [[1, 2, 3], 1, None, False, None, False]]          # an Open, fine on its own
+    cases = [(msgpack.packb([good, [2, [scene["running"], ["x"], 1, 1, 0, []]]]), [], "1", "append"),
+             (b"\xc1", [], None, "not msgpack"),
+             (msgpack.packb([good]), [pb.Op(free=pb.FreeOp(seq_id=scene["parked"]))], None, "not both")]
+    async with memd.admin() as admin:
+        refused = (await admin.stats()).counters["steps_refused"]
+        for packed, ops, index, words in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await b._stub.Step(pb.StepRequest(worker_id=b.worker_id, lease=b._lease, packed_ops=packed, ops=ops),
+                                   metadata=b._metadata)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+            assert MemdError.from_rpc(err.value).op_index == (None if index is None else int(index))
+        assert (await admin.stats()).counters["steps_refused"] == refused + len(cases)
+    assert await fingerprint(memd) == before
 
 
 async def test_attach_refuses_a_block_that_does_not_fit_a_page(memd):

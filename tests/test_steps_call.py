@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from shared.client import MemdClient, MemdError
-from shared.ops import Extend, Free, Open
+from shared.ops import Extend, Fork, Free, Open, Park, Resume
 from shared.rpc import memd_pb2 as pb
 from shared.wire import op_to_proto
 
@@ -71,3 +71,31 @@ async def test_a_step_cancelled_in_flight_never_answers_the_next(memd):
         stats, check = await admin.stats(), await admin.check()
     assert check.ok, check.violations
     assert stats.used_blocks == 0 and stats.free_blocks == stats.total_blocks
+
+
+async def test_a_client_that_sends_protobuf_ops_gets_the_answers_a_packing_one_gets(memd):
+    """memd reads a Step's ops packed (what its clients send) and as protobuf (an older client's, grpcurl's):
+    the same Steps, refusals included, get the same answers either way."""
+    answers = []
+    for packed, base in ((True, 1000), (False, 2000)):
+        async with await MemdClient.attach(memd.address, block_size=BS) as client:
+            assert client.packed_steps
+            client.packed_steps = packed
+            seen = []
+            opened, = await client.step(Open(list(range(base, base + 40)), reserve=1, session_id=f"s{base}"))
+            seen.append(opened)
+            seen += await client.step(Extend(opened.seq_id, append=[base + 40], commit_to=40, reserve=1,
+                                             sums_from=0, page_sums=[11, 12]),
+                                      Open([base + 1, base + 2], session_id=f"t{base}"))
+            seen += await client.step(Park(opened.seq_id, commit_to=41))
+            seen += await client.step(Resume(session_id=f"s{base}", reserve=1))
+            seen += await client.step(Fork(opened.seq_id))
+            with pytest.raises(MemdError) as err:
+                await client.step(Free(session_id=f"t{base}"), Extend(opened.seq_id + 10_000, commit_to=1))
+            seen.append((err.value.code, err.value.op_index))
+            seen += await client.step(Free(session_id=f"t{base}"), Free(opened.seq_id, commit_to=41))
+            answers.append([(r.state, len(r.block_ids), r.num_blocks, r.num_committed, r.num_cached,
+                             None if r.token_ids is None else [t - base for t in r.token_ids])
+                            if not isinstance(r, tuple) else r for r in seen])
+    assert answers[0] == answers[1]
+    assert answers[0][4][5] == list(range(41))          # the resumed history

@@ -1,14 +1,18 @@
-"""shared.wire: every Step operation and result, built in place into a request or reply, reads back as it was
-sent (and as the message-by-message encoding has it, which tools and tests still use)."""
+"""shared.wire and shared.packed_steps: every Step operation and result, built in place into a request or reply
+or packed, reads back as it was sent (and as the message-by-message encoding has it, which tools and tests still
+use); a packed Step that is not what it claims is refused, naming its op."""
 
 from __future__ import annotations
 
+import msgpack
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import ops
+from shared.packed_steps import pack_ops, pack_results, unpack_ops, unpack_results
 from shared.rpc import memd_pb2 as pb
-from shared.wire import op_from_proto, op_to_proto, ops_into, result_from_proto, results_into
+from shared.wire import WireError, op_from_proto, op_to_proto, ops_into, result_from_proto, results_into
 
 ids = st.integers(1, 2**40)
 small = st.integers(0, 2**31 - 1)
@@ -47,3 +51,45 @@ def test_results_built_in_place_read_back_as_sent(step_results):
     read = [result_from_proto(m, with_history=r.token_ids is not None) for m, r in zip(again.results, step_results,
                                                                                      strict=True)]
     assert read == step_results
+
+
+@given(st.lists(operations, max_size=8))
+def test_packed_operations_read_back_as_the_protobuf_ones(step_ops):
+    """Both encodings of a Step mean the same ops to memd."""
+    request = pb.StepRequest(worker_id=3)
+    ops_into(request.ops, step_ops)
+    assert unpack_ops(pack_ops(step_ops)) == [op_from_proto(m) for m in request.ops] == step_ops
+
+
+@given(st.lists(results, max_size=8))
+def test_packed_results_read_back_as_sent(step_results):
+    assert unpack_results(pack_results(step_results)) == step_results
+
+
+EXTEND = [2, [7, [1], 1, 1, 0, []]]
+MALFORMED = {
+    "not msgpack": (b"\xc1", None, "not msgpack"),
+    "not an array": (msgpack.packb({"ops": []}), None, "an array of ops"),
+    "an op that is not [kind, fields]": (msgpack.packb([EXTEND, [2, 7]]), 1, "[kind, [fields]]"),
+    "an unknown kind": (msgpack.packb([[9, []]]), 0, "unknown op kind 9"),
+    "a field missing": (msgpack.packb([[2, [7, [1], 1, 1, 0]]]), 0, "extend has 6 fields, not 5"),
+    "a negative id": (msgpack.packb([EXTEND, [2, [-7, [1], 1, 1, 0, []]]]), 1, "seq_id must be an integer"),
+    "a length past 32 bits": (msgpack.packb([[4, [2**64 - 1, None, 0]], [2, [7, [], 2**32, 0, 0, []]]]),
+                              1, "commit_to must be an integer from 0 to 4294967295"),
+    "a float": (msgpack.packb([[2, [7, [1], 1.5, 1, 0, []]]]), 0, "commit_to must be an integer"),
+    "a token past 32 bits": (msgpack.packb([[1, [[1, 2**32], 0, None, False, None, False]]]), 0, "token_ids"),
+    "a token that is text": (msgpack.packb([[2, [7, ["1"], 1, 1, 0, []]]]), 0, "append must hold integers"),
+    "a negative checksum": (msgpack.packb([[3, [7, [], 1, False, 0, [-1]]]]), 0, "page_sums"),
+    "a session id that is a number": (msgpack.packb([[6, [7, 5]]]), 0, "session_id must be a string"),
+    "a flag that is a number": (msgpack.packb([[3, [7, [], 1, 1, 0, []]]]), 0, "preempt must be true or false"),
+    "a list that is a string": (msgpack.packb([[1, ["abc", 0, None, False, None, False]]]), 0, "token_ids"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_packed_step_is_refused_naming_the_op(case):
+    data, index, words = MALFORMED[case]
+    with pytest.raises(WireError) as err:
+        unpack_ops(data)
+    assert words in str(err.value)
+    assert getattr(err.value, "index", None) == index

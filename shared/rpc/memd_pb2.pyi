@@ -39,18 +39,20 @@ class AttachRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("worker_id", "geometry", "pool_handle", "lease_timeout_s", "lease")
+    __slots__ = ("worker_id", "geometry", "pool_handle", "lease_timeout_s", "lease", "packed_steps")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_STEPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     geometry: Geometry
     pool_handle: bytes
     lease_timeout_s: float
     lease: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pool_handle: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ..., lease: _Optional[bytes] = ...) -> None: ...
+    packed_steps: bool
+    def __init__(self, worker_id: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pool_handle: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ..., lease: _Optional[bytes] = ..., packed_steps: _Optional[bool] = ...) -> None: ...
 
 class SessionUp(_message.Message):
     __slots__ = ("worker_id", "goodbye", "lease")
@@ -73,16 +75,18 @@ class SessionDown(_message.Message):
     def __init__(self, event: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("worker_id", "ops", "lease", "wanted_blocks")
+    __slots__ = ("worker_id", "ops", "lease", "wanted_blocks", "packed_ops")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     WANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_OPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     ops: _containers.RepeatedCompositeFieldContainer[Op]
     lease: bytes
     wanted_blocks: int
-    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ..., wanted_blocks: _Optional[int] = ...) -> None: ...
+    packed_ops: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ..., wanted_blocks: _Optional[int] = ..., packed_ops: _Optional[bytes] = ...) -> None: ...
 
 class Op(_message.Message):
     __slots__ = ("open", "extend", "park", "resume", "free", "fork")
@@ -205,14 +209,16 @@ class OpResult(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_cached: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("results", "free_blocks", "refused")
+    __slots__ = ("results", "free_blocks", "refused", "packed_results")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
     free_blocks: int
     refused: StepRefusal
-    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., refused: _Optional[_Union[StepRefusal, _Mapping]] = ...) -> None: ...
+    packed_results: bytes
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., refused: _Optional[_Union[StepRefusal, _Mapping]] = ..., packed_results: _Optional[bytes] = ...) -> None: ...
 
 class StepRefusal(_message.Message):
     __slots__ = ("code", "message", "op_index")
