@@ -50,7 +50,6 @@ States, and what moves a sequence from one to another:
 from __future__ import annotations
 
 import hashlib
-import math
 from array import array
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -120,7 +119,7 @@ class SwapOut:
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
+    return -(-num_tokens // block_size)          # in ints: exact at any size
 
 
 def locate(seq: Sequence, pos: int) -> tuple[int, int]:

@@ -344,11 +344,12 @@ class StepOps:
         if commit_to > seq.capacity:
             raise InvalidArgument(f"commit_to {commit_to} is past the {seq.capacity} slots of the block table")
         seq.num_committed = commit_to
+        start, full = len(seq.hashes), seq.num_full_blocks
+        if full == start:
+            return                   # no page filled (most decode tokens)
         parent = seq.hashes[-1] if seq.hashes else b""
-        start = len(seq.hashes)
         for i, (digest, chunk) in enumerate(
-                self.hasher.chain(seq.model, seq.token_ids, seq.block_size, start, parent, seq.num_full_blocks),
-                start):
+                self.hasher.chain(seq.model, seq.token_ids, seq.block_size, start, parent, full), start):
             self._offer(seq.block_ids[i], digest, chunk)
             seq.hashes.append(digest)
 
@@ -418,10 +419,10 @@ class StepOps:
             txn.undo.record(self.swap_jobs.__setitem__, seq.seq_id, job)
 
     def _grow(self, txn: _Txn, seq: Sequence, num_tokens: int) -> None:
-        self._check_fits(num_tokens, seq.block_size)
         needed = blocks_for(num_tokens, seq.block_size) - len(seq.block_ids)
         if needed <= 0:
-            return
+            return                   # fits: the pages it holds are enough
+        self._check_fits(num_tokens, seq.block_size)
         blocks, dirty = self.pool.allocate_n(needed)
         txn.outcome.effects += map(Zero, dirty)
         seq.block_ids += blocks
