@@ -190,42 +190,43 @@ def bench_journal(parked: int, flushes: int) -> dict:
 
 def bench_journal_context(contexts: tuple[int, ...]) -> list[dict]:
     """A decode Step's journal flush by context: 16 running sequences of `context` tokens, one token each a
-    Step, each page's checksum sent once the page is full (as inferd sends them), until the journal has been
-    rewritten from the live state once. The flush runs on memd's event loop, in the Step: what it costs must
-    not grow with the context, nor while the journal is rewritten (a record of a sequence copied into the new
-    journal carries its whole history)."""
+    Step, each page's checksum sent once the page is full (as inferd sends them) or never (a worker of its own
+    that does not), until the journal has been rewritten from the live state once. The flush runs on memd's
+    event loop, in the Step: what it costs must not grow with the context, nor while the journal is rewritten
+    (a record of a sequence copied into the new journal carries its whole history)."""
+    return [_journal_context(context, sums) for sums in (True, False) for context in contexts]
+
+
+def _journal_context(context: int, sums: bool) -> dict:
     geometry = plan_pool(parse_size("4GiB"), block_bytes=parse_size(PAGE))
-    out = []
-    for context in contexts:
-        manager = KvManager(geometry)
-        worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
-        with tempfile.TemporaryDirectory(prefix="memd-bench-journal-", dir="/dev/shm") as where:
-            wal = WriteAheadLog(StateDir(Path(where)), Layout("shm", geometry.num_blocks, geometry.block_bytes, 0),
-                                fsync=False)
-            opened = manager.step(worker, [Open(list(range(i << 20, (i << 20) + context)), reserve=1)
-                                           for i in range(SEQS)]).results
-            seq_ids = [r.seq_id for r in opened]
-            sums = [1 + i for i in range(context // BLOCK_SIZE)]
-            manager.step(worker, [Extend(s, commit_to=context, reserve=1, sums_from=0, page_sums=sums)
+    manager = KvManager(geometry)
+    worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
+    with tempfile.TemporaryDirectory(prefix="memd-bench-journal-", dir="/dev/shm") as where:
+        wal = WriteAheadLog(StateDir(Path(where)), Layout("shm", geometry.num_blocks, geometry.block_bytes, 0),
+                            fsync=False)
+        opened = manager.step(worker, [Open(list(range(i << 20, (i << 20) + context)), reserve=1)
+                                       for i in range(SEQS)]).results
+        seq_ids = [r.seq_id for r in opened]
+        known = {"sums_from": 0, "page_sums": [1 + i for i in range(context // BLOCK_SIZE)]} if sums else {}
+        manager.step(worker, [Extend(s, commit_to=context, reserve=1, **known) for s in seq_ids])
+        wal.checkpoint(manager)
+        new = Path(where) / "journal.new"
+        took, rewriting, length, rewrites = [], [], context, 0
+        while not rewrites:
+            length += 1
+            filled = {"sums_from": length // BLOCK_SIZE - 1, "page_sums": [7]} \
+                if sums and length % BLOCK_SIZE == 0 else {}
+            manager.step(worker, [Extend(s, append=[length], commit_to=length, reserve=1, **filled)
                                   for s in seq_ids])
-            wal.checkpoint(manager)
-            new = Path(where) / "journal.new"
-            took, rewriting, length, rewrites = [], [], context, 0
-            while not rewrites:
-                length += 1
-                filled = {"sums_from": length // BLOCK_SIZE - 1, "page_sums": [7]} if length % BLOCK_SIZE == 0 else {}
-                manager.step(worker, [Extend(s, append=[length], commit_to=length, reserve=1, **filled)
-                                      for s in seq_ids])
-                during = new.exists()
-                started = time.perf_counter()
-                wal.flush(manager)
-                (rewriting if during or new.exists() else took).append(time.perf_counter() - started)
-                rewrites += during and not new.exists()
-            wal.close()
-        out.append({"context": context, "p50_flush_ms": statistics.median(took) * 1e3,
-                    "max_flush_ms": max(took) * 1e3, "rewriting_flushes": len(rewriting),
-                    "max_rewriting_flush_ms": max(rewriting) * 1e3})
-    return out
+            during = new.exists()
+            started = time.perf_counter()
+            wal.flush(manager)
+            (rewriting if during or new.exists() else took).append(time.perf_counter() - started)
+            rewrites += during and not new.exists()
+        wal.close()
+    return {"context": context, "page_sums": sums, "p50_flush_ms": statistics.median(took) * 1e3,
+            "max_flush_ms": max(took) * 1e3, "rewriting_flushes": len(rewriting),
+            "max_rewriting_flush_ms": max(rewriting) * 1e3}
 
 
 class _CollectorPasses:
@@ -628,7 +629,8 @@ def report(res: dict) -> str:
                                str(j["collector_passes"]), f"{j['max_collected_flush_ms']:.2f}"]])
     alloc += "\n\n" + table([[f"journal flush (one decode Step's, {SEQS} sequences)", "context tokens", "p50 ms",
                                "max ms", "rewriting: flushes", "max ms"]] +
-                             [["page checksums sent as pages fill", f"{c['context']:,}", f"{c['p50_flush_ms']:.3f}",
+                             [["page checksums sent as pages fill" if c["page_sums"] else "no page checksums sent",
+                               f"{c['context']:,}", f"{c['p50_flush_ms']:.3f}",
                                f"{c['max_flush_ms']:.2f}", str(c["rewriting_flushes"]),
                                f"{c['max_rewriting_flush_ms']:.2f}"] for c in res["journal_by_context"]])
     rows = [["Step RPC (16 Extend/Step)", "steps/s", "per client", "ops/s", "mean ms", "p50 ms", "p99 ms"]]
