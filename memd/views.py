@@ -15,7 +15,7 @@ from google.protobuf.json_format import MessageToDict
 
 from memd.eviction import EvictionReason
 from memd.sequences import SeqState
-from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS, block_rows
+from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS, block_values
 from shared.rpc import memd_pb2 as pb
 from shared.sizes import format_size
 
@@ -77,14 +77,13 @@ def snapshot_csv(reply: pb.SnapshotReply) -> str:
     sequence), state other than `fenced`.
     """
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=SNAPSHOT_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for b in block_rows(reply):
-        writer.writerow({
-            "block_id": b["block_id"], "ref_count": b["ref_count"], "last_access": round(b["last_access"], 6),
-            "seq_id": ";".join(map(str, b["seq_ids"])) if b["seq_ids"] else -1, "state": b["state"],
-            "heat": round(b["heat"], 4), "owner": ";".join(map(str, b["owners"])) if b["owners"] else "",
-        })
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(SNAPSHOT_COLUMNS)
+    # Tuples straight from the packed rows, in C where it can: a dict per block made this 10 s of a core for a
+    # million blocks, on the host whose memd it inspects.
+    writer.writerows((block, ref, round(touched, 6), ";".join(map(str, seq_ids)) if seq_ids else -1, state,
+                      round(heat, 4), ";".join(map(str, owners)) if owners else "")
+                     for block, ref, touched, state, heat, seq_ids, owners in block_values(reply))
     return out.getvalue()
 
 
