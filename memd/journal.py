@@ -1,23 +1,22 @@
 """The journal: memd's write-ahead log on disk, which outlives a memd crash.
 
 The journal is physical: after every change memd appends the sequences it
-changed (their block table, swap slots, committed length and the token ids
-not yet written) or their removal, before any reply that lets a worker write
-to a page. A record carries the block table from its first entry the journal
-does not hold yet: the leading full pages are written once, and again from
-the first whose checksum was set since (`_Held`). A whole table in every
-record made a decode Step's journaling grow with its sequences' contexts:
-3.5 ms of memd's loop a Step for 16 sequences of 32k tokens here, 0.14 ms at
-256 tokens. A record torn by
-a crash is ignored. On start-up the journal is read back (`read_journal`;
-`memd.recovery` decides what to trust), and a fresh journal replaces the old
-one (a checkpoint). Every few thousand records the journal is rewritten from
-the live state, so the file stays about the size of the live state: a few
-hundred sequences per flush, beside the flushes' own records, so that no Step
-waits for all of them (tens of ms at 10k sequences); the old journal stays
-whole until the new one replaces it. A rewrite that cannot be written is
-abandoned, not the journal: memd goes on appending to the old one and tries
-again after as many records once more.
+changed (their block table, swap slots, committed length and the token ids not
+yet written) or their removal, before any reply that lets a worker write to a
+page. A record carries the block table from its first entry the journal does
+not hold yet: the leading full pages are written once, and again from the
+first whose checksum was set since (`_Held`). A whole table in every record
+made a decode Step's journaling grow with its sequences' contexts: 3.5 ms of
+memd's loop a Step for 16 sequences of 32k tokens here, 0.14 ms at 256 tokens.
+A record torn by a crash is ignored. On start-up the journal is read back
+(`read_journal`; `memd.recovery` decides what to trust), and a fresh journal
+replaces the old one (a checkpoint). Every few thousand records the journal is
+rewritten from the live state, so the file stays about the size of the live
+state: a few hundred sequences per flush, beside the flushes' own records, so
+that no Step waits for all of them (tens of ms at 10k sequences); the old
+journal stays whole until the new one replaces it. A rewrite that cannot be
+written is abandoned, not the journal: memd goes on appending to the old one
+and tries again after as many records once more.
 
 (Not to be confused with a Step's undo log, `memd.pool.UndoLog`, which lives
 in memory for the length of one Step.)
@@ -397,7 +396,7 @@ class WriteAheadLog:
         full = min(seq.num_full_blocks, len(blocks))
         first, settled = 0, held.settled.get(seq_id)
         if settled is not None and not tokens_cut and blocks[:len(settled)] == settled:   # compared in C
-            first = min(len(settled), full, len(settled) if sums_from is None else sums_from)
+            first = min(len(settled), full) if sums_from is None else min(len(settled), full, sums_from)
             del settled[first:]
             settled += blocks[first:full]
         elif full:

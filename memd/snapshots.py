@@ -22,7 +22,6 @@ import msgpack
 from shared.rpc import memd_pb2 as pb
 
 FORMAT_VERSION = 1
-BLOCK_FIELDS = ("block_id", "ref_count", "last_access", "state", "heat")
 SEQ_FIELDS = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "model", "last_access",
               "heat", "swapped_blocks")
 WORKER_FIELDS = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running", "draining")
