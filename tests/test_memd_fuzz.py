@@ -8,14 +8,17 @@ import subprocess
 from collections.abc import Iterator
 
 import grpc
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import tokens
 from shared.launch import spawn_ready
+from shared.packed_steps import pack_ops, unpack_results
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
+from shared.wire import op_from_proto
 
 # What a bad request may get: each names the problem. Never UNKNOWN, INTERNAL or a dead memd.
 CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
@@ -41,7 +44,33 @@ ops = st.one_of(
     st.builds(lambda i, s: pb.Op(fork=pb.ForkOp(seq_id=i, session_id=s)), seq_ids, names),
     st.just(pb.Op()),
 )
+# A packed Step's ops (shared.packed_steps): [kind, [fields]] of any kind and any msgpack values, some near what
+# memd reads (small ids and counts, token lists), some anything at all.
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, U64), st.floats(), st.text(max_size=8),
+                    st.binary(max_size=8))
+near = st.one_of(st.integers(0, 24), st.sampled_from([U32, U32 + 1, U64]), st.booleans(), st.none(),
+                 st.sampled_from(["", "s1", "s2"]), st.lists(st.integers(0, 64), max_size=8))
+packed_op = st.tuples(st.integers(0, 7), st.lists(st.one_of(near, scalars), max_size=8)).map(list)
+anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6), max_leaves=24)
+as_packed = st.lists(ops.filter(lambda m: m.WhichOneof("kind") is not None), min_size=1, max_size=4) \
+    .map(lambda ms: pack_ops([op_from_proto(m) for m in ms]))                  # as a client packs them
+
+
+def one_field_changed(packed: bytes, op: int, field: int, value: object) -> bytes:
+    """A client's packed ops with one field of one op replaced: each check on its own."""
+    items = msgpack.unpackb(packed)
+    fields = items[op % len(items)][1]
+    fields[field % len(fields)] = value
+    return msgpack.packb(items)
+
+
+packed_steps = st.one_of(
+    st.lists(packed_op, max_size=5).map(msgpack.packb), anything.map(msgpack.packb), as_packed,
+    st.builds(one_field_changed, as_packed, st.integers(0, 3), st.integers(0, 6),
+              st.one_of(scalars, st.lists(scalars, max_size=3))))
+
 calls = st.one_of(
+    st.tuples(st.just("packed"), st.integers(0, 2), packed_steps),
     st.tuples(st.just("step"), st.integers(0, 2), st.lists(ops, max_size=6), counts),
     st.tuples(st.just("streamed"), st.integers(0, 2), st.lists(ops, max_size=6), counts),   # on a Steps call
     st.tuples(st.just("foreign"), st.integers(0, 2), st.lists(ops, max_size=3)),         # another's id, no lease
@@ -97,6 +126,11 @@ async def drive(address: str, plan: list[tuple]) -> None:
                     reply = pb.StepReply.FromString(await raw_stream.read())   # bytes that parse: an empty Step
                     assert reply.HasField("refused") or not reply.results, (call, reply)
                     raw_stream.cancel()
+                elif call[0] == "packed":
+                    worker_id, lease = workers[call[1]]
+                    reply = await stub.Step(pb.StepRequest(worker_id=worker_id, lease=lease, packed_ops=call[2]),
+                                            metadata=worker_md)
+                    assert len(unpack_results(reply.packed_results)) == len(msgpack.unpackb(call[2])), call
                 elif call[0] == "step":
                     worker_id, lease = workers[call[1]]
                     await stub.Step(pb.StepRequest(worker_id=worker_id, lease=lease, ops=call[2],
