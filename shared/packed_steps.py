@@ -59,7 +59,7 @@ def unpack_ops(data: bytes) -> list[ops.Op]:
         try:
             if type(item) is not list or len(item) != 2 or type(item[1]) is not list:
                 raise WireError("an op is [kind, [fields]]")
-            reader = _READERS.get(item[0])
+            reader = _READERS.get(item[0]) if type(item[0]) is int else None
             if reader is None:
                 raise WireError(f"unknown op kind {item[0]!r}: one of 1 (open) to 6 (fork)")
             out.append(reader(item[1]))

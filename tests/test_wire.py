@@ -72,6 +72,8 @@ MALFORMED = {
     "not an array": (msgpack.packb({"ops": []}), None, "an array of ops"),
     "an op that is not [kind, fields]": (msgpack.packb([EXTEND, [2, 7]]), 1, "[kind, [fields]]"),
     "an unknown kind": (msgpack.packb([[9, []]]), 0, "unknown op kind 9"),
+    "a kind that is a list": (msgpack.packb([EXTEND, [[2], []]]), 1, "unknown op kind [2]"),
+    "a kind that is true": (msgpack.packb([[True, [7, 5]]]), 0, "unknown op kind True"),
     "a field missing": (msgpack.packb([[2, [7, [1], 1, 1, 0]]]), 0, "extend has 6 fields, not 5"),
     "a negative id": (msgpack.packb([EXTEND, [2, [-7, [1], 1, 1, 0, []]]]), 1, "seq_id must be an integer"),
     "a length past 32 bits": (msgpack.packb([[4, [2**64 - 1, None, 0]], [2, [7, [], 2**32, 0, 0, []]]]),
