@@ -702,7 +702,7 @@ def main() -> None:
     res["manager_blocks_per_s"] = bench_manager(args.seconds)
     res["journal"] = bench_journal(1_000 if args.quick else 10_000, 24_000 if args.quick else 60_000)
     res["journal_max_rewrite_flush_ms"] = res["journal"]["max_rewriting_flush_ms"]
-    res["journal_by_context"] = bench_journal_context((256, 1024) if args.quick else (256, 4096, 32768))
+    res["journal_by_context"] = bench_journal_context((256,) if args.quick else (256, 4096, 32768))
     res["allocator"] = bench_allocator(100 if args.quick else 500, 3 if args.quick else 30, args.quick)
     res.update({k: v for k, v in res["allocator"].items() if k.endswith("_ratio_vs_vllm")})
     ctx = mp.get_context("spawn")
