@@ -403,14 +403,14 @@ class WriteAheadLog:
             held.settled[seq_id] = blocks[:full]
         else:
             held.settled.pop(seq_id, None)
-        sums = _picked(manager.pool.checksum, blocks[first:])
+        carried = blocks[first:]
         return _pack(["S", seq.seq_id, seq.state.value, seq.model, seq.block_size, seq.session_id,
-                      seq.num_committed, blocks[first:], seq.slots, seq.heat, seq.heat_at, seq.last_access,
+                      seq.num_committed, carried, seq.slots, seq.heat, seq.heat_at, seq.last_access,
                       start, seq.token_ids[start:].tolist(), manager.filling(seq.seq_id), seq.turn_start,
                       seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
                       _owner_pid(seq, manager), seq.turn_id,
                       _picked(manager.swap.checksum, seq.slots) if manager.swap is not None else (),
-                      sums, first])
+                      _picked(manager.pool.checksum, carried), first])
 
     def close(self) -> None:
         self._abandon_rewrite()              # the journal in use is whole: a restart reads it
