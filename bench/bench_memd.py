@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import json
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,12 +149,7 @@ def bench_journal(parked: int, flushes: int) -> dict:
     flush; the flushes that do so are timed apart from the others.
     In-process: a flush runs on memd's event loop, in the Step.
     """
-    geometry = plan_pool(parse_size(POOL), block_bytes=parse_size(PAGE))
-    manager = KvManager(geometry)
-    worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
-    with tempfile.TemporaryDirectory(prefix="memd-bench-journal-", dir="/dev/shm") as where:
-        wal = WriteAheadLog(StateDir(Path(where)), Layout("shm", geometry.num_blocks, geometry.block_bytes, 0),
-                            fsync=False)
+    with _journaled(POOL) as (manager, worker, wal, new):
         for first in range(0, parked, 256):
             opened = manager.step(worker, [Open([i, i + 1, i + 2], session_id=f"s{i}")
                                            for i in range(first, min(first + 256, parked))]).results
@@ -161,7 +157,6 @@ def bench_journal(parked: int, flushes: int) -> dict:
         wal.checkpoint(manager)
         live, = manager.step(worker, [Open([1 << 30], reserve=1)]).results
         token = iter(range((1 << 30) + 1, 1 << 31))
-        new = Path(where) / "journal.new"
         rewriting, other, collected, length = [], [], [], 1
         passes = _CollectorPasses()
         gc.callbacks.append(passes)
@@ -179,7 +174,6 @@ def bench_journal(parked: int, flushes: int) -> dict:
                 (collected if passes.count != seen else rewriting if during or new.exists() else other).append(took)
         finally:
             gc.callbacks.remove(passes)
-            wal.close()
     if not rewriting:
         raise RuntimeError("the journal was never rewritten: too few flushes for the sequences")
     return {"parked": parked, "flushes": flushes, "rewriting_flushes": len(rewriting),
@@ -198,19 +192,13 @@ def bench_journal_context(contexts: tuple[int, ...]) -> list[dict]:
 
 
 def _journal_context(context: int, sums: bool) -> dict:
-    geometry = plan_pool(parse_size("4GiB"), block_bytes=parse_size(PAGE))
-    manager = KvManager(geometry)
-    worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
-    with tempfile.TemporaryDirectory(prefix="memd-bench-journal-", dir="/dev/shm") as where:
-        wal = WriteAheadLog(StateDir(Path(where)), Layout("shm", geometry.num_blocks, geometry.block_bytes, 0),
-                            fsync=False)
+    with _journaled("4GiB") as (manager, worker, wal, new):
         opened = manager.step(worker, [Open(list(range(i << 20, (i << 20) + context)), reserve=1)
                                        for i in range(SEQS)]).results
         seq_ids = [r.seq_id for r in opened]
         known = {"sums_from": 0, "page_sums": [1 + i for i in range(context // BLOCK_SIZE)]} if sums else {}
         manager.step(worker, [Extend(s, commit_to=context, reserve=1, **known) for s in seq_ids])
         wal.checkpoint(manager)
-        new = Path(where) / "journal.new"
         took, rewriting, length, rewrites = [], [], context, 0
         while not rewrites:
             length += 1
@@ -223,10 +211,25 @@ def _journal_context(context: int, sums: bool) -> dict:
             wal.flush(manager)
             (rewriting if during or new.exists() else took).append(time.perf_counter() - started)
             rewrites += during and not new.exists()
-        wal.close()
     return {"context": context, "page_sums": sums, "p50_flush_ms": statistics.median(took) * 1e3,
             "max_flush_ms": max(took) * 1e3, "rewriting_flushes": len(rewriting),
             "max_rewriting_flush_ms": max(rewriting) * 1e3}
+
+
+@contextlib.contextmanager
+def _journaled(pool: str) -> Iterator[tuple[KvManager, int, WriteAheadLog, Path]]:
+    """A manager of a `pool` pool with one worker attached, and its journal on tmpfs (as the unit keeps it);
+    also the path of the journal being rewritten, which exists while a rewrite is under way."""
+    geometry = plan_pool(parse_size(pool), block_bytes=parse_size(PAGE))
+    manager = KvManager(geometry)
+    worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
+    with tempfile.TemporaryDirectory(prefix="memd-bench-journal-", dir="/dev/shm") as where:
+        wal = WriteAheadLog(StateDir(Path(where)), Layout("shm", geometry.num_blocks, geometry.block_bytes, 0),
+                            fsync=False)
+        try:
+            yield manager, worker, wal, Path(where) / "journal.new"
+        finally:
+            wal.close()
 
 
 class _CollectorPasses:
