@@ -143,6 +143,7 @@ async def test_a_packed_step_that_cannot_be_read_is_refused_naming_its_op_and_ch
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
             assert MemdError.from_rpc(err.value).op_index == (None if index is None else int(index))
         assert (await admin.stats()).counters["steps_refused"] == refused + len(cases)
+        assert (await admin.check()).ok
     assert await fingerprint(memd) == before
 
 

@@ -99,3 +99,6 @@ async def test_a_client_that_sends_protobuf_ops_gets_the_answers_a_packing_one_g
                             if not isinstance(r, tuple) else r for r in seen])
     assert answers[0] == answers[1]
     assert answers[0][4][5] == list(range(41))          # the resumed history
+    async with memd.admin() as admin:                   # what the clients left (forks parked at goodbye) is whole
+        check = await admin.check()
+    assert check.ok, check.violations
