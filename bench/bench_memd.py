@@ -28,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import statistics
 import subprocess
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,13 +45,14 @@ import uvloop
 import vllm_anchor
 from tables import table
 
+from memd.collector import FullCollections, freeze_long_lived
 from memd.host_pages import huge_pages
 from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.pool import BlockPool, FreeQueue
 from memd.state import Layout, StateDir
 from shared.geometry import plan_pool
-from shared.launch import spawn_ready
+from shared.launch import free_port, spawn_ready
 from shared.ops import Extend, Free, Open, Park
 from shared.sizes import parse_size
 
@@ -158,7 +161,7 @@ def bench_journal(parked: int, flushes: int) -> dict:
         live, = manager.step(worker, [Open([1 << 30], reserve=1)]).results
         token = iter(range((1 << 30) + 1, 1 << 31))
         rewriting, other, collected, length = [], [], [], 1
-        passes = _CollectorPasses()
+        passes = FullCollections(freeze_after_s=float("inf"))    # counts full collections, freezes nothing
         gc.callbacks.append(passes)
         try:
             for _ in range(flushes):
@@ -232,15 +235,48 @@ def _journaled(pool: str) -> Iterator[tuple[KvManager, int, WriteAheadLog, Path]
             wal.close()
 
 
-class _CollectorPasses:
-    """Counts the interpreter's full (generation 2) garbage collections: a pause of their own, not a flush's."""
+def bench_full_collections(ctx: mp.context.SpawnContext, sessions: int) -> dict:
+    """Python's full garbage collections while `sessions` sessions are opened and parked, half of them freed
+    again as new ones come (a busy memd's churn), in a manager of a 1M-block pool: with Python's collector as
+    it comes and with memd's policy (memd.collector), each in a fresh process of its own.
 
-    def __init__(self) -> None:
-        self.count = 0
+    In-process: a full collection pauses whatever thread runs it, and in memd
+    that is the event loop while Steps wait. Both start as memd does, with
+    start-up's objects frozen."""
+    out = {"sessions": sessions}
+    for policy in ("python", "memd"):
+        results = ctx.Queue()
+        proc = ctx.Process(target=full_collections_main, args=(policy, sessions, results))
+        proc.start()
+        out[policy] = results.get(timeout=600)
+        proc.join()
+    return out
 
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start" and info["generation"] == 2:
-            self.count += 1
+
+def full_collections_main(policy: str, sessions: int, results: mp.Queue) -> None:
+    manager = KvManager(plan_pool(parse_size("1GiB"), block_bytes=1024))
+    worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
+    gc.collect()
+    gc.freeze()                                   # as memd after start-up
+    if policy == "memd":
+        counted = freeze_long_lived()
+    else:
+        counted = FullCollections(freeze_after_s=float("inf"))    # counts, never freezes
+        gc.callbacks.append(counted)
+    tokens, live = iter(range(1 << 30)), []
+    started = time.perf_counter()
+    for first in range(0, sessions, 64):
+        opened = manager.step(worker, [Open([next(tokens) for _ in range(4 * BLOCK_SIZE)], reserve=1,
+                                            session_id=f"s{i}") for i in range(first, min(sessions, first + 64))])
+        manager.step(worker, [Park(o.seq_id, commit_to=4 * BLOCK_SIZE) for o in opened.results])
+        live += [o.seq_id for o in opened.results]
+        if len(live) > sessions // 2:
+            manager.step(worker, [Free(seq_id) for seq_id in live[:64]])
+            del live[:64]
+    results.put({"full_collections": counted.count, "longest_ms": counted.longest_s * 1e3,
+                 "collected": counted.collected,
+                 "total_ms": counted.seconds * 1e3, "freezes": counted.freezes,
+                 "seconds": time.perf_counter() - started})
 
 
 # ---- client processes (spawned) ----------------------------------------------
@@ -528,9 +564,17 @@ def bench_operator_calls(tmp: Path, pool: str, sessions: int) -> dict:
     before it, with nothing else going on, is the quiet baseline. memd's
     resident memory is read meanwhile, against its size before.
     """
-    memd = Memd(tmp, pool, "1KiB", "memd-snapshot", "--state-dir", "none")
+    port = free_port()
+    memd = Memd(tmp, pool, "1KiB", "memd-snapshot", "--state-dir", "none", "--metrics-port", str(port))
     try:
-        return asyncio.run(_operator_probe(memd, tmp, sessions))
+        out = asyncio.run(_operator_probe(memd, tmp, sessions))
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        out["memd_full_collections"], out["memd_longest_full_collection_ms"], out["memd_full_collected"] = (
+            float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1)) * scale  # type: ignore[union-attr]
+            for name, scale in (("kvpool_memd_gc_full_collections_total", 1),
+                                ("kvpool_memd_gc_longest_full_collection_seconds", 1e3),
+                                ("kvpool_memd_gc_full_collected_objects_total", 1)))
+        return out
     finally:
         memd.kill()
 
@@ -662,7 +706,17 @@ def report(res: dict) -> str:
                      f"{o['max_step_wait_ms']:.1f}", f"{o['memd_rss_mib']:.0f}", f"{o['memd_rss_ratio']:.2f}x"])
     calls.append(["quiet (before)", "", "", "", "",
                   f"{op['quiet_max_step_ms']:.1f} (p50 {op['quiet_p50_step_ms']:.2f})", "", ""])
+    calls.append([f"memd's full garbage collections meanwhile: {op['memd_full_collections']:.0f} "
+                  f"(unreachable objects found: {op['memd_full_collected']:.0f})", "", "", "", "",
+                  f"longest {op['memd_longest_full_collection_ms']:.1f}", "", ""])
     snapshot = table(calls)
+    fc = res["full_collections"]
+    snapshot += "\n\n" + table(
+        [[f"full garbage collections, {fc['sessions']:,} sessions opened (half freed again)", "collections",
+          "longest ms", "total ms", "frozen after"]] +
+        [[label, str(fc[key]["full_collections"]), f"{fc[key]['longest_ms']:.1f}", f"{fc[key]['total_ms']:.0f}",
+          str(fc[key]["freezes"])] for key, label in (("python", "anchor: Python's collector as it comes"),
+                                                      ("memd", "memd's policy (memd.collector)"))])
     start = res["startup"]
     startup = table([[f"start-up to READY=1, {start['pool']} pool, default swap tier", "seconds"],
                      [f"state directory on tmpfs (as the unit): {start['state_parent']}, "
@@ -732,6 +786,8 @@ def main() -> None:
         res["snapshot_1m_max_step_wait_ms"] = res["operator"]["snapshot"]["max_step_wait_ms"]
         res["check_1m_max_step_wait_ms"] = res["operator"]["check"]["max_step_wait_ms"]
         res["snapshot_memd_rss_ratio"] = res["operator"]["snapshot"]["memd_rss_ratio"]
+        res["full_collections"] = bench_full_collections(ctx, 10_000 if args.quick else 100_000)
+        res["full_collection_longest_ms"] = res["full_collections"]["memd"]["longest_ms"]
         pool = "512MiB" if args.quick else "8GiB"
         res["startup"] = {"pool": pool, **bench_startup(Path(tmp), pool, args.state_parent)}
         if not args.quick:

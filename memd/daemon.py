@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from memd.access import AccessControl
 from memd.cluster import ClusterTier
 from memd.cluster_lookup import Lookups
+from memd.collector import freeze_long_lived
 from memd.fdpass import FdServer
 from memd.host_pages import huge_pages
 from memd.interceptors import MEMD_SERVICE, RpcCounter, SerializedReplies
@@ -89,6 +90,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         # so a full collection walks only what came after (it walked every import, tens of ms on the loop).
         gc.collect()
         gc.freeze()
+        freeze_long_lived()                    # and what lives on later, once a full collection finds it
         await pages_allocated(memory)          # the pool whole before READY=1, as the pool promises
         parts.fences.watch()                            # pages the workers of the memd before may still write
         tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
