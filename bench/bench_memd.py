@@ -45,12 +45,12 @@ import uvloop
 import vllm_anchor
 from tables import table
 
-from memd.collector import FullCollections, freeze_long_lived
 from memd.host_pages import huge_pages
 from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.pool import BlockPool, FreeQueue
 from memd.state import Layout, StateDir
+from shared.full_collections import FullCollections, freeze_long_lived
 from shared.geometry import plan_pool
 from shared.launch import free_port, spawn_ready
 from shared.ops import Extend, Free, Open, Park
@@ -238,7 +238,7 @@ def _journaled(pool: str) -> Iterator[tuple[KvManager, int, WriteAheadLog, Path]
 def bench_full_collections(ctx: mp.context.SpawnContext, sessions: int) -> dict:
     """Python's full garbage collections while `sessions` sessions are opened and parked, half of them freed
     again as new ones come (a busy memd's churn), in a manager of a 1M-block pool: with Python's collector as
-    it comes and with memd's policy (memd.collector), each in a fresh process of its own.
+    it comes and with memd's policy (shared.full_collections), each in a fresh process of its own.
 
     In-process: a full collection pauses whatever thread runs it, and in memd
     that is the event loop while Steps wait. Both start as memd does, with
@@ -256,11 +256,11 @@ def bench_full_collections(ctx: mp.context.SpawnContext, sessions: int) -> dict:
 def full_collections_main(policy: str, sessions: int, results: mp.Queue) -> None:
     manager = KvManager(plan_pool(parse_size("1GiB"), block_bytes=1024))
     worker = manager.attach("bench", os.getpid(), "default", BLOCK_SIZE, 0).worker_id
-    gc.collect()
-    gc.freeze()                                   # as memd after start-up
     if policy == "memd":
         counted = freeze_long_lived()
     else:
+        gc.collect()
+        gc.freeze()                                   # as memd after start-up
         counted = FullCollections(freeze_after_s=float("inf"))    # counts, never freezes
         gc.callbacks.append(counted)
     tokens, live = iter(range(1 << 30)), []
@@ -716,7 +716,7 @@ def report(res: dict) -> str:
           "longest ms", "total ms", "frozen after"]] +
         [[label, str(fc[key]["full_collections"]), f"{fc[key]['longest_ms']:.1f}", f"{fc[key]['total_ms']:.0f}",
           str(fc[key]["freezes"])] for key, label in (("python", "anchor: Python's collector as it comes"),
-                                                      ("memd", "memd's policy (memd.collector)"))])
+                                                      ("memd", "memd's policy (shared.full_collections)"))])
     start = res["startup"]
     startup = table([[f"start-up to READY=1, {start['pool']} pool, default swap tier", "seconds"],
                      [f"state directory on tmpfs (as the unit): {start['state_parent']}, "

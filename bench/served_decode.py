@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -85,6 +87,7 @@ def served(model_dir: Path, memd_address: str, tmp: Path, threads: int, work: di
     anchor = HfAnchor(model_dir, threads)
     try:
         raw = asyncio.run(_measure(f"http://127.0.0.1:{port}", anchor, work, n))
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     finally:
         anchor.close()
         inferd.terminate()
@@ -94,6 +97,10 @@ def served(model_dir: Path, memd_address: str, tmp: Path, threads: int, work: di
            "hf_b1_decode": decode_rate([[r] for r in raw["hf_single"]]),
            "kvpool_b16_decode": decode_rate(raw["kv_batch"]),
            "hf_b16_padded_decode": decode_rate(raw["hf_batch"])}
+    res["inferd_full_collections"], res["inferd_longest_full_collection_ms"] = (
+        float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1)) * scale  # type: ignore[union-attr]
+        for name, scale in (("kvpool_inferd_gc_full_collections_total", 1),
+                            ("kvpool_inferd_gc_longest_full_collection_seconds", 1e3)))
     res["b1_ratio"] = res["kvpool_b1_decode"] / res["hf_b1_decode"]
     res["b16_ratio"] = res["kvpool_b16_decode"] / res["hf_b16_padded_decode"]
     return res

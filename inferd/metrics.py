@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shared.full_collections import metric_families
 from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
@@ -94,3 +95,4 @@ class InferdMetrics(Collector):
         yield CounterMetricFamily("kvpool_inferd_reuse_mismatches",
                                   "prefix hits whose K/V differed from the recompute (--verify-reuse)",
                                   value=r["reuse_mismatches"])
+        yield from metric_families("kvpool_inferd", "inferd")

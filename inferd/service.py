@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ from inferd.sampling import BadParams, SamplingParams
 from inferd.scheduler import GenerationError, Request, Scheduler
 from shared import address as addr
 from shared.client import MemdClient, MemdError
+from shared.full_collections import freeze_long_lived
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
 
@@ -118,6 +120,9 @@ class MemdLink:
         scheduler.adopt(self._carried)
         self._carried = []
         self.scheduler = scheduler
+        # The model, its weights and torch live as long as this attachment: frozen out of full collections,
+        # which would walk them (~115 ms of decode stopped each time).
+        freeze_long_lived()
         self.attached.set()
         client.on_drain = self._drained
         scheduler.drain(client.draining)            # a drain memd announced while the pool was being mapped
@@ -151,6 +156,9 @@ class MemdLink:
             self._carried_at = asyncio.get_running_loop().time()
             with contextlib.suppress(Exception):
                 await client.close()
+            # What this attachment built (scheduler, threads, the pool's mapping) may sit in reference cycles,
+            # which a frozen object never leaves: unfrozen, the next attachment's collection frees them.
+            gc.unfreeze()
         log.warning("lost memd; reconnecting")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import os
 import signal
 from pathlib import Path
@@ -21,7 +20,6 @@ from grpc_reflection.v1alpha import reflection
 from memd.access import AccessControl
 from memd.cluster import ClusterTier
 from memd.cluster_lookup import Lookups
-from memd.collector import freeze_long_lived
 from memd.fdpass import FdServer
 from memd.host_pages import huge_pages
 from memd.interceptors import MEMD_SERVICE, RpcCounter, SerializedReplies
@@ -40,6 +38,7 @@ from memd.wiring import Parts, new_manager, wire
 from shared import address as addr
 from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
 from shared.decoding import RequestDecoder
+from shared.full_collections import freeze_long_lived
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
 from shared.rpc import memd_pb2_grpc as pb_grpc
@@ -87,10 +86,9 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
                                                      startup.sock_path, stack)
         # What start-up made (modules, the recovered state) lives as long as memd: out of the collector's way,
-        # so a full collection walks only what came after (it walked every import, tens of ms on the loop).
-        gc.collect()
-        gc.freeze()
-        freeze_long_lived()                    # and what lives on later, once a full collection finds it
+        # so a full collection walks only what came after (it walked every import, tens of ms on the loop);
+        # and what lives on later, once a long full collection finds it.
+        freeze_long_lived()
         await pages_allocated(memory)          # the pool whole before READY=1, as the pool promises
         parts.fences.watch()                            # pages the workers of the memd before may still write
         tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),

@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from memd.collector import full_collections
 from memd.eviction import EvictionReason
 from memd.integrity import Where
+from shared.full_collections import metric_families
 from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
@@ -78,8 +78,6 @@ class MemdMetrics(Collector):
             "swapped": m.swapped_blocks(),
             "sequences": m.state_counts(), "workers": len(m.workers), "counters": dict(m.counters),
             "rpcs": dict(self.service.rpcs),
-            "gc": (full_collections.count, full_collections.seconds, full_collections.longest_s,
-                   full_collections.freezes, full_collections.collected),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -121,14 +119,4 @@ class MemdMetrics(Collector):
         for method, count in sorted(r["rpcs"].items()):
             rpcs.add_metric([method], count)
         yield rpcs
-        count, seconds, longest, freezes, collected = r["gc"]
-        yield CounterMetricFamily("kvpool_memd_gc_full_collections", "Python's full garbage collections in memd "
-                                  "(each pauses whatever thread runs it, memd's event loop most often)", value=count)
-        yield CounterMetricFamily("kvpool_memd_gc_full_collection_seconds", "time spent in those collections",
-                                  value=seconds)
-        yield GaugeMetricFamily("kvpool_memd_gc_longest_full_collection_seconds",
-                                "the longest of those collections since memd started", value=longest)
-        yield CounterMetricFamily("kvpool_memd_gc_freezes", "long full collections whose survivors memd froze "
-                                  "(out of later collections' walk)", value=freezes)
-        yield CounterMetricFamily("kvpool_memd_gc_full_collected_objects", "unreachable objects (cycles) those "
-                                  "collections found: memd's own state makes none", value=collected)
+        yield from metric_families("kvpool_memd", "memd")
