@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -15,6 +16,9 @@ import pytest
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
 from tests.clis import run_cli, unit_host_env
+
+if TYPE_CHECKING:
+    from tests.conftest import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,6 +151,7 @@ async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, mode
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
                               "--block-size", "16")
     inferd = await inferd_factory(model_dir, memd.address)
+    assert len(pool_mappings(inferd)) == 1
     await memd.kill()                                     # kill -9: the pool and the lease are gone
     await inferd.log.wait_for("lost memd; reconnecting")
     rc, _, err = await inferctl(inferd.address, "generate", "hello", "--max-tokens", "3")
@@ -165,6 +170,13 @@ async def test_inferd_survives_a_memd_restart(memd_factory, inferd_factory, mode
     assert len(json.loads(out)["token_ids"]) == 3
     states, _, ok = await memd_state(again)
     assert states["running"] == 0 and ok
+    assert len(pool_mappings(inferd)) == 1                # the first attachment's mapping went with it
+
+
+def pool_mappings(inferd: Daemon) -> list[str]:
+    """The lines of inferd's memory map that map memd's pool file."""
+    with open(f"/proc/{inferd.proc.pid}/maps") as f:
+        return [line for line in f if line.rstrip().endswith(".state/pool")]
 
 
 async def test_inferctl_chat_holds_one_session_across_lines(stack):
