@@ -21,8 +21,8 @@ short full collection, one that found little alive, freezes nothing: long
 ones come once per thousands of new sessions. Full collections also come
 after 3 of the middle generation's, not 10, so each walks less. 100k
 sessions opened (half freed again) in bench_memd's full-collections run:
-longest full collection 159-180 ms as Python comes, 14-15 ms with the
-freeze alone, 5-7.5 ms with both. `FullCollections` counts and times them
+longest full collection 159-236 ms as Python comes, 14-15 ms with the
+freeze alone, 5-9 ms with both. `FullCollections` counts and times them
 for the daemons' metrics.
 """
 
@@ -79,15 +79,15 @@ full_collections = FullCollections()
 
 
 def freeze_long_lived() -> FullCollections:
-    """What start-up made frozen now (the collection that precedes it counted as any); from now on in this
-    process a long full collection freezes its survivors, and full collections come every `FULL_EVERY`
-    middle-generation ones."""
+    """What start-up made frozen now; from now on in this process a long full collection freezes its
+    survivors, and full collections come every `FULL_EVERY` middle-generation ones. Only those are counted:
+    the collection before this freeze (start-up's, tens of ms) pauses nothing that serves."""
+    gc.collect()
+    gc.freeze()
     if full_collections not in gc.callbacks:
         gc.callbacks.append(full_collections)
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_EVERY)
-    gc.collect()
-    gc.freeze()
     return full_collections
 
 

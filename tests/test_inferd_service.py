@@ -277,10 +277,10 @@ async def test_inferd_metrics_health_and_reflection(memd_factory, inferd_factory
     assert m["kvpool_inferd_attached"] == 1 and m["kvpool_inferd_running_requests"] == 0
     assert m["kvpool_inferd_preemptions_total"] == 0
     assert m['kvpool_inferd_passes_run_ahead_total{outcome="taken"}'] >= 1      # decode ran a pass ahead
-    # inferd froze what start-up made, after a full collection its metrics count
-    assert m["kvpool_inferd_gc_full_collections_total"] >= 1
+    # Python's full collections in inferd since it attached: as many freezes as long ones at most
+    assert m["kvpool_inferd_gc_full_collections_total"] >= m["kvpool_inferd_gc_freezes_total"]
     longest = m["kvpool_inferd_gc_longest_full_collection_seconds"]
-    assert 0 < longest <= m["kvpool_inferd_gc_full_collection_seconds_total"]
+    assert longest <= m["kvpool_inferd_gc_full_collection_seconds_total"]
     async with grpc.aio.insecure_channel(inferd.address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="kvpool.inferd.v1.Inferd"))
