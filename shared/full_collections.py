@@ -5,7 +5,7 @@ tracks, holding the GIL: in memd its event loop stops while workers' Steps
 wait, in inferd decode stops. What a daemon imports and builds at start-up
 lives as long as it does (tens of ms to walk: every module, torch's in
 inferd), and so do parked sessions in memd (a sequence and its lists): with
-Python's defaults a full collection took 159-180 ms in a process holding 50k
+Python's defaults a full collection took 159-236 ms in a process holding 50k
 of them, and one comes every time a quarter more long-lived objects appear.
 
 So a daemon freezes (`gc.freeze`) what start-up made, and from then on what
