@@ -8,6 +8,8 @@ the README's install puts them.
 
 from __future__ import annotations
 
+import configparser
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "systemd"
 ANALYZE = shutil.which("systemd-analyze")
 INSTALLED = "/opt/kvpool"          # the virtual environment of the README's install
+STATE_MOUNT = "dev-shm-kvpool\\x2dmemd.mount"    # memd's state directory on CPU, /dev/shm/kvpool-memd
 pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed (.ci/run installs it)")
 
 
@@ -60,6 +63,47 @@ def test_the_cluster_store_unit_verifies_where_kvpool_cluster_is_installed(tmp_p
 @pytest.mark.processes
 def test_the_router_unit_verifies(tmp_path):
     assert verify(installed(tmp_path), "kvroute.service") == ""
+
+
+@pytest.mark.processes
+def test_the_state_directory_mount_unit_verifies_and_is_named_for_its_path():
+    assert verify(UNITS, STATE_MOUNT) == ""
+    mount = configparser.ConfigParser(interpolation=None)
+    mount.read(UNITS / STATE_MOUNT)
+    escaped = subprocess.run(["systemd-escape", "-p", "--suffix=mount", mount["Mount"]["Where"]],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert escaped == STATE_MOUNT and mount["Mount"]["Where"] == "/dev/shm/kvpool-memd"
+
+
+@pytest.mark.processes
+async def test_the_state_directory_mount_gives_memd_huge_pages(memd_factory, tmp_path):
+    """The unit's own mount options, on a directory of the test's (its user for kvpool): memd's pool and swap
+    files come in 2 MiB pages, as the kernel counts them. Skipped where this user may not mount."""
+    mount = configparser.ConfigParser(interpolation=None)
+    mount.read(UNITS / STATE_MOUNT)
+    options = mount["Mount"]["Options"].replace("uid=kvpool", f"uid={os.getuid()}") \
+        .replace("gid=kvpool", f"gid={os.getgid()}")
+    where = tmp_path / "state"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", mount["Mount"]["Type"], "-o", options, mount["Mount"]["What"], str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        before = shmem_huge_pages_kib()
+        memd = await memd_factory("--device", "cpu", "--pool-bytes", "64MiB", "--block-bytes", "64KiB",
+                                  "--state-dir", str(where))
+        ready = await memd.log.wait_for("memd ready")
+        assert ready["pool_pages"] == "2 MiB"
+        assert shmem_huge_pages_kib() - before >= 64 * 1024       # the whole pool, allocated before READY=1
+        assert await memd.stop() == 0
+    finally:
+        subprocess.run(["umount", "--lazy", str(where)], check=True)
+
+
+def shmem_huge_pages_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("ShmemHugePages:"))
 
 
 @pytest.mark.processes
