@@ -602,7 +602,8 @@ async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
 
     quiet = [await one_step() for _ in range(200)]
     out = {"blocks": client.geometry.num_blocks, "sessions": sessions, "quiet_max_step_ms": max(quiet) * 1e3,
-           "quiet_p50_step_ms": statistics.median(quiet) * 1e3}
+           "quiet_p50_step_ms": statistics.median(quiet) * 1e3, "quiet_p99_step_ms": _p99(quiet) * 1e3,
+           "quiet_steps_over_10ms": sum(wait > 0.010 for wait in quiet)}
     for call in (["snapshot", "-o", str(tmp / "snap.msgpack")], ["check"]):
         steady = _rss_bytes(memd.proc.pid)
         memctl = await asyncio.create_subprocess_exec(
@@ -621,9 +622,14 @@ async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
         if memctl.returncode != 0:
             raise RuntimeError(f"memctl {call[0]} failed: {err.strip()}")
         out[call[0]] = {"seconds": seconds, "steps_during": len(during), "max_step_wait_ms": max(during) * 1e3,
+                        "p99_step_wait_ms": _p99(during) * 1e3, "steps_over_10ms": sum(w > 0.010 for w in during),
                         "memd_rss_mib": steady / 2**20, "memd_rss_ratio": peak / steady}
     await client.close()
     return out
+
+
+def _p99(waits: list[float]) -> float:
+    return statistics.quantiles(waits, n=100)[98] if len(waits) > 1 else max(waits)
 
 
 def compile_bytecode() -> None:
@@ -699,16 +705,18 @@ def report(res: dict) -> str:
                       f"{statistics.median(ms):.2f}", f"{max(ms):.2f}"]])
     op = res["operator"]
     calls = [["operator call (memctl, its own process)", "blocks", "parked sessions", "seconds", "Steps meanwhile",
-             "longest Step ms", "memd RSS MiB", "peak / steady"]]
+             "longest Step ms", "p99 ms", "over 10 ms", "memd RSS MiB", "peak / steady"]]
     for name, what in (("snapshot", "snapshot, every block, to a file"), ("check", "check, every invariant")):
         o = op[name]
         calls.append([what, f"{op['blocks']:,}", f"{op['sessions']:,}", f"{o['seconds']:.2f}", str(o["steps_during"]),
-                     f"{o['max_step_wait_ms']:.1f}", f"{o['memd_rss_mib']:.0f}", f"{o['memd_rss_ratio']:.2f}x"])
-    calls.append(["quiet (before)", "", "", "", "",
-                  f"{op['quiet_max_step_ms']:.1f} (p50 {op['quiet_p50_step_ms']:.2f})", "", ""])
+                     f"{o['max_step_wait_ms']:.1f}", f"{o['p99_step_wait_ms']:.2f}", str(o["steps_over_10ms"]),
+                     f"{o['memd_rss_mib']:.0f}", f"{o['memd_rss_ratio']:.2f}x"])
+    calls.append(["quiet (before)", "", "", "", "200",
+                  f"{op['quiet_max_step_ms']:.1f} (p50 {op['quiet_p50_step_ms']:.2f})",
+                  f"{op['quiet_p99_step_ms']:.2f}", str(op["quiet_steps_over_10ms"]), "", ""])
     calls.append([f"memd's full garbage collections meanwhile: {op['memd_full_collections']:.0f} "
                   f"(unreachable objects found: {op['memd_full_collected']:.0f})", "", "", "", "",
-                  f"longest {op['memd_longest_full_collection_ms']:.1f}", "", ""])
+                  f"longest {op['memd_longest_full_collection_ms']:.1f}", "", "", "", ""])
     snapshot = table(calls)
     fc = res["full_collections"]
     snapshot += "\n\n" + table(
