@@ -48,7 +48,7 @@ class FullCollections:
 
     A `gc.callbacks` entry. It runs inside the collector, on whichever thread
     triggered it, so it only sets plain numbers (no lock: a lock the
-    interrupted code holds would deadlock it); memd's metrics read them."""
+    interrupted code holds would deadlock it); the daemons' metrics read them."""
 
     count: int = 0
     seconds: float = 0.0
