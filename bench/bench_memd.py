@@ -273,8 +273,11 @@ def full_collections_main(policy: str, sessions: int, results: mp.Queue) -> None
         if len(live) > sessions // 2:
             manager.step(worker, [Free(seq_id) for seq_id in live[:64]])
             del live[:64]
+    for seq_id in live:                               # every session freed: what stays is what leaked
+        manager.step(worker, [Free(seq_id)])
+    gc.collect()
     results.put({"full_collections": counted.count, "longest_ms": counted.longest_s * 1e3,
-                 "collected": counted.collected,
+                 "collected": counted.collected, "rss_after_mib": _rss_bytes(os.getpid()) / 2**20,
                  "total_ms": counted.seconds * 1e3, "freezes": counted.freezes,
                  "seconds": time.perf_counter() - started})
 
@@ -721,10 +724,11 @@ def report(res: dict) -> str:
     fc = res["full_collections"]
     snapshot += "\n\n" + table(
         [[f"full garbage collections, {fc['sessions']:,} sessions opened (half freed again)", "collections",
-          "longest ms", "total ms", "frozen after"]] +
+          "longest ms", "total ms", "frozen after", "RSS MiB, all freed"]] +
         [[label, str(fc[key]["full_collections"]), f"{fc[key]['longest_ms']:.1f}", f"{fc[key]['total_ms']:.0f}",
-          str(fc[key]["freezes"])] for key, label in (("python", "anchor: Python's collector as it comes"),
-                                                      ("memd", "memd's policy (shared.full_collections)"))])
+          str(fc[key]["freezes"]), f"{fc[key]['rss_after_mib']:.0f}"]
+         for key, label in (("python", "anchor: Python's collector as it comes"),
+                            ("memd", "memd's policy (shared.full_collections)"))])
     start = res["startup"]
     startup = table([[f"start-up to READY=1, {start['pool']} pool, default swap tier", "seconds"],
                      [f"state directory on tmpfs (as the unit): {start['state_parent']}, "
