@@ -39,6 +39,9 @@ def assert_the_memd_bench_ran(report: dict) -> None:
     # both collector policies collected while 10k sessions came, and memd served its own collections' figures
     assert report["full_collections"]["memd"]["full_collections"] >= 1 and report["full_collection_longest_ms"] > 0
     assert report["full_collections"]["python"]["full_collections"] >= 1
+    # with every session freed, memd's freezing policy leaves the process no bigger than Python's own collector
+    fc = report["full_collections"]
+    assert fc["memd"]["rss_after_mib"] <= 1.05 * fc["python"]["rss_after_mib"]
     assert report["operator"]["memd_longest_full_collection_ms"] >= 0
 
 
