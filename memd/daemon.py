@@ -103,7 +103,8 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         if huge is False and geometry.pool_bytes >= SLOW_SMALL_PAGES_BYTES:
             log.info("the pool is in 4 KiB pages, which the kernel allocates one at a time (seconds before READY "
                      "for a pool this size): a state directory on a tmpfs mounted with huge=within_size takes "
-                     "2 MiB pages, allocated in a fraction of that", pool=format_size(geometry.pool_bytes))
+                     "2 MiB pages, allocated in a fraction of that (kvpool's dev-shm-kvpool\\x2dmemd.mount mounts "
+                     "one at /dev/shm/kvpool-memd)", pool=format_size(geometry.pool_bytes))
         log.info("memd ready", listen=target, backend=memory.backend, device=memory.device,
                  num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes,
                  bytes_per_token=geometry.bytes_per_token, block_size=geometry.block_size,
