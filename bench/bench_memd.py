@@ -13,6 +13,12 @@ Three questions, each answered by a real code path rather than a model of it:
 3. How soon after a worker dies does memd get its pages back? A worker is
    SIGKILLed; the clock stops when memd logs "worker reclaimed".
 
+Then what would make memd's loop wait: the journal's flushes, operator calls
+(memctl snapshot and check on a 1M-block pool, each Step's wait counted),
+Python's full garbage collections as sessions come and go (Python's own
+policy against memd's), and start-up to READY=1 (on /dev/shm, and on a tmpfs
+mounted as the shipped mount unit mounts it, where this user may mount).
+
 Client processes start together on a barrier, so their (slow: torch) imports
 are outside every measured window. Nothing here sleeps to wait for anything.
 """
