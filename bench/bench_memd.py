@@ -35,7 +35,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import re
 import signal
 import statistics
 import subprocess
@@ -43,13 +42,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import uvloop
 import vllm_anchor
+from scraped_metrics import scraped
 from tables import table
 
 from memd.host_pages import huge_pages
@@ -578,12 +577,10 @@ def bench_operator_calls(tmp: Path, pool: str, sessions: int) -> dict:
     memd = Memd(tmp, pool, "1KiB", "memd-snapshot", "--state-dir", "none", "--metrics-port", str(port))
     try:
         out = asyncio.run(_operator_probe(memd, tmp, sessions))
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-        out["memd_full_collections"], out["memd_longest_full_collection_ms"], out["memd_full_collected"] = (
-            float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1)) * scale  # type: ignore[union-attr]
-            for name, scale in (("kvpool_memd_gc_full_collections_total", 1),
-                                ("kvpool_memd_gc_longest_full_collection_seconds", 1e3),
-                                ("kvpool_memd_gc_full_collected_objects_total", 1)))
+        metrics = scraped(f"http://127.0.0.1:{port}/metrics")
+        out["memd_full_collections"] = metrics["kvpool_memd_gc_full_collections_total"]
+        out["memd_longest_full_collection_ms"] = metrics["kvpool_memd_gc_longest_full_collection_seconds"] * 1e3
+        out["memd_full_collected"] = metrics["kvpool_memd_gc_full_collected_objects_total"]
         return out
     finally:
         memd.kill()

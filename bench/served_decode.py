@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 from bench_inferd import BLOCK_SIZE, CONCURRENT, MAX_BATCH_TOKENS, START_TIMEOUT_S, HfAnchor, Run, both, decode_rate
+from scraped_metrics import scraped
 
 from shared.launch import free_port, spawn_ready
 
@@ -87,7 +86,7 @@ def served(model_dir: Path, memd_address: str, tmp: Path, threads: int, work: di
     anchor = HfAnchor(model_dir, threads)
     try:
         raw = asyncio.run(_measure(f"http://127.0.0.1:{port}", anchor, work, n))
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        metrics = scraped(f"http://127.0.0.1:{port}/metrics")
     finally:
         anchor.close()
         inferd.terminate()
@@ -97,10 +96,8 @@ def served(model_dir: Path, memd_address: str, tmp: Path, threads: int, work: di
            "hf_b1_decode": decode_rate([[r] for r in raw["hf_single"]]),
            "kvpool_b16_decode": decode_rate(raw["kv_batch"]),
            "hf_b16_padded_decode": decode_rate(raw["hf_batch"])}
-    res["inferd_full_collections"], res["inferd_longest_full_collection_ms"] = (
-        float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1)) * scale  # type: ignore[union-attr]
-        for name, scale in (("kvpool_inferd_gc_full_collections_total", 1),
-                            ("kvpool_inferd_gc_longest_full_collection_seconds", 1e3)))
+    res["inferd_full_collections"] = metrics["kvpool_inferd_gc_full_collections_total"]
+    res["inferd_longest_full_collection_ms"] = metrics["kvpool_inferd_gc_longest_full_collection_seconds"] * 1e3
     res["b1_ratio"] = res["kvpool_b1_decode"] / res["hf_b1_decode"]
     res["b16_ratio"] = res["kvpool_b16_decode"] / res["hf_b16_padded_decode"]
     return res
