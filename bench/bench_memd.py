@@ -674,7 +674,8 @@ def bench_startup(tmp: Path, pool: str, state_parent: str = "/dev/shm") -> dict:
 def bench_startup_on_the_shipped_mount(tmp: Path, pool: str) -> dict:
     """Seconds to READY=1 for a `pool` CPU pool with its state directory on a tmpfs mounted with the options of
     the mount unit kvpool ships (systemd/dev-shm-kvpool\\x2dmemd.mount: 2 MiB pages), this user for kvpool's.
-    Needs the right to mount (root): without it, says why it did not run."""
+    Needs the right to mount (root): without it, says why it did not run. Run after `bench_startup`, which
+    compiled kvpool's modules."""
     unit = configparser.ConfigParser(interpolation=None)
     unit.read(Path(__file__).resolve().parent.parent / "systemd" / "dev-shm-kvpool\\x2dmemd.mount")
     options = unit["Mount"]["Options"].replace("uid=kvpool", f"uid={os.getuid()}") \
@@ -686,7 +687,6 @@ def bench_startup_on_the_shipped_mount(tmp: Path, pool: str) -> dict:
     if mounted.returncode != 0:
         return {"options": options, "skipped": mounted.stderr.strip() or f"mount exited {mounted.returncode}"}
     try:
-        compile_bytecode()
         started = time.perf_counter()
         proc = spawn_ready(["memd", "--device", "cpu", "--pool-bytes", pool, "--listen",
                             f"unix:{tmp / 'start-mount.sock'}", "--log-format", "json", "--state-dir",
