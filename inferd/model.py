@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
-from inferd.layer_stack import AttentionLayout, DecodeGraphs, LayerStack
+from inferd.layer_stack import AttentionGroup, AttentionLayout, DecodeGraphs, LayerStack, SplitAttention
 
 
 @dataclass(slots=True)
@@ -138,36 +138,46 @@ class PagedDecoder:
                             device=self.device)
         return F.linear(self._stack.rms_norm(h[last], self.norm), self.lm_head).float()
 
-    def _attention_layout(self, batch: Batch) -> AttentionLayout:
-        """How the flat new tokens become padded [B, max_q] queries, and which keys each may see.
+    def _attention_layout(self, batch: Batch) -> AttentionLayout | SplitAttention:
+        """Which keys each new token sees, in as few attention calls as keep every query a real one.
 
-        Two common cases skip the padding and the mask: a decode step (one new
-        token per sequence) needs no query gather, and a single sequence sees
-        exactly its own context, so its keys are cut to length instead of masked.
+        A decode step (one new token per sequence) attends in one call, its keys masked to each
+        sequence's context; one sequence attends alone, its keys cut to its context (causal over a
+        whole prompt, masked for a chunk after cached tokens). A pass mixing the two splits into
+        those groups, rather than padding every sequence to the longest chunk's queries.
         """
-        single, decode = len(batch.query_lens) == 1, max(batch.query_lens) == 1
-        ctx = batch.context_lens[0] if single else None
-        if single and (decode or batch.query_lens[0] == ctx):
-            return AttentionLayout(None, None, None, ctx, causal=not decode)
-        if decode:
-            mask = self._key_mask(batch)[:, None, None, :]
-            return AttentionLayout(mask, None, None, None)
-        qlens = torch.tensor(batch.query_lens, device=self.device)
-        clens = torch.tensor(batch.context_lens, device=self.device)
-        max_q = int(qlens.max())
-        max_ctx = batch.block_tables.shape[1] * self.block_size
-        starts = torch.cumsum(qlens, 0) - qlens
-        qi = torch.arange(max_q, device=self.device)
-        gather = (starts[:, None] + qi[None, :]).clamp(max=int(qlens.sum()) - 1)        # [B, max_q]
-        qpos = clens[:, None] - qlens[:, None] + qi[None, :]                            # absolute positions
-        kpos = torch.arange(max_ctx, device=self.device)
-        mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < clens[:, None, None])
-        valid = qi[None, :] < qlens[:, None]
-        mask &= valid[:, :, None] | (kpos[None, None, :] == 0)                           # padded rows: any key
-        return AttentionLayout(mask[:, None], gather, valid, None)
+        if len(batch.query_lens) == 1:
+            return self._one_sequence(batch.query_lens[0], batch.context_lens[0])
+        if max(batch.query_lens) == 1:
+            return AttentionLayout(self._key_mask(batch.context_lens, batch.block_tables.shape[1]), None)
+        groups, start, decode_rows, decode_seqs = [], 0, [], []
+        for i, (new, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+            if new == 1:
+                decode_rows.append(start)
+                decode_seqs.append(i)
+            else:
+                tables = batch.block_tables[i:i + 1, :-(-ctx // self.block_size)]
+                groups.append(AttentionGroup(slice(start, start + new), tables, self._one_sequence(new, ctx)))
+            start += new
+        if decode_seqs:
+            clens = [batch.context_lens[i] for i in decode_seqs]
+            blocks = -(-max(clens) // self.block_size)
+            seqs = torch.tensor(decode_seqs, device=self.device)
+            groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device),
+                                         batch.block_tables[seqs, :blocks],
+                                         AttentionLayout(self._key_mask(clens, blocks), None)))
+        return SplitAttention(groups)
 
-    def _key_mask(self, batch: Batch) -> torch.Tensor:
-        """[B, max_ctx]: which padded key positions hold a sequence's context."""
-        max_ctx = batch.block_tables.shape[1] * self.block_size
-        clens = torch.tensor(batch.context_lens, device=self.device)
-        return torch.arange(max_ctx, device=self.device)[None, :] < clens[:, None]
+    def _one_sequence(self, new: int, ctx: int) -> AttentionLayout:
+        """One sequence's `new` tokens, the last of its `ctx`: causal over a whole prompt, else masked."""
+        if new == 1 or new == ctx:
+            return AttentionLayout(None, ctx, causal=new > 1)
+        qpos = torch.arange(ctx - new, ctx, device=self.device)
+        mask = torch.arange(ctx, device=self.device)[None, :] <= qpos[:, None]       # [new, ctx]
+        return AttentionLayout(mask[None, None], ctx)
+
+    def _key_mask(self, context_lens: list[int], blocks: int) -> torch.Tensor:
+        """[B, 1, 1, keys]: which of `blocks` blocks' key positions hold each sequence's context."""
+        clens = torch.tensor(context_lens, device=self.device)
+        keys = torch.arange(blocks * self.block_size, device=self.device)
+        return (keys[None, :] < clens[:, None])[:, None, None, :]

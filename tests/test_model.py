@@ -89,6 +89,30 @@ async def test_a_batch_of_mixed_lengths_matches_transformers(worker, reference):
     await generate_and_compare(client, model, reference, prompts)
 
 
+async def test_a_pass_mixing_decode_rows_and_prompt_chunks_matches_transformers(worker, reference):
+    # Chunked prefill: sequences decode while another's prompt goes in a chunk at a time, after its cached part.
+    client, model = worker
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 13, 14, 5)]
+    opened = await client.step(*[Open(p, reserve=4) for p in prompts])
+    tables = [r.block_ids for r in opened]
+    first = model.forward(build_batch([(prompts[0], 0, tables[0]), (prompts[1][:6], 0, tables[1]),
+                                       (prompts[2], 0, tables[2])], BS))
+    decoded = [int(first[0].argmax()), int(first[2].argmax())]
+    # Decode rows between and after chunks: a chunk after cached tokens, and a whole fresh prompt.
+    batch = build_batch([([decoded[0]], 9, tables[0]), (prompts[1][6:], 6, tables[1]), ([decoded[1]], 14, tables[2]),
+                         (prompts[3], 0, tables[3])], BS)
+    layout = model._attention_layout(batch)
+    rows = torch.arange(len(batch.token_ids))
+    covered = torch.cat([rows[group.rows] for group in layout.groups])
+    assert torch.equal(covered.sort().values, rows)          # each new token a query once: none padded
+    logits = model.forward(batch)
+    for row, history in enumerate([prompts[0] + decoded[:1], prompts[1], prompts[2] + decoded[1:], prompts[3]]):
+        expected = ref_logits(reference, history)
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=1e-4,
+                                   msg=lambda m, row=row: f"row {row}: {m}")
+
+
 async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, checkpoint):
     client, model = worker
     config = read_config(checkpoint)
