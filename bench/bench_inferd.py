@@ -68,6 +68,7 @@ from tables import table
 
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
 from inferd.fingerprint import model_fingerprint
+from inferd.heap_policy import keep_freed_memory
 from inferd.model import PagedDecoder
 from inferd.sampling import SamplingParams
 from inferd.scheduler import Request, Scheduler
@@ -592,6 +593,7 @@ def main() -> None:
     if args.served:
         served_main(args, sizes, work)
         return
+    keep_freed_memory()                 # as `inferd serve` does; the anchor's process keeps glibc's defaults
     raw = with_memd("inferd-bench-", lambda model_dir, address: bench(model_dir, address, sizes, work))
     res = {"cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
            "threads": torch.get_num_threads(), "quick": args.quick, **summarise(raw)}

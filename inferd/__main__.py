@@ -100,6 +100,7 @@ async def serve(args: argparse.Namespace) -> None:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
+    from inferd.heap_policy import keep_freed_memory
     from inferd.metrics import InferdMetrics
     from inferd.service import AttachRefused, InferdService, MemdLink
     from shared.rpc import inferd_pb2
@@ -108,6 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
+    keep_freed_memory()                     # before any pass: each one's tensors are reused by the next
     target = addr.resolve(args.listen, "inferd")
     sock_path = addr.unix_path(target)
     if sock_path is not None:
