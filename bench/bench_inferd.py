@@ -23,6 +23,12 @@ thread of a process whose main thread used torch, it measured 2.2x slower on
    history + message (fresh token ids, so no prefix-cache hit can help).
 3. How much of an iteration the worker spends awaiting memd: `client.step`
    and `Scheduler.iteration` are wrapped on their instances (here only).
+4. What a prompt joining running sequences costs them (kvpool alone: transformers
+   has no such pass): the decoder's pass over 16 decode rows at ~1k tokens of
+   context plus one prompt chunk filling the rest of `--max-batch-tokens`,
+   against the two passes run apart, on pages memd handed out. A ratio near 1
+   is a pass doing only the work of its parts; padding each decode row to the
+   chunk's queries made it 9x.
 
 The systems take turns: every measurement runs on both back to back (which
 goes first alternates), so that whatever else the machine does at the time
@@ -69,12 +75,13 @@ from tables import table
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
 from inferd.fingerprint import model_fingerprint
 from inferd.heap_policy import keep_freed_memory
-from inferd.model import PagedDecoder
+from inferd.model import PagedDecoder, build_batch
 from inferd.sampling import SamplingParams
 from inferd.scheduler import Request, Scheduler
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
 from shared.launch import LaunchError, spawn_ready
+from shared.ops import Free, Open
 
 MODEL = {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096,
          "dtype": "float32", "seed": 0}
@@ -101,15 +108,17 @@ class Sizes:
     history_new: int               # turn-1 generated tokens
     message: int                   # turn-2 new tokens
     ttft_trials: int
+    mixed_context: int             # tokens each decode row has cached in the mixed-pass question
+    mixed_trials: int
 
 
 # Prompt lengths 56..71 (mean 63.5), so kvpool's sequences cross block
 # boundaries in different iterations, as real traffic does, rather than all
 # in the same one; transformers then really left-pads.
 DEFAULT = Sizes(tuple(range(56, 72)), single=8, batches=3, new_tokens=128, history=1000, history_new=24, message=16,
-                ttft_trials=3)
+                ttft_trials=3, mixed_context=1000, mixed_trials=5)
 QUICK = Sizes(tuple(range(56, 72)), single=2, batches=1, new_tokens=16, history=200, history_new=8, message=8,
-              ttft_trials=1)
+              ttft_trials=1, mixed_context=200, mixed_trials=1)
 
 
 @dataclass(slots=True)
@@ -418,11 +427,42 @@ async def _bench(anchor: HfAnchor, model_dir: Path, address: str, sizes: Sizes, 
             res["recompute"].append(await kv_generate(scheduler, fresh, 1))
             res["hf_prefill"].append((await asyncio.to_thread(anchor.generate, [fresh], 1))[0])
             await scheduler.reset(session)
+        res["mixed"] = await mixed_pass(client, model, sizes, random.Random(1))
         if task.done():
             task.result()                     # the scheduler died: say why
     finally:
         task.cancel()
         await client.close()
+    return res
+
+
+async def mixed_pass(client: MemdClient, model: PagedDecoder, sizes: Sizes, rng: random.Random) -> dict[str, float]:
+    """Median ms of a decode step of CONCURRENT rows, of a prompt chunk after cached tokens, and of both as one pass.
+
+    The pages come from memd (Open with a reserve) and are freed after; what they hold does not matter to the
+    time, so nothing is prefilled. Passes run on a thread, as inferd's forward thread runs them."""
+    vocab, context = model.config.vocab_size, sizes.mixed_context
+    chunk = MAX_BATCH_TOKENS - CONCURRENT
+    opened = await client.step(*[Open(token_ids(rng, context, vocab), reserve=1) for _ in range(CONCURRENT)],
+                               Open(token_ids(rng, context + chunk, vocab)))
+    try:
+        decode = [([rng.randrange(2, vocab)], context, r.block_ids) for r in opened[:-1]]
+        joining = (token_ids(rng, chunk, vocab), context, opened[-1].block_ids)
+        batches = {"decode": build_batch(decode, BLOCK_SIZE), "chunk": build_batch([joining], BLOCK_SIZE),
+                   "mixed": build_batch([*decode[:CONCURRENT // 2], joining, *decode[CONCURRENT // 2:]], BLOCK_SIZE)}
+        times: dict[str, list[float]] = {name: [] for name in batches}
+        for batch in batches.values():
+            await asyncio.to_thread(model.forward, batch)                    # warm: this shape's first pass
+        for _ in range(sizes.mixed_trials):
+            for name, batch in batches.items():
+                start = time.perf_counter()
+                await asyncio.to_thread(model.forward, batch)
+                times[name].append((time.perf_counter() - start) * 1e3)
+    finally:
+        await client.step(*[Free(r.seq_id) for r in opened])
+    res = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+    res |= {"context": context, "chunk": chunk,
+            "ratio": res["mixed_ms"] / (res["decode_ms"] + res["chunk_ms"])}
     return res
 
 
@@ -470,6 +510,8 @@ def summarise(raw: dict) -> dict:
     res["ratio_b16"] = res["kvpool_b16_decode"] / res["hf_b1_decode"]
     res["ratio_ttft"] = recompute / reuse
     res["rpc_share"] = res["iterations_16"]["rpc_share"]
+    res["mixed_pass"] = raw["mixed"]
+    res["mixed_pass_ratio"] = raw["mixed"]["ratio"]
     return res
 
 
@@ -512,6 +554,14 @@ def report(res: dict, sizes: Sizes) -> str:
     rpc = table(rows)
     rpc += ("\nSteps and iterations are timed by wrapping client.step and Scheduler.iteration on their "
             "instances;\nforward runs on inferd's forward thread inside the iteration (or ran there ahead of it).")
+    m = res["mixed_pass"]
+    mixed = table([
+        [f"one pass (prompt joining {CONCURRENT} decode rows)", "median ms"],
+        [f"{CONCURRENT} decode rows, {m['context']} tokens of context each", f"{m['decode_ms']:.1f}"],
+        [f"a {m['chunk']}-token prompt chunk after {m['context']} cached", f"{m['chunk_ms']:.1f}"],
+        ["both in one pass", f"{m['mixed_ms']:.1f}"],
+    ])
+    mixed += f"\nboth / (decode + chunk): {m['ratio']:.2f}x (the decoder alone, on pages from memd)"
     targets = table([
         ["target (from the issue)", "measured", "target", "result"],
         ["kvpool 1 request / transformers 1 at a time (decode)", f"{res['ratio_b1']:.2f}x", f">= {TARGET_B1:.1f}x",
@@ -527,7 +577,7 @@ def report(res: dict, sizes: Sizes) -> str:
              f"{res['differ_at_eos']} more part where greedy picks </s> (kvpool's ignore_eos emits it, "
              f"transformers' min_new_tokens masks it);\nprefix-cache hits in the measured decode runs: "
              f"{res['measured_cached_tokens']} tokens")
-    return "\n\n".join([head, rates, ttft, rpc, targets, notes])
+    return "\n\n".join([head, rates, ttft, rpc, mixed, targets, notes])
 
 
 def served_main(args: argparse.Namespace, sizes: Sizes, work: dict) -> None:

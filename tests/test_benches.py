@@ -80,6 +80,8 @@ def test_the_served_inferd_bench_runs():
 def test_the_inferd_bench_runs():
     report = quick("bench_inferd.py")
     assert report["quick"] and report["kvpool_b1_decode"] > 0 and report["hf_b1_decode"] > 0
+    mixed = report["mixed_pass"]
+    assert min(mixed["decode_ms"], mixed["chunk_ms"], mixed["mixed_ms"]) > 0 and report["mixed_pass_ratio"] > 0
 
 
 def test_the_http_chat_bench_runs_and_only_its_reuse_runs_reuse():
