@@ -12,7 +12,11 @@ the whole team waits for it. A pass with little work loses more to that than
 it gains. Measured with a 4-layer, 256-wide model on 2 cores: a 16-sequence
 decode step took 7.6 ms on one thread and 13.2 ms on two while another
 process kept one core busy, and two threads only began to win at 512-token
-prefill chunks (41 ms on one, 35 ms on two). So a pass of fewer than
+prefill chunks (41 ms on one, 35 ms on two). Through `inferd serve --threads
+2` with 16 streams, two threads for every pass gave 563-744 tok/s against
+1,076-1,242 with one for the decode steps, and neither OpenMP's passive wait
+policy (627-701) nor a shorter spin (GOMP_SPINCOUNT=10000: 747-900) nor the
+event loop's thread at nice 10 closed the gap. So a pass of fewer than
 `PARALLEL_MIN_FLOPS` runs on one thread and a bigger one on all `--threads`.
 A 1B-parameter model does 2.4 GFLOP a token, so its every pass uses them all;
 only small models' decode steps stay on one.
