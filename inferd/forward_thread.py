@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,11 +38,18 @@ import torch
 from inferd.model import Batch, PagedDecoder, build_batch
 from inferd.sampling import SamplingParams, TokenLogprob, hold_eos, sample, token_logprobs
 
-__all__ = ["PARALLEL_MIN_FLOPS", "Ahead", "ForwardThread", "Sampled", "Sampling"]
+__all__ = ["PARALLEL_MIN_FLOPS", "Ahead", "ForwardThread", "PassObserver", "Sampled", "Sampling", "pass_kind"]
 
 PARALLEL_MIN_FLOPS = 2e9        # a pass with less matrix work than this runs on one CPU thread
 
 T = TypeVar("T")
+PassObserver = Callable[[str, float], None]     # (kind, seconds), called on the forward thread after each pass
+
+
+def pass_kind(batch: Batch) -> str:
+    """"decode" (one new token a sequence), "prefill" (prompts only) or "mixed" (prompts joining decode rows)."""
+    longest, shortest = max(batch.query_lens), min(batch.query_lens)
+    return "decode" if longest == 1 else "prefill" if shortest > 1 or len(batch.query_lens) == 1 else "mixed"
 
 
 @dataclass(slots=True)
@@ -101,6 +109,7 @@ class ForwardThread:
         self._ahead: _Speculation | None = None
         self._closed = False
         self.ahead_taken = self.ahead_dropped = 0   # passes run ahead and used, or thrown away
+        self.on_pass: PassObserver | None = None     # told each pass's kind and time (forward and sampling)
 
     def threads_for(self, tokens: int) -> int:
         """CPU threads for a pass over `tokens` new tokens (an accelerator's passes do not use them)."""
@@ -182,10 +191,12 @@ class ForwardThread:
         return fn(*args)
 
     def _step(self, batch: Batch, sampling: Sampling, ahead: Ahead | None) -> Sampled | None:
+        start = time.perf_counter()
         logits = self.model.forward(batch)
-        if not sampling.rows:
+        sampled = _sample(logits[sampling.rows], sampling) if sampling.rows else None
+        self._observe(batch, start)
+        if sampled is None:
             return None
-        sampled = _sample(logits[sampling.rows], sampling)
         if ahead is not None:
             self._run_ahead(ahead, sampling, sampled.tokens)
         return sampled
@@ -219,8 +230,10 @@ class ForwardThread:
                 spec.future.set_result(None)
                 return
         try:
+            start = time.perf_counter()
             logits = self._on_threads(self.threads_for(len(batch.token_ids)), self.model.forward, (batch,))
             sampled = _sample(logits, sampling)                    # every row of a pass run ahead gets a token
+            self._observe(batch, start)
         except BaseException as exc:
             spec.future.set_exception(exc)
             return
@@ -229,6 +242,11 @@ class ForwardThread:
         if go_on:                                     # taken already: the one after it is likely wanted too
             self._run_ahead(after, sampling, sampled.tokens)
         spec.future.set_result(sampled)
+
+    def _observe(self, batch: Batch, start: float) -> None:
+        """The pass's time up to its tokens: sampling reads them back, so on a GPU the pass has finished."""
+        if self.on_pass is not None:
+            self.on_pass(pass_kind(batch), time.perf_counter() - start)
 
 
 def _sample(raw: torch.Tensor, sampling: Sampling) -> Sampled:

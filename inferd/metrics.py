@@ -1,4 +1,4 @@
-"""inferd's Prometheus metrics: requests, tokens, TTFT/TPOT, preemptions, the batch.
+"""inferd's Prometheus metrics: requests, tokens, TTFT/TPOT, forward passes, preemptions, the batch.
 
 Finished requests are counted as they finish (`finished`). The batch's state
 lives on inferd's event loop, so a scrape reads it there, as memd's does.
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from inferd.service import MemdLink
 
 SCRAPE_TIMEOUT_S = 5.0
+PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -42,7 +43,17 @@ class InferdMetrics(Collector):
         self.tpot = Histogram("kvpool_inferd_time_per_output_token_seconds", "mean time per token after the first",
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
                               registry=self.registry)
+        # Observed on the forward thread (prometheus-client's metrics take a lock of their own): a mixed pass
+        # is a prompt chunk joining decode rows, and its time is how long those streams waited for a token.
+        passes = Histogram("kvpool_inferd_forward_pass_seconds",
+                           "forward passes and their sampling: decode steps, prompts, or prompts joining decode",
+                           ["kind"], buckets=PASS_BUCKETS, registry=self.registry)
+        self.passes = {kind: passes.labels(kind) for kind in ("decode", "prefill", "mixed")}
+        link.on_pass = self.forward_pass
         self.registry.register(self)
+
+    def forward_pass(self, kind: str, seconds: float) -> None:
+        self.passes[kind].observe(seconds)
 
     def serve(self, port: int, host: str) -> None:
         serve_metrics(self.registry, host, port)

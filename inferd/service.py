@@ -24,6 +24,7 @@ import structlog
 
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
 from inferd.fingerprint import model_fingerprint
+from inferd.forward_thread import PassObserver
 from inferd.metrics import InferdMetrics
 from inferd.model import PagedDecoder
 from inferd.sampling import BadParams, SamplingParams
@@ -81,6 +82,7 @@ class MemdLink:
         self.preemptions = 0                      # of schedulers gone with an earlier attachment
         self.reuse_checks = self.reuse_mismatches = 0     # likewise (--verify-reuse)
         self.ahead_taken = self.ahead_dropped = 0         # likewise: passes the forward thread ran ahead
+        self.on_pass: PassObserver | None = None          # each forward pass's kind and time (the metrics)
         # Health follows whether requests can be served: attached to memd and not draining.
         self.on_serving: Callable[[bool], Awaitable[None]] | None = None
         self._health: asyncio.Future[None] | None = None      # the health update a drain started
@@ -117,6 +119,7 @@ class MemdLink:
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
                               max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv,
                               verify_reuse=self.verify_reuse)
+        scheduler.forward_thread.on_pass = self.on_pass
         scheduler.adopt(self._carried)
         self._carried = []
         self.scheduler = scheduler

@@ -277,6 +277,19 @@ async def test_inferd_metrics_health_and_reflection(memd_factory, inferd_factory
     assert m["kvpool_inferd_attached"] == 1 and m["kvpool_inferd_running_requests"] == 0
     assert m["kvpool_inferd_preemptions_total"] == 0
     assert m['kvpool_inferd_passes_run_ahead_total{outcome="taken"}'] >= 1      # decode ran a pass ahead
+    passes = 'kvpool_inferd_forward_pass_seconds_count{{kind="{}"}}'.format
+    assert m[passes("prefill")] >= 1 and m[passes("decode")] >= 6 and m[passes("mixed")] == 0
+    async with grpc.aio.insecure_channel(inferd.address) as channel:
+        # A prompt arriving while another request decodes joins its pass.
+        running = pb_grpc.InferdStub(channel).Generate(
+            pb.GenerateRequest(prompt="Tell me a long story.", max_tokens=4000, ignore_eos=True))
+        got = 0
+        while got < 2:
+            got += len((await running.read()).token_ids)
+        assert len(await generate(channel, "Another question arrives.", 3)) == 3
+        running.cancel()
+    m = await asyncio.to_thread(scrape, port)
+    assert m[passes("mixed")] >= 1 and m['kvpool_inferd_forward_pass_seconds_bucket{kind="mixed",le="+Inf"}'] >= 1
     # Python's full collections in inferd since it attached: as many freezes as long ones at most
     assert m["kvpool_inferd_gc_full_collections_total"] >= m["kvpool_inferd_gc_freezes_total"]
     longest = m["kvpool_inferd_gc_longest_full_collection_seconds"]
