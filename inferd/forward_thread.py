@@ -244,7 +244,8 @@ class ForwardThread:
         spec.future.set_result(sampled)
 
     def _observe(self, batch: Batch, start: float) -> None:
-        """The pass's time up to its tokens: sampling reads them back, so on a GPU the pass has finished."""
+        """The pass's time up to its tokens: sampling reads them back, so on a GPU the pass has finished.
+        (A prompt chunk that samples nothing is not waited for there: its time is its launch's.)"""
         if self.on_pass is not None:
             self.on_pass(pass_kind(batch), time.perf_counter() - start)
 
