@@ -605,7 +605,11 @@ def served_main(args: argparse.Namespace, sizes: Sizes, work: dict) -> None:
     print(f"inferd serve bench: {res['cores']} cores, torch {res['torch']}, {sizes.new_tokens} new tokens per "
           f"request, {len(work['singles'])} single requests and {len(work['batches'])} batches per thread count\n")
     print(table(rows))
-    print("\ninferd's full garbage collections (each stops decode): " + ", ".join(
+    print("\ninferd's passes, as its metrics time them (mean ms each, with sampling): " + "; ".join(
+        f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: " + ", ".join(
+            f"{r[f'inferd_{kind}_passes']:.0f} {kind} {r[f'inferd_{kind}_pass_ms']:.2f}"
+            for kind in ("decode", "prefill", "mixed")) for r in runs))
+    print("inferd's full garbage collections (each stops decode): " + ", ".join(
         f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: {r['inferd_full_collections']:.0f}, longest "
         f"{r['inferd_longest_full_collection_ms']:.1f} ms" for r in runs))
     if args.json:

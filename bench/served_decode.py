@@ -96,6 +96,11 @@ def served(model_dir: Path, memd_address: str, tmp: Path, threads: int, work: di
            "hf_b1_decode": decode_rate([[r] for r in raw["hf_single"]]),
            "kvpool_b16_decode": decode_rate(raw["kv_batch"]),
            "hf_b16_padded_decode": decode_rate(raw["hf_batch"])}
+    for kind in ("decode", "prefill", "mixed"):          # the served inferd's own account of its passes
+        count = metrics[f'kvpool_inferd_forward_pass_seconds_count{{kind="{kind}"}}']
+        total = metrics[f'kvpool_inferd_forward_pass_seconds_sum{{kind="{kind}"}}']
+        res[f"inferd_{kind}_passes"] = count
+        res[f"inferd_{kind}_pass_ms"] = total / count * 1e3 if count else 0.0
     res["inferd_full_collections"] = metrics["kvpool_inferd_gc_full_collections_total"]
     res["inferd_longest_full_collection_ms"] = metrics["kvpool_inferd_gc_longest_full_collection_seconds"] * 1e3
     res["b1_ratio"] = res["kvpool_b1_decode"] / res["hf_b1_decode"]

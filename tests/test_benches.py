@@ -75,6 +75,7 @@ def test_the_served_inferd_bench_runs():
     report = quick("bench_inferd.py", "--served")
     assert report["decode_b1_ratio_vs_hf"] > 0 and report["decode_b16_ratio_vs_hf_padded"] > 0
     assert all(run["inferd_full_collections"] >= 0 for run in report["served"])     # inferd's metrics, scraped
+    assert all(run["inferd_decode_passes"] > 0 and run["inferd_decode_pass_ms"] > 0 for run in report["served"])
 
 
 def test_the_inferd_bench_runs():
