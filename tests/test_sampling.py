@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferd.sampling import BadParams, SamplingParams, sample
+from inferd.sampling import BadParams, SamplingParams, argmax_rows, sample
 
 LOGITS = torch.tensor([[0.0, 3.0, 2.5, -1.0, 1.0]])
 
@@ -18,6 +18,17 @@ def draws(params: SamplingParams, n: int = 400) -> set[int]:
 def test_greedy_takes_the_top_token_of_each_row():
     logits = torch.tensor([[0.1, 0.9, 0.0], [2.0, -1.0, 1.0]])
     assert sample(logits, [SamplingParams(), SamplingParams()], [None, None]) == [1, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_argmax_of_each_row_is_torchs_ties_and_nan_included(dtype):
+    logits = torch.randn(16, 4096, generator=torch.Generator().manual_seed(1)).to(dtype)
+    logits[3, 10] = logits[3, 20] = logits[3, 30] = 100.0            # a tie: the first one wins
+    logits[5, 7] = logits[5, 9] = float("nan")                        # NaN counts as the largest, first one wins
+    logits[6] = float("-inf")
+    expected = logits.argmax(-1).tolist()
+    assert argmax_rows(logits) == expected and expected[3] == 10 and expected[5] == 7 and expected[6] == 0
+    assert argmax_rows(logits[2:9:3]) == logits[2:9:3].argmax(-1).tolist()            # rows of a larger tensor
 
 
 def test_top_k_and_top_p_cut_the_tail():
