@@ -562,21 +562,25 @@ def bench_reclaim(ctx: mp.context.SpawnContext, memd: Memd, trials: int) -> list
     return out
 
 
-def bench_operator_calls(tmp: Path, pool: str, sessions: int) -> dict:
+def bench_operator_calls(tmp: Path, pool: str, sessions: int, quiet: int) -> dict:
     """The longest a Step waits while `memctl snapshot`, then `memctl check`, read every block of a `pool`
     of 1 KiB pages.
 
     The pool holds `sessions` parked sessions of 4 blocks each, as a busy
     memd does. The probe Steps (open a sequence, free it) run back to back
     from this process; memctl runs as an operator runs it, in its own
-    process (the snapshot written to a file). The same number of Steps
-    before it, with nothing else going on, is the quiet baseline. memd's
-    resident memory is read meanwhile, against its size before.
+    process (the snapshot written to a file). `quiet` Steps before it, with
+    nothing else going on, are the baseline: about as many as a snapshot
+    meets, so the longest of each is drawn from as many. A Step's wait also
+    counts the host's other processes (three on two cores here), so memd's
+    own account is read too: how long the call held its loop at a time
+    (kvpool_memd_operator_hold_seconds). memd's resident memory is read
+    meanwhile, against its size before.
     """
     port = free_port()
     memd = Memd(tmp, pool, "1KiB", "memd-snapshot", "--state-dir", "none", "--metrics-port", str(port))
     try:
-        out = asyncio.run(_operator_probe(memd, tmp, sessions))
+        out = asyncio.run(_operator_probe(memd, tmp, sessions, quiet, f"http://127.0.0.1:{port}/metrics"))
         metrics = scraped(f"http://127.0.0.1:{port}/metrics")
         out["memd_full_collections"] = metrics["kvpool_memd_gc_full_collections_total"]
         out["memd_longest_full_collection_ms"] = metrics["kvpool_memd_gc_longest_full_collection_seconds"] * 1e3
@@ -591,7 +595,7 @@ def _rss_bytes(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
+async def _operator_probe(memd: Memd, tmp: Path, sessions: int, quiet_steps: int, metrics_url: str) -> dict:
     from shared.client import MemdClient
 
     client = await MemdClient.attach(memd.address, name="probe", block_size=BLOCK_SIZE, map_memory=False)
@@ -607,12 +611,13 @@ async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
         await client.step(Free(opened[0].seq_id))
         return (time.perf_counter() - started) / 2
 
-    quiet = [await one_step() for _ in range(200)]
+    quiet = [await one_step() for _ in range(quiet_steps)]
     out = {"blocks": client.geometry.num_blocks, "sessions": sessions, "quiet_max_step_ms": max(quiet) * 1e3,
            "quiet_p50_step_ms": statistics.median(quiet) * 1e3, "quiet_p99_step_ms": _p99(quiet) * 1e3,
-           "quiet_steps_over_10ms": sum(wait > 0.010 for wait in quiet)}
+           "quiet_steps_over_10ms": sum(wait > 0.010 for wait in quiet), "quiet_steps": len(quiet)}
     for call in (["snapshot", "-o", str(tmp / "snap.msgpack")], ["check"]):
         steady = _rss_bytes(memd.proc.pid)
+        holds_before = await asyncio.to_thread(scraped, metrics_url)
         memctl = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "memd.memctl", "--address", memd.address, *call,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
@@ -630,9 +635,19 @@ async def _operator_probe(memd: Memd, tmp: Path, sessions: int) -> dict:
             raise RuntimeError(f"memctl {call[0]} failed: {err.strip()}")
         out[call[0]] = {"seconds": seconds, "steps_during": len(during), "max_step_wait_ms": max(during) * 1e3,
                         "p99_step_wait_ms": _p99(during) * 1e3, "steps_over_10ms": sum(w > 0.010 for w in during),
-                        "memd_rss_mib": steady / 2**20, "memd_rss_ratio": peak / steady}
+                        "memd_rss_mib": steady / 2**20, "memd_rss_ratio": peak / steady,
+                        **_holds(holds_before, await asyncio.to_thread(scraped, metrics_url))}
     await client.close()
     return out
+
+
+def _holds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """memd's holds of its loop between two scrapes: how many, and the bucket bound every one of them is under."""
+    name = "kvpool_memd_operator_hold_seconds"
+    count = after[f"{name}_count"] - before[f"{name}_count"]
+    buckets = sorted((float(key.split('"')[1]), key) for key in after if key.startswith(f"{name}_bucket{{"))
+    under = [bound for bound, key in buckets if after[key] - before.get(key, 0.0) == count]
+    return {"memd_holds": count, "memd_longest_hold_under_ms": under[0] * 1e3}
 
 
 def _p99(waits: list[float]) -> float:
@@ -740,18 +755,20 @@ def report(res: dict) -> str:
                       f"{statistics.median(ms):.2f}", f"{max(ms):.2f}"]])
     op = res["operator"]
     calls = [["operator call (memctl, its own process)", "blocks", "parked sessions", "seconds", "Steps meanwhile",
-             "longest Step ms", "p99 ms", "over 10 ms", "memd RSS MiB", "peak / steady"]]
+             "longest Step ms", "p99 ms", "over 10 ms", "memd's loop held: times", "each under ms", "memd RSS MiB",
+              "peak / steady"]]
     for name, what in (("snapshot", "snapshot, every block, to a file"), ("check", "check, every invariant")):
         o = op[name]
         calls.append([what, f"{op['blocks']:,}", f"{op['sessions']:,}", f"{o['seconds']:.2f}", str(o["steps_during"]),
                      f"{o['max_step_wait_ms']:.1f}", f"{o['p99_step_wait_ms']:.2f}", str(o["steps_over_10ms"]),
-                     f"{o['memd_rss_mib']:.0f}", f"{o['memd_rss_ratio']:.2f}x"])
-    calls.append(["quiet (before)", "", "", "", "200",
+                     f"{o['memd_holds']:,.0f}", f"{o['memd_longest_hold_under_ms']:g}", f"{o['memd_rss_mib']:.0f}",
+                     f"{o['memd_rss_ratio']:.2f}x"])
+    calls.append(["quiet (before)", "", "", "", str(op["quiet_steps"]),
                   f"{op['quiet_max_step_ms']:.1f} (p50 {op['quiet_p50_step_ms']:.2f})",
-                  f"{op['quiet_p99_step_ms']:.2f}", str(op["quiet_steps_over_10ms"]), "", ""])
+                  f"{op['quiet_p99_step_ms']:.2f}", str(op["quiet_steps_over_10ms"]), "", "", "", ""])
     calls.append([f"memd's full garbage collections meanwhile: {op['memd_full_collections']:.0f} "
                   f"(unreachable objects found: {op['memd_full_collected']:.0f})", "", "", "", "",
-                  f"longest {op['memd_longest_full_collection_ms']:.1f}", "", "", "", ""])
+                  f"longest {op['memd_longest_full_collection_ms']:.1f}", "", "", "", "", "", ""])
     snapshot = table(calls)
     fc = res["full_collections"]
     snapshot += "\n\n" + table(
@@ -829,8 +846,10 @@ def main() -> None:
         finally:
             memd.kill()
         res["operator"] = bench_operator_calls(Path(tmp), "100MiB" if args.quick else "1GiB",
-                                               512 if args.quick else 10_000)
+                                               512 if args.quick else 10_000, 200 if args.quick else 4_000)
         res["snapshot_1m_max_step_wait_ms"] = res["operator"]["snapshot"]["max_step_wait_ms"]
+        res["snapshot_1m_memd_hold_under_ms"] = res["operator"]["snapshot"]["memd_longest_hold_under_ms"]
+        res["check_1m_memd_hold_under_ms"] = res["operator"]["check"]["memd_longest_hold_under_ms"]
         res["check_1m_max_step_wait_ms"] = res["operator"]["check"]["max_step_wait_ms"]
         res["snapshot_memd_rss_ratio"] = res["operator"]["snapshot"]["memd_rss_ratio"]
         res["full_collections"] = bench_full_collections(ctx, 10_000 if args.quick else 100_000)

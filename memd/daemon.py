@@ -32,6 +32,7 @@ from memd.scrub import Scrubber
 from memd.service import MemdService
 from memd.startup import Startup, StartupError
 from memd.state import Layout, StateDir
+from memd.state_copy import Pacer
 from memd.swap import SwapMemory
 from memd.token_files import Credentials
 from memd.wiring import Parts, new_manager, wire
@@ -83,6 +84,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
             except MetricsPortError as exc:
                 raise StartupError(str(exc)) from None
             parts.service.step_seconds = metrics.step_seconds
+            Pacer.observe = metrics.operator_holds.observe
         target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
                                                      startup.sock_path, stack)
         # What start-up made (modules, the recovered state) lives as long as memd: out of the collector's way,

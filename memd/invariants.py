@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from memd.manager import KvManager
     from memd.pool import BlockPool
 
-SLICE = 2_048               # blocks, queue links or swap slots checked between two turns of the loop: ~0.5 ms
+SLICE = 512                 # blocks, queue links or swap slots checked between two turns of the loop: ~1 ms
 SEQ_SLICE = 256             # sequences checked between two turns of the loop
+SESSION_SLICE = 2_048       # sessions, or sequences' swap slots, looked up between two turns of the loop
 
 
 def violations(m: KvManager) -> list[str]:
@@ -45,7 +46,8 @@ async def violations_between_steps(m: KvManager) -> list[str]:
         copy, pacer = await state_copy.take(m, checked=True), state_copy.Pacer()
         for _ in _manager_rules(copy, m.pool, problems):
             await pacer.pause()
-        del copy
+        pacer.held()
+        await copy.drop()                       # a slice at a time: dropped at once, 10k sequences held the loop
     return problems
 
 
@@ -133,10 +135,12 @@ def _manager_rules(c: StateCopy, pool: BlockPool, out: list[str]) -> Iterator[No
             if counted != refs[i]:
                 out.append(f"block {start + i} has ref count {refs[i]} but {counted} table reference(s)")
         yield
-    for session, seq_id in c.sessions.items():
+    for n, (session, seq_id) in enumerate(c.sessions.items(), 1):
         seq = c.seqs.get(seq_id)
         if seq is None or not seq.has_session or seq.session_id != session:
             out.append(f"session {session!r} maps to sequence {seq_id}, which is not its sequence")
+        if n % SESSION_SLICE == 0:
+            yield
     yield from _swap_rules(c, out)
 
 
@@ -194,9 +198,11 @@ def _swap_rules(c: StateCopy, out: list[str]) -> Iterator[None]:
         else:
             owners[slot] = owner
 
-    for seq in c.seqs.values():
+    for n, seq in enumerate(c.seqs.values(), 1):
         for slot in seq.slots:
             claim(slot, f"sequence {seq.seq_id}")
+        if n % SESSION_SLICE == 0:
+            yield
     for slot in swap.in_copy:
         claim(slot, "a copy in flight")
     for n, slot in enumerate(swap.free, 1):

@@ -3,8 +3,8 @@
 Served by prometheus-client's HTTP server on its own thread. The pool's state
 lives on memd's event loop and changes under it, so a scrape does not read it
 from the HTTP thread: it asks the loop for one consistent reading
-(`run_coroutine_threadsafe`) and renders that. Only the Step latency histogram
-is updated as things happen.
+(`run_coroutine_threadsafe`) and renders that. Only the histograms (Step
+latency, operator calls' holds on the loop) are updated as things happen.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ class MemdMetrics(Collector):
             "kvpool_memd_step_duration_seconds", "Step RPC latency in memd, page effects included",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=self.registry)
+        # Snapshots and checks run between Steps a slice at a time (memd.state_copy.Pacer): each slice is how
+        # long a Step could have waited for one. A Step's own latency also counts the host's other processes.
+        self.operator_holds = Histogram(
+            "kvpool_memd_operator_hold_seconds",
+            "how long an operator call (snapshot, check) held memd's event loop at a time, between Steps",
+            buckets=(0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=self.registry)
         self.registry.register(self)
 
     def serve(self, port: int, host: str) -> None:

@@ -247,7 +247,7 @@ class MemdService(pb_grpc.MemdServicer):
 
         with collections_paused():                 # the copy's rows would set off a full collection
             view = await SnapshotView.take(m, request, workers, self.generation)   # of one instant, between Steps
-            pacer = Pacer()
+            pacer = Pacer(observed=False)            # the replies time their own slices: these wait on writes
             async for reply in view.replies():
                 yield Serialized(reply)
                 await pacer.pause()

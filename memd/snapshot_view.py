@@ -27,6 +27,8 @@ from shared.rpc import memd_pb2 as pb
 BlockValues = tuple[int, int, float, str, float, Sequence[int], Sequence[int]]
 CHUNK_ROWS = 512            # rows per reply message: about a millisecond to build and serialize
 PACKED_CHUNK_ROWS = 1_024   # packed blocks per reply message: made in C, about as long as CHUNK_ROWS rows
+NAMED_CHUNK_ROWS = 128      # of them at most, blocks sequences hold or fences name: each made in Python, 5-7 us
+SEQ_CHUNK_ROWS = 128        # sequence rows per reply message: 8-10 us each
 UNNAMED_STATES = ("free", "cached")    # a block no sequence holds and no fence names, by whether it is cached
 SEQS_SLICE = 512            # sequences indexed or filtered between two turns of the loop
 
@@ -57,20 +59,28 @@ class SnapshotView:
         """
         yield pb.SnapshotReply(taken_at=self.taken_at, block_bytes=self.block_bytes, workers=self.workers,
                                generation=self.generation).SerializeToString()
+        # A slice of the loop ends at each message, as at each pause: the stream writes it, then paces the next.
+        pacer = state_copy.Pacer()
         if self.blocks:
-            for chunk in self._block_chunks(await self._holders()):
+            holders = await self._holders()
+            pacer.resumed()
+            for chunk in self._block_chunks(holders):
+                pacer.held()
                 yield chunk
-        want, pacer = self.request, state_copy.Pacer()
-        reply = pb.SnapshotReply()
+                pacer.resumed()
+        want, reply = self.request, pb.SnapshotReply()
         for n, s in enumerate(self.state.seqs.values(), 1):
             if (not want.state or s.state == want.state) \
                     and (not want.worker_id or (s.owner == want.worker_id and s.running)):
                 self._seq_row(reply.sequences.add(), s)
-                if len(reply.sequences) == CHUNK_ROWS:
+                if len(reply.sequences) == SEQ_CHUNK_ROWS:
+                    pacer.held()
                     yield reply.SerializeToString()
+                    pacer.resumed()
                     reply = pb.SnapshotReply()
             if n % SEQS_SLICE == 0:                 # a filter may pass over many before it shows one
                 await pacer.pause()
+        pacer.held()
         if reply.sequences:
             yield reply.SerializeToString()
 
@@ -119,8 +129,11 @@ class SnapshotView:
         named = sorted({*holders, *fenced})
         at, start = 0, 0                                  # into `named`; the first block of the slice
         for refs, touched, cached in zip(blocks.ref, blocks.last_access, blocks.cached, strict=True):
-            for lo in range(0, len(refs), PACKED_CHUNK_ROWS):
+            lo = 0
+            while lo < len(refs):
                 hi = min(lo + PACKED_CHUNK_ROWS, len(refs))
+                if at + NAMED_CHUNK_ROWS < len(named):      # at most NAMED_CHUNK_ROWS named blocks in a chunk
+                    hi = min(hi, named[at + NAMED_CHUNK_ROWS] - start)
                 first, end = start + lo, start + hi
                 rows: list[BlockValues] = list(zip(
                     range(first, end), refs[lo:hi].tolist(), touched[lo:hi].tolist(),
@@ -132,6 +145,7 @@ class SnapshotView:
                     rows[i] = self._block_row(block, rows[i][1], rows[i][2], cached[lo + i], holders, fenced)
                     at += 1
                 yield pb.SnapshotReply(packed_blocks=[msgpack.packb(rows)]).SerializeToString()
+                lo = hi
             start += len(refs)
 
     def _block_rows(self, holders: dict[int, list[SeqCopy]]) -> Iterator[BlockValues]:

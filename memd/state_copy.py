@@ -29,9 +29,9 @@ import asyncio
 import itertools
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from memd.sequences import SeqState, Sequence
 
@@ -54,15 +54,35 @@ class Pacer:
     (the request read, the handler, the reply written), and would meet a
     slice at each; at half the loop's time an operator call takes twice as
     long, and a Step meets at most about one slice.
+
+    Each slice's length goes to `Pacer.observe` when memd serves metrics
+    (kvpool_memd_operator_hold_seconds): how long an operator call held the
+    loop at a time, apart from what else kept a Step waiting on a busy host.
     """
 
-    __slots__ = ("_since",)
+    observe: ClassVar[Callable[[float], None] | None] = None
+    __slots__ = ("_observed", "_since")
 
-    def __init__(self) -> None:
+    def __init__(self, *, observed: bool = True) -> None:
+        """`observed=False`: a pacer that only paces, where the slices between its pauses wait on other things."""
         self._since = time.perf_counter()
+        self._observed = observed
 
     async def pause(self) -> None:
-        await asyncio.sleep(min(MAX_PAUSE_S, time.perf_counter() - self._since))
+        held = self.held()
+        await asyncio.sleep(min(MAX_PAUSE_S, held))
+        self.resumed()
+
+    def held(self) -> float:
+        """The slice since the loop last came back, observed: call it wherever a slice ends without a pause
+        (the last one, or one that ends in a yield to a stream)."""
+        held = time.perf_counter() - self._since
+        if self._observed and Pacer.observe is not None:
+            Pacer.observe(held)
+        return held
+
+    def resumed(self) -> None:
+        """A slice starts: the loop came back after an await of something else."""
         self._since = time.perf_counter()
 
 
@@ -205,6 +225,7 @@ async def take(manager: KvManager, *, blocks: bool = True, checked: bool = False
     copy, pacer = StateCopy(manager.heat_decay, manager.heat_interval_s, manager.pool.num_blocks), Pacer()
     for _ in _steps(manager, copy, blocks or checked, checked):
         await pacer.pause()
+    pacer.held()                                    # the last stretch: the changes copied again in one go
     return copy
 
 
@@ -278,7 +299,9 @@ def _steps(manager: KvManager, copy: StateCopy, blocks: bool, checked: bool) -> 
             _copy_pool_totals(pool, copy)
             if swap is not None:
                 kept = min(low_mark[0], len(free_slots))        # below it the stack is as it was copied
-                copy.swap = SwapCopy(swap.num_slots, free_slots[:kept] + swap.free_slots(kept),
+                del free_slots[kept:]                           # in place: a million slots copied took ms
+                free_slots += swap.free_slots(kept)
+                copy.swap = SwapCopy(swap.num_slots, free_slots,
                                      frozenset(swap.in_copy),
                                      {seq_id: _job_problem(manager, seq_id, job.seq, job.blocks)
                                       for seq_id, job in manager.swap_jobs.items()})

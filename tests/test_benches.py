@@ -35,6 +35,8 @@ def assert_the_memd_bench_ran(report: dict) -> None:
     assert report["manager_blocks_per_s"] > 0 and report["journal_max_rewrite_flush_ms"] > 0
     assert report["step_rate_ratio_vs_echo"] > 0 and report["step_rate_ratio_vs_stream_echo"] > 0
     assert report["check_1m_max_step_wait_ms"] > 0 and report["snapshot_1m_max_step_wait_ms"] > 0
+    assert report["operator"]["snapshot"]["memd_holds"] > 0 and report["operator"]["check"]["memd_holds"] > 0
+    assert report["snapshot_1m_memd_hold_under_ms"] > 0 and report["check_1m_memd_hold_under_ms"] > 0
     assert [run["clients"] for run in report["step_rpc"]] == [1, 2] and report["reclaim_ms"]
     # both collector policies collected while 10k sessions came, and memd served its own collections' figures
     assert report["full_collections"]["memd"]["full_collections"] >= 1 and report["full_collection_longest_ms"] > 0

@@ -62,6 +62,14 @@ async def test_metrics_show_the_pool_swap_sequences_evictions_and_step_latency(m
     # Python's full collections in memd since start-up: as many freezes as long ones at most
     assert m["kvpool_memd_gc_full_collections_total"] >= m["kvpool_memd_gc_freezes_total"]
     assert m["kvpool_memd_gc_longest_full_collection_seconds"] <= m["kvpool_memd_gc_full_collection_seconds_total"]
+    # An operator's snapshot and check hold the loop a slice at a time, and each slice is timed
+    assert m["kvpool_memd_operator_hold_seconds_count"] == 0
+    async with memd.admin() as admin:
+        await admin.snapshot()
+        await admin.check()
+    after = await asyncio.to_thread(scrape, port)
+    assert after["kvpool_memd_operator_hold_seconds_count"] >= 2
+    assert after["kvpool_memd_operator_hold_seconds_sum"] > 0
 
 
 async def test_health_says_serving_and_reflection_lists_the_services(memd):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
+
 from memd import snapshots, views
-from memd.snapshot_view import CHUNK_ROWS, PACKED_CHUNK_ROWS, SnapshotView
+from memd.snapshot_view import CHUNK_ROWS, NAMED_CHUNK_ROWS, PACKED_CHUNK_ROWS, SnapshotView
 from shared.ops import Free, Open, Park
 from shared.rpc import memd_pb2 as pb
 
@@ -86,6 +88,9 @@ async def test_packed_blocks_read_back_as_the_same_rows_in_every_format(local_me
 
     rows, packed = await reply(False), await reply(True)
     assert not packed.blocks and len(packed.packed_blocks) > 2 and len(rows.blocks) > 2 * PACKED_CHUNK_ROWS
+    # a part holds at most NAMED_CHUNK_ROWS held blocks (each made in Python), so the held ones make more parts
+    held_per_part = [sum(1 for row in msgpack.unpackb(part) if row[5]) for part in packed.packed_blocks]
+    assert max(held_per_part) == NAMED_CHUNK_ROWS and sum(held_per_part) > 2 * NAMED_CHUNK_ROWS
     assert {row.state for row in rows.blocks} >= {"running", "parked", "cached", "free"}
     assert any(row.heat > 0 for row in rows.blocks)
     for fmt in ("json", "msgpack"):
