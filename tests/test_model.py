@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import sys
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 from inferd.checkpoint import CheckpointError, load_weights, read_config
+from inferd.layer_stack import DecodeGraphs
 from inferd.model import PagedDecoder, build_batch
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
@@ -155,6 +159,41 @@ def test_a_decoder_with_traced_graphs_goes_with_its_last_reference(checkpoint):
     gone = [weakref.ref(model), weakref.ref(model.layers[0][1]), weakref.ref(model.kv)]
     del model
     assert [ref() for ref in gone] == [None, None, None]
+
+
+def test_a_decode_graph_runs_to_its_end_while_another_thread_holds_the_gil(checkpoint, monkeypatch):
+    # inferd's forward thread runs the graph while its event loop runs Python. torch takes the GIL to let go
+    # of a tensor Python can see: were any input let go inside the graph, the step would stop there until
+    # the loop gave the GIL up. Here the test's thread keeps it (no forced switch for a minute) and watches
+    # the pool, in Python, for the last layer's V of the step's new token.
+    config = read_config(checkpoint)
+    pool = torch.zeros(16, *config.page_shape(BS))
+    model = PagedDecoder(config, load_weights(checkpoint, config.dtype), pool)
+    model.forward(build_batch([([5], 2, [0]), ([6], 5, [1, 2])], BS))          # traced on its first step
+    entering = threading.Event()
+    run = DecodeGraphs.run
+
+    def announced(graphs: DecodeGraphs, *args: object) -> torch.Tensor:
+        entering.set()                          # nothing from here to the graph lets the GIL go
+        return run(graphs, *args)
+
+    monkeypatch.setattr(DecodeGraphs, "run", announced)
+    new_v = pool.numpy()[0, config.num_layers - 1, 1, 3]       # token 3 of the first sequence: block 0, slot 3
+    assert not new_v.any()
+    step = threading.Thread(target=model.forward, args=(build_batch([([7], 3, [0]), ([8], 6, [1, 2])], BS),))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        step.start()
+        entering.wait()                          # back with the GIL once the graph has let it go
+        deadline, written = time.perf_counter() + 20.0, False
+        while not written and time.perf_counter() < deadline:
+            written = bool(new_v.any())          # numpy, on a few values: the GIL stays here
+    finally:
+        sys.setswitchinterval(switch)
+        step.join()
+    assert written, "the decode graph stopped for the GIL before its last layer"
+    assert model.decode_graphs == ["batch"]
 
 
 async def test_a_cached_prefix_is_reused_not_recomputed(worker, reference):
