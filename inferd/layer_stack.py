@@ -1,21 +1,26 @@
-"""The decoder's layers as a function of tensors and the config alone, and its decode steps as traced graphs.
+"""The decoder's layers as a function of tensors and the config alone, and its passes as traced graphs.
 
 `LayerStack.run` is every layer of a forward pass: RMS norm, fused QKV, RoPE
 on Q and K at once, the new K/V written into the pool's pages, attention over
 each sequence's pages gathered through its block table, the MLP. It holds no
 tensor: the weights are an argument, so a graph traced from it keeps none.
 
-`DecodeGraphs` traces `run` for a decode step (one new token per sequence)
-once per kind, with torch.jit.trace: "batch" (several sequences, a key mask)
-and "single" (one sequence, its keys cut to a stand-in tensor's length, which
-the trace keeps symbolic). A traced graph runs its ops in C++ without taking
-the GIL between them. The eager layers take it back after every op, so on
-inferd's forward thread they wait behind the event loop's Python work: with
-the loop busy 75% of the time, a 16-sequence decode step of the bench model
-took 32-36 ms eager and 11-13 ms traced (7.5-7.9 ms traced, 8.7-10.6 eager
-with the loop quiet). A graph holds the same ops, so its results are the
-eager ones bit for bit, and nothing in it depends on a shape: one graph
-serves every batch size and context length.
+`PassGraphs` traces `run` once per kind of pass, with torch.jit.trace:
+"batch" (a decode step of several sequences, a key mask), "single" (one
+sequence's decode step, its keys cut to a stand-in tensor's length, which the
+trace keeps symbolic), "prompt" (one sequence's whole prompt, causal, keys
+cut the same way) and "chunk" (one sequence's new tokens after its cached
+ones, a query-by-key mask). A pass mixing decode rows with prompts runs
+eager. A traced graph runs its ops in C++ without taking the GIL between
+them. The eager layers take it back after every op, so on inferd's forward
+thread they wait behind the event loop's Python work: with the loop busy 75%
+of the time, a 16-sequence decode step of the bench model took 32-36 ms eager
+and 11-13 ms traced (7.5-7.9 ms traced, 8.7-10.6 eager with the loop quiet);
+with a thread keeping the GIL two thirds of the time, a 64-token prompt took
+28 ms eager and 12.5 traced (9.5 and 8.4 quiet), a 512-token one 94 and 77.
+A graph holds the same ops, so its results are the eager ones bit for bit,
+and nothing in it depends on a shape: one graph serves every batch size,
+prompt and context length.
 
 A graph's inputs must not be released inside it. torch ties each tensor
 Python can see to its Python object: when the last reference other than the
@@ -136,8 +141,8 @@ class LayerStack:
         return out.transpose(1, 2).reshape(-1, c.num_heads * c.head_dim)
 
 
-class DecodeGraphs:
-    """A decoder's traced decode steps, one graph per kind, each traced on its first step."""
+class PassGraphs:
+    """A decoder's traced passes, one graph per kind, each traced on its first pass."""
 
     def __init__(self, stack: LayerStack, layers: list[Layer]) -> None:
         self.stack, self.layers = stack, layers
@@ -151,16 +156,20 @@ class DecodeGraphs:
         return sorted(kind for kind, graph in self._graphs.items() if graph is not None)
 
     def run(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout | SplitAttention) -> torch.Tensor:
-        """`LayerStack.run` of this pass: through its kind's graph where it is a decode step, else eager.
+        """`LayerStack.run` of this pass: through its kind's graph, or eager where it mixes sequences' prompts.
 
         The layout says which: a mask and no key length is a decode step of several sequences; keys cut to
-        a length with neither mask nor causality, one sequence's (its one new token sees every key)."""
+        a length with no mask, one sequence's decode step (its one new token sees every key) or, causal, its
+        whole prompt; keys cut to the mask's width, one sequence's chunk after its cached tokens."""
         if isinstance(layout, SplitAttention):
             return self.stack.run(*args, layout, self.layers)
         if layout.mask is not None and layout.key_len is None:
             kind, stand_in = "batch", layout.mask
-        elif layout.key_len is not None and layout.mask is None and not layout.causal:
-            kind, stand_in = "single", torch.empty(layout.key_len, dtype=torch.uint8)    # only its length counts
+        elif layout.key_len is not None and layout.mask is None:
+            kind = "prompt" if layout.causal else "single"
+            stand_in = torch.empty(layout.key_len, dtype=torch.uint8)    # only its length counts
+        elif layout.key_len is not None and layout.key_len == layout.mask.shape[-1] and not layout.causal:
+            kind, stand_in = "chunk", layout.mask
         else:
             return self.stack.run(*args, layout, self.layers)
         inputs = (*args, stand_in, *self._weights)
@@ -172,7 +181,7 @@ class DecodeGraphs:
             except Exception as exc:
                 h = self.stack.run(*args, layout, self.layers)    # a fault of the pass itself raises here, and
                 self._graphs[kind] = None                          # tracing is tried again on the next one
-                log.warning("decode steps run eager: tracing them failed", kind=kind, error=str(exc))
+                log.warning("passes of this kind run eager: tracing them failed", kind=kind, error=str(exc))
                 return h
         graph = self._graphs[kind]
         if graph is None:
@@ -186,14 +195,19 @@ class DecodeGraphs:
 
 def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leading: int,
            inputs: tuple[torch.Tensor, ...]) -> torch.jit.ScriptFunction:
-    """`stack.run` of a decode step of `kind`, traced: the `leading` inputs are the pass's, then the weights.
+    """`stack.run` of a pass of `kind`, traced: the `leading` inputs are the pass's, then the weights.
 
     Module-level, closing over no decoder: torch keeps every traced function for
     the process's life, and one holding a decoder would hold its weights and pool."""
-    def decode_layers(*tensors: torch.Tensor) -> torch.Tensor:
+    def layers_of_a_pass(*tensors: torch.Tensor) -> torch.Tensor:
         *args, stand_in = tensors[:leading]
         weights = iter(tensors[leading:])
         layers = [tuple(next(weights) if there else None for there in layer) for layer in present]
-        layout = AttentionLayout(stand_in, None) if kind == "batch" else AttentionLayout(None, stand_in.shape[0])
+        if kind == "batch":
+            layout = AttentionLayout(stand_in, None)
+        elif kind == "chunk":
+            layout = AttentionLayout(stand_in, stand_in.shape[-1])
+        else:
+            layout = AttentionLayout(None, stand_in.shape[0], causal=kind == "prompt")
         return stack.run(*args, layout, layers)    # type: ignore[arg-type]
-    return torch.jit.trace(decode_layers, inputs, check_trace=False)
+    return torch.jit.trace(layers_of_a_pass, inputs, check_trace=False)

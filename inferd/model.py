@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
-from inferd.layer_stack import AttentionGroup, AttentionLayout, DecodeGraphs, LayerStack, SplitAttention
+from inferd.layer_stack import AttentionGroup, AttentionLayout, LayerStack, PassGraphs, SplitAttention
 
 
 @dataclass(slots=True)
@@ -77,7 +77,7 @@ class PagedDecoder:
     """Weights plus the pool view; `forward` returns the logits of each sequence's last new token."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor,
-                 device: torch.device | str = "cpu", *, traced_decode: bool = True) -> None:
+                 device: torch.device | str = "cpu", *, traced: bool = True) -> None:
         self.config = config
         self.device = torch.device(device)
         self.kv = kv                                   # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
@@ -102,11 +102,12 @@ class PagedDecoder:
                                 w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self._stack = LayerStack(config)
-        self._graphs = DecodeGraphs(self._stack, self.layers) if traced_decode else None
+        self._graphs = PassGraphs(self._stack, self.layers) if traced else None
 
     @property
-    def decode_graphs(self) -> list[str]:
-        """The kinds of decode step ("batch": several sequences, "single": one) that run as a traced graph."""
+    def traced_graphs(self) -> list[str]:
+        """The kinds of pass that run as a traced graph: "batch" (a decode step of several sequences),
+        "single" (of one), "prompt" (one whole prompt) and "chunk" (one sequence's tokens after its cached ones)."""
         return self._graphs.kinds if self._graphs is not None else []
 
     def flops_per_token(self) -> int:
@@ -121,8 +122,9 @@ class PagedDecoder:
         A decode step of a small model is mostly the cost of launching ops, so each layer launches
         few: Q and K are rotated together (a half-turn `roll` with a signed sine stands for
         rotate_half), and K and V go into the pool in one write. Each op still rounds where
-        transformers' does, so a bfloat16 model's logits match its bit for bit. A decode step runs
-        its layers as one traced graph (inferd.layer_stack.DecodeGraphs).
+        transformers' does, so a bfloat16 model's logits match its bit for bit. A pass of one kind
+        (a decode step, one sequence's prompt or chunk) runs its layers as one traced graph
+        (inferd.layer_stack.PassGraphs).
         """
         c = self.config
         pages = self.kv if kv is None else kv

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inferd.checkpoint import CheckpointError, load_weights, read_config
-from inferd.layer_stack import DecodeGraphs
+from inferd.layer_stack import PassGraphs
 from inferd.model import PagedDecoder, build_batch
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
@@ -125,7 +125,7 @@ async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, 
     opened = await client.step(*[Open(p, reserve=8) for p in prompts])
     logits = model.forward(build_batch([(p, 0, r.block_ids) for p, r in zip(prompts, opened, strict=True)], BS))
     # The eager decoder on a copy of the pages: what each writes is compared too, not only what each reads.
-    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced_decode=False)
+    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False)
     histories = [list(p) for p in prompts]
     for step in range(6):                      # one graph for every batch size and context length
         rows = range(len(prompts)) if step % 2 else range(1, 3)
@@ -133,7 +133,7 @@ async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, 
         batch = build_batch([([chosen[i]], len(histories[i]), opened[i].block_ids) for i in rows], BS)
         logits = model.forward(batch)
         assert torch.equal(logits, eager.forward(batch))
-        assert model.decode_graphs == ["batch"] and eager.decode_graphs == []
+        assert model.traced_graphs == ["batch"] and eager.traced_graphs == []
         for i in rows:
             histories[i].append(chosen[i])
         if len(rows) != len(prompts):          # a row for every sequence again: their newest tokens once more
@@ -145,7 +145,26 @@ async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, 
         batch = build_batch([([7], len(histories[i]), opened[i].block_ids)], BS)
         assert torch.equal(model.forward(batch), eager.forward(batch))
         histories[i].append(7)
-    assert model.decode_graphs == ["batch", "single"]
+    assert model.traced_graphs == ["batch", "single"]
+    assert torch.equal(model.kv, eager.kv)
+
+
+async def test_one_sequences_prompts_and_chunks_run_as_traced_graphs_with_the_eager_results(worker, checkpoint):
+    client, model = worker
+    config = read_config(checkpoint)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 17, 2)]
+    opened = await client.step(*[Open(p, reserve=16) for p in prompts])
+    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False)
+    for prompt, seq in zip(prompts, opened, strict=True):        # each alone: one graph for every length
+        batch = build_batch([(prompt, 0, seq.block_ids)], BS)
+        assert torch.equal(model.forward(batch), eager.forward(batch))
+    assert model.traced_graphs == ["prompt"]
+    for prompt, seq in zip(prompts, opened, strict=True):        # then more tokens after the cached ones
+        more = [rng.randrange(3, 500) for _ in range(len(prompt) % 5 + 2)]
+        batch = build_batch([(more, len(prompt), seq.block_ids)], BS)
+        assert torch.equal(model.forward(batch), eager.forward(batch))
+    assert model.traced_graphs == ["chunk", "prompt"] and eager.traced_graphs == []
     assert torch.equal(model.kv, eager.kv)
 
 
@@ -155,7 +174,7 @@ def test_a_decoder_with_traced_graphs_goes_with_its_last_reference(checkpoint):
     model = PagedDecoder(config, load_weights(checkpoint, config.dtype), torch.zeros(16, *config.page_shape(BS)))
     model.forward(build_batch([([5], 3, [0]), ([6], 5, [1, 2])], BS))
     model.forward(build_batch([([5], 4, [0, 3])], BS))
-    assert model.decode_graphs == ["batch", "single"]
+    assert model.traced_graphs == ["batch", "single"]
     gone = [weakref.ref(model), weakref.ref(model.layers[0][1]), weakref.ref(model.kv)]
     del model
     assert [ref() for ref in gone] == [None, None, None]
@@ -171,13 +190,13 @@ def test_a_decode_graph_runs_to_its_end_while_another_thread_holds_the_gil(check
     model = PagedDecoder(config, load_weights(checkpoint, config.dtype), pool)
     model.forward(build_batch([([5], 2, [0]), ([6], 5, [1, 2])], BS))          # traced on its first step
     entering = threading.Event()
-    run = DecodeGraphs.run
+    run = PassGraphs.run
 
-    def announced(graphs: DecodeGraphs, *args: object) -> torch.Tensor:
+    def announced(graphs: PassGraphs, *args: object) -> torch.Tensor:
         entering.set()                          # nothing from here to the graph lets the GIL go
         return run(graphs, *args)
 
-    monkeypatch.setattr(DecodeGraphs, "run", announced)
+    monkeypatch.setattr(PassGraphs, "run", announced)
     new_v = pool.numpy()[0, config.num_layers - 1, 1, 3]       # token 3 of the first sequence: block 0, slot 3
     assert not new_v.any()
     step = threading.Thread(target=model.forward, args=(build_batch([([7], 3, [0]), ([8], 6, [1, 2])], BS),))
@@ -193,7 +212,7 @@ def test_a_decode_graph_runs_to_its_end_while_another_thread_holds_the_gil(check
         sys.setswitchinterval(switch)
         step.join()
     assert written, "the decode graph stopped for the GIL before its last layer"
-    assert model.decode_graphs == ["batch"]
+    assert model.traced_graphs == ["batch"]
 
 
 async def test_a_cached_prefix_is_reused_not_recomputed(worker, reference):
