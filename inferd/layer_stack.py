@@ -54,6 +54,7 @@ warnings.filterwarnings("ignore", message=r"`torch\.jit\.trace` is deprecated", 
 
 Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
               torch.Tensor]    # ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down
+Around = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]     # embed, RoPE's inv_freq, norm, lm_head
 
 
 @dataclass(slots=True)
@@ -94,6 +95,25 @@ class LayerStack:
         if x.dtype == torch.float32:
             return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         return weight * F.rms_norm(x.float(), weight.shape, None, self.config.rms_norm_eps).to(x.dtype)
+
+    def logits(self, token_ids: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor,
+               slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, block_tables: torch.Tensor,
+               last: torch.Tensor, layout: AttentionLayout | SplitAttention, around: Around,
+               layers: list[Layer]) -> torch.Tensor:
+        """A whole pass: the new tokens' embeddings and RoPE angles, every layer, the logits of the `last` rows.
+
+        Q and K are rotated together: a half-turn `roll` with a signed sine stands for rotate_half, and
+        each op still rounds where transformers' does, so a bfloat16 model's logits match its bit for bit."""
+        c = self.config
+        embed, inv_freq, norm, lm_head = around
+        freqs = positions.float()[:, None] * inv_freq[None, :]                # [T, dim / 2]
+        half_cos = freqs.cos()
+        cos = torch.cat((half_cos, half_cos), dim=-1).to(c.dtype)[:, None, :]     # repeat(1, 2) took 12 us, cat 2
+        sin = freqs.sin()
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(c.dtype)[:, None, :]
+        h = self.run(embed[token_ids], cos, signed_sin, pages, slot_blocks, slot_offsets, block_tables, layout,
+                     layers)
+        return F.linear(self.rms_norm(h[last], norm), lm_head).float()
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pages: torch.Tensor,
             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, block_tables: torch.Tensor,
@@ -144,9 +164,9 @@ class LayerStack:
 class PassGraphs:
     """A decoder's traced passes, one graph per kind, each traced on its first pass."""
 
-    def __init__(self, stack: LayerStack, layers: list[Layer]) -> None:
-        self.stack, self.layers = stack, layers
-        self._weights = [w for layer in layers for w in layer if w is not None]     # the graphs' last inputs
+    def __init__(self, stack: LayerStack, around: Around, layers: list[Layer]) -> None:
+        self.stack, self.around, self.layers = stack, around, layers
+        self._weights = [*around, *(w for layer in layers for w in layer if w is not None)]   # the last inputs
         self._held_weights = torch.ScriptList(self._weights)     # none is let go inside a graph (the docstring)
         self._present = [tuple(w is not None for w in layer) for layer in layers]
         self._graphs: dict[str, torch.jit.ScriptFunction | None] = {}                # None: tracing failed
@@ -156,13 +176,13 @@ class PassGraphs:
         return sorted(kind for kind, graph in self._graphs.items() if graph is not None)
 
     def run(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout | SplitAttention) -> torch.Tensor:
-        """`LayerStack.run` of this pass: through its kind's graph, or eager where it mixes sequences' prompts.
+        """`LayerStack.logits` of this pass: through its kind's graph, or eager where it mixes sequences' prompts.
 
         The layout says which: a mask and no key length is a decode step of several sequences; keys cut to
         a length with no mask, one sequence's decode step (its one new token sees every key) or, causal, its
         whole prompt; keys cut to the mask's width, one sequence's chunk after its cached tokens."""
         if isinstance(layout, SplitAttention):
-            return self.stack.run(*args, layout, self.layers)
+            return self.stack.logits(*args, layout, self.around, self.layers)
         if layout.mask is not None and layout.key_len is None:
             kind, stand_in = "batch", layout.mask
         elif layout.key_len is not None and layout.mask is None:
@@ -171,7 +191,7 @@ class PassGraphs:
         elif layout.key_len is not None and layout.key_len == layout.mask.shape[-1] and not layout.causal:
             kind, stand_in = "chunk", layout.mask
         else:
-            return self.stack.run(*args, layout, self.layers)
+            return self.stack.logits(*args, layout, self.around, self.layers)
         inputs = (*args, stand_in, *self._weights)
         if kind not in self._graphs:
             try:
@@ -179,13 +199,13 @@ class PassGraphs:
                 # again, the same values into the same slots.
                 self._graphs[kind] = _trace(self.stack, self._present, kind, len(args) + 1, inputs)
             except Exception as exc:
-                h = self.stack.run(*args, layout, self.layers)    # a fault of the pass itself raises here, and
-                self._graphs[kind] = None                          # tracing is tried again on the next one
+                logits = self.stack.logits(*args, layout, self.around, self.layers)   # a fault of the pass raises
+                self._graphs[kind] = None                                                # here; else it runs eager
                 log.warning("passes of this kind run eager: tracing them failed", kind=kind, error=str(exc))
-                return h
+                return logits
         graph = self._graphs[kind]
         if graph is None:
-            return self.stack.run(*args, layout, self.layers)
+            return self.stack.logits(*args, layout, self.around, self.layers)
         held = torch.ScriptList([*args, stand_in])     # let go here, after the graph, with the GIL (the docstring)
         with torch.jit.optimized_execution(False):     # no profiling or fusing: the same ops, every time
             out = graph(*inputs)
@@ -195,13 +215,13 @@ class PassGraphs:
 
 def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leading: int,
            inputs: tuple[torch.Tensor, ...]) -> torch.jit.ScriptFunction:
-    """`stack.run` of a pass of `kind`, traced: the `leading` inputs are the pass's, then the weights.
+    """`stack.logits` of a pass of `kind`, traced: the `leading` inputs are the pass's, then the weights.
 
     Module-level, closing over no decoder: torch keeps every traced function for
     the process's life, and one holding a decoder would hold its weights and pool."""
     def layers_of_a_pass(*tensors: torch.Tensor) -> torch.Tensor:
         *args, stand_in = tensors[:leading]
-        weights = iter(tensors[leading:])
+        around, weights = tensors[leading:leading + 4], iter(tensors[leading + 4:])
         layers = [tuple(next(weights) if there else None for there in layer) for layer in present]
         if kind == "batch":
             layout = AttentionLayout(stand_in, None)
@@ -209,5 +229,5 @@ def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leadin
             layout = AttentionLayout(stand_in, stand_in.shape[-1])
         else:
             layout = AttentionLayout(None, stand_in.shape[0], causal=kind == "prompt")
-        return stack.run(*args, layout, layers)    # type: ignore[arg-type]
+        return stack.logits(*args, layout, around, layers)    # type: ignore[arg-type]
     return torch.jit.trace(layers_of_a_pass, inputs, check_trace=False)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
@@ -102,7 +101,8 @@ class PagedDecoder:
                                 w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self._stack = LayerStack(config)
-        self._graphs = PassGraphs(self._stack, self.layers) if traced else None
+        around = (self.embed, self.inv_freq, self.norm, self.lm_head)
+        self._graphs = PassGraphs(self._stack, around, self.layers) if traced else None
 
     @property
     def traced_graphs(self) -> list[str]:
@@ -120,26 +120,18 @@ class PagedDecoder:
         """`kv`: pages to write and read instead of the pool's (a recompute that must not touch shared pages).
 
         A decode step of a small model is mostly the cost of launching ops, so each layer launches
-        few: Q and K are rotated together (a half-turn `roll` with a signed sine stands for
-        rotate_half), and K and V go into the pool in one write. Each op still rounds where
-        transformers' does, so a bfloat16 model's logits match its bit for bit. A pass of one kind
-        (a decode step, one sequence's prompt or chunk) runs its layers as one traced graph
+        few (inferd.layer_stack.LayerStack.logits), and a pass of one kind (a decode step, one
+        sequence's prompt or chunk) runs as one traced graph, embeddings to logits
         (inferd.layer_stack.PassGraphs).
         """
-        c = self.config
         pages = self.kv if kv is None else kv
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]      # [T, dim / 2]
-        half_cos = freqs.cos()
-        cos = torch.cat((half_cos, half_cos), dim=-1).to(c.dtype)[:, None, :]     # repeat(1, 2) took 12 us, cat 2
-        sin = freqs.sin()
-        signed_sin = torch.cat((-sin, sin), dim=-1).to(c.dtype)[:, None, :]
         layout = self._attention_layout(batch)
-        args = (self.embed[batch.token_ids], cos, signed_sin, pages, batch.slot_blocks, batch.slot_offsets,
-                batch.block_tables)
-        h = self._graphs.run(args, layout) if self._graphs is not None \
-            else self._stack.run(*args, layout, self.layers)
-        last = torch.tensor(list(accumulate(batch.query_lens)), device=self.device) - 1   # each sequence's last
-        return F.linear(self._stack.rms_norm(h[last], self.norm), self.lm_head).float()
+        last = torch.tensor([n - 1 for n in accumulate(batch.query_lens)], device=self.device)  # each one's last
+        args = (batch.token_ids, batch.positions, pages, batch.slot_blocks, batch.slot_offsets, batch.block_tables,
+                last)
+        if self._graphs is not None:
+            return self._graphs.run(args, layout)
+        return self._stack.logits(*args, layout, (self.embed, self.inv_freq, self.norm, self.lm_head), self.layers)
 
     def _attention_layout(self, batch: Batch) -> AttentionLayout | SplitAttention:
         """Which keys each new token sees, in as few attention calls as keep every query a real one.
