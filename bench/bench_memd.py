@@ -578,10 +578,11 @@ def bench_operator_calls(tmp: Path, pool: str, sessions: int, quiet: int) -> dic
     meanwhile, against its size before.
     """
     port = free_port()
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
     memd = Memd(tmp, pool, "1KiB", "memd-snapshot", "--state-dir", "none", "--metrics-port", str(port))
     try:
-        out = asyncio.run(_operator_probe(memd, tmp, sessions, quiet, f"http://127.0.0.1:{port}/metrics"))
-        metrics = scraped(f"http://127.0.0.1:{port}/metrics")
+        out = asyncio.run(_operator_probe(memd, tmp, sessions, quiet, metrics_url))
+        metrics = scraped(metrics_url)
         out["memd_full_collections"] = metrics["kvpool_memd_gc_full_collections_total"]
         out["memd_longest_full_collection_ms"] = metrics["kvpool_memd_gc_longest_full_collection_seconds"] * 1e3
         out["memd_full_collected"] = metrics["kvpool_memd_gc_full_collected_objects_total"]

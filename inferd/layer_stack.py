@@ -182,7 +182,7 @@ class PassGraphs:
         a length with no mask, one sequence's decode step (its one new token sees every key) or, causal, its
         whole prompt; keys cut to the mask's width, one sequence's chunk after its cached tokens."""
         if isinstance(layout, SplitAttention):
-            return self.stack.logits(*args, layout, self.around, self.layers)
+            return self._eager(args, layout)
         if layout.mask is not None and layout.key_len is None:
             kind, stand_in = "batch", layout.mask
         elif layout.key_len is not None and layout.mask is None:
@@ -191,7 +191,7 @@ class PassGraphs:
         elif layout.key_len is not None and layout.key_len == layout.mask.shape[-1] and not layout.causal:
             kind, stand_in = "chunk", layout.mask
         else:
-            return self.stack.logits(*args, layout, self.around, self.layers)
+            return self._eager(args, layout)
         inputs = (*args, stand_in, *self._weights)
         if kind not in self._graphs:
             try:
@@ -199,18 +199,21 @@ class PassGraphs:
                 # again, the same values into the same slots.
                 self._graphs[kind] = _trace(self.stack, self._present, kind, len(args) + 1, inputs)
             except Exception as exc:
-                logits = self.stack.logits(*args, layout, self.around, self.layers)   # a fault of the pass raises
-                self._graphs[kind] = None                                                # here; else it runs eager
+                logits = self._eager(args, layout)          # a fault of the pass itself raises here, and
+                self._graphs[kind] = None                     # the kind runs eager from now on
                 log.warning("passes of this kind run eager: tracing them failed", kind=kind, error=str(exc))
                 return logits
         graph = self._graphs[kind]
         if graph is None:
-            return self.stack.logits(*args, layout, self.around, self.layers)
+            return self._eager(args, layout)
         held = torch.ScriptList([*args, stand_in])     # let go here, after the graph, with the GIL (the docstring)
         with torch.jit.optimized_execution(False):     # no profiling or fusing: the same ops, every time
             out = graph(*inputs)
         del held
         return out
+
+    def _eager(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout | SplitAttention) -> torch.Tensor:
+        return self.stack.logits(*args, layout, self.around, self.layers)
 
 
 def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leading: int,

@@ -101,8 +101,8 @@ class PagedDecoder:
                                 w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self._stack = LayerStack(config)
-        around = (self.embed, self.inv_freq, self.norm, self.lm_head)
-        self._graphs = PassGraphs(self._stack, around, self.layers) if traced else None
+        self._around = (self.embed, self.inv_freq, self.norm, self.lm_head)
+        self._graphs = PassGraphs(self._stack, self._around, self.layers) if traced else None
 
     @property
     def traced_graphs(self) -> list[str]:
@@ -131,7 +131,7 @@ class PagedDecoder:
                 last)
         if self._graphs is not None:
             return self._graphs.run(args, layout)
-        return self._stack.logits(*args, layout, (self.embed, self.inv_freq, self.norm, self.lm_head), self.layers)
+        return self._stack.logits(*args, layout, self._around, self.layers)
 
     def _attention_layout(self, batch: Batch) -> AttentionLayout | SplitAttention:
         """Which keys each new token sees, in as few attention calls as keep every query a real one.
