@@ -75,7 +75,7 @@ from tables import table
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
 from inferd.fingerprint import model_fingerprint
 from inferd.heap_policy import keep_freed_memory
-from inferd.model import PagedDecoder, build_batch
+from inferd.model import Batch, PagedDecoder, build_batch
 from inferd.sampling import SamplingParams
 from inferd.scheduler import Request, Scheduler
 from inferd.tiny import make_tiny_model
@@ -458,12 +458,37 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, sizes: Sizes, rng:
                 start = time.perf_counter()
                 await asyncio.to_thread(model.forward, batch)
                 times[name].append((time.perf_counter() - start) * 1e3)
+        shares = decode_pass_shares(model, batches["decode"], sizes.mixed_trials)
     finally:
         await client.step(*[Free(r.seq_id) for r in opened])
     res = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+    res["decode_shares"] = shares
     res |= {"context": context, "chunk": chunk,
             "ratio": res["mixed_ms"] / (res["decode_ms"] + res["chunk_ms"])}
     return res
+
+
+# Where a decode pass's CPU time goes, by torch.profiler's self time per op: the matrix products against
+# reading the context (the K/V gather through the block tables, and attention over what it gathered).
+PASS_PARTS = {"matmul": ("aten::mm", "aten::addmm"), "kv_gather": ("aten::index_select",),
+              "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                            "aten::_scaled_dot_product_attention_math")}
+
+
+def decode_pass_shares(model: PagedDecoder, batch: Batch, passes: int) -> dict[str, float]:
+    """Each part's share of a decode pass's self CPU time, over `passes` passes (warm), the rest as "other".
+
+    They run on this thread, under the profiler: its records are of the thread that starts it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(passes):
+            model.forward(batch)
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(self_us.values())
+    shares = {part: sum(self_us.get(op, 0.0) for op in ops) / total for part, ops in PASS_PARTS.items()}
+    shares["other"] = 1.0 - sum(shares.values())
+    return shares
 
 
 # ---- report --------------------------------------------------------------------
@@ -562,6 +587,8 @@ def report(res: dict, sizes: Sizes) -> str:
         ["both in one pass", f"{m['mixed_ms']:.1f}"],
     ])
     mixed += f"\nboth / (decode + chunk): {m['ratio']:.2f}x (the decoder alone, on pages from memd)"
+    mixed += (f"\nthe {CONCURRENT}-row decode pass's CPU time (profiler, self time): "
+              + ", ".join(f"{part.replace('_', ' ')} {share:.0%}" for part, share in m["decode_shares"].items()))
     targets = table([
         ["target (from the issue)", "measured", "target", "result"],
         ["kvpool 1 request / transformers 1 at a time (decode)", f"{res['ratio_b1']:.2f}x", f">= {TARGET_B1:.1f}x",
