@@ -427,7 +427,7 @@ async def _bench(anchor: HfAnchor, model_dir: Path, address: str, sizes: Sizes, 
             res["recompute"].append(await kv_generate(scheduler, fresh, 1))
             res["hf_prefill"].append((await asyncio.to_thread(anchor.generate, [fresh], 1))[0])
             await scheduler.reset(session)
-        res["mixed"] = await mixed_pass(client, model, sizes, random.Random(1))
+        res["mixed"] = await mixed_pass(client, model, model_dir, sizes, random.Random(1))
         if task.done():
             task.result()                     # the scheduler died: say why
     finally:
@@ -436,13 +436,18 @@ async def _bench(anchor: HfAnchor, model_dir: Path, address: str, sizes: Sizes, 
     return res
 
 
-async def mixed_pass(client: MemdClient, model: PagedDecoder, sizes: Sizes, rng: random.Random) -> dict[str, float]:
+async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, sizes: Sizes,
+                     rng: random.Random) -> dict[str, Any]:
     """Median ms of a decode step of CONCURRENT rows, of a prompt chunk after cached tokens, and of both as one pass.
 
-    The pages come from memd (Open with a reserve) and are freed after; what they hold does not matter to the
-    time, so nothing is prefilled. Passes run on a thread, as inferd's forward thread runs them."""
+    Where decode rows attend through the paged kernel, the decode step runs again attending over a gathered
+    copy of the pages (`inferd serve --attention gather`), on the same weights and pages. The pages come
+    from memd (Open with a reserve) and are freed after; what they hold does not matter to the time, so
+    nothing is prefilled. Passes run on a thread, as inferd's forward thread runs them."""
     vocab, context = model.config.vocab_size, sizes.mixed_context
     chunk = MAX_BATCH_TOKENS - CONCURRENT
+    other = PagedDecoder(model.config, load_weights(model_dir, model.config.dtype), model.kv, attention="gather") \
+        if model.attention == "paged" else None
     opened = await client.step(*[Open(token_ids(rng, context, vocab), reserve=1) for _ in range(CONCURRENT)],
                                Open(token_ids(rng, context + chunk, vocab)))
     try:
@@ -450,20 +455,22 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, sizes: Sizes, rng:
         joining = (token_ids(rng, chunk, vocab), context, opened[-1].block_ids)
         batches = {"decode": build_batch(decode, BLOCK_SIZE), "chunk": build_batch([joining], BLOCK_SIZE),
                    "mixed": build_batch([*decode[:CONCURRENT // 2], joining, *decode[CONCURRENT // 2:]], BLOCK_SIZE)}
-        times: dict[str, list[float]] = {name: [] for name in batches}
-        for batch in batches.values():
-            await asyncio.to_thread(model.forward, batch)                    # warm: this shape's first pass
+        passes = {name: (model, batch) for name, batch in batches.items()}
+        if other is not None:
+            passes[f"decode_{other.attention}"] = (other, batches["decode"])
+        times: dict[str, list[float]] = {name: [] for name in passes}
+        for decoder, batch in passes.values():
+            await asyncio.to_thread(decoder.forward, batch)                  # warm: this shape's first pass
         for _ in range(sizes.mixed_trials):
-            for name, batch in batches.items():
+            for name, (decoder, batch) in passes.items():
                 start = time.perf_counter()
-                await asyncio.to_thread(model.forward, batch)
+                await asyncio.to_thread(decoder.forward, batch)
                 times[name].append((time.perf_counter() - start) * 1e3)
         shares = decode_pass_shares(model, batches["decode"], sizes.mixed_trials)
     finally:
         await client.step(*[Free(r.seq_id) for r in opened])
-    res = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
-    res["decode_shares"] = shares
-    res |= {"context": context, "chunk": chunk,
+    res: dict[str, Any] = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+    res |= {"attention": model.attention, "decode_shares": shares, "context": context, "chunk": chunk,
             "ratio": res["mixed_ms"] / (res["decode_ms"] + res["chunk_ms"])}
     return res
 
@@ -472,7 +479,7 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, sizes: Sizes, rng:
 # reading the context (the K/V gather through the block tables, and attention over what it gathered).
 PASS_PARTS = {"matmul": ("aten::mm", "aten::addmm"), "kv_gather": ("aten::index_select",),
               "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                            "aten::_scaled_dot_product_attention_math")}
+                            "aten::_scaled_dot_product_attention_math", "kvpool::paged_decode")}
 
 
 def decode_pass_shares(model: PagedDecoder, batch: Batch, passes: int) -> dict[str, float]:
@@ -587,6 +594,10 @@ def report(res: dict, sizes: Sizes) -> str:
         ["both in one pass", f"{m['mixed_ms']:.1f}"],
     ])
     mixed += f"\nboth / (decode + chunk): {m['ratio']:.2f}x (the decoder alone, on pages from memd)"
+    mixed += f"\ndecode rows attend through: {m['attention']}"
+    if "decode_gather_ms" in m:
+        mixed += (f"; over a gathered copy instead, the decode pass takes {m['decode_gather_ms']:.1f} ms "
+                  f"({m['decode_gather_ms'] / m['decode_ms']:.2f}x)")
     mixed += (f"\nthe {CONCURRENT}-row decode pass's CPU time (profiler, self time): "
               + ", ".join(f"{part.replace('_', ' ')} {share:.0%}" for part, share in m["decode_shares"].items()))
     targets = table([

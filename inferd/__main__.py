@@ -1,6 +1,7 @@
 """inferd: the inference worker's command line.
 
     inferd serve --model DIR --memd ADDR --listen ADDR [--max-num-seqs N]
+    inferd build-kernel
     inferd make-tiny-model DIR [--arch llama|qwen2|mistral] [--seed N]
 """
 
@@ -19,8 +20,10 @@ import grpc
 import structlog
 import uvloop
 
+from inferd import paged_kernel
 from inferd.checkpoint import CheckpointError
 from inferd.http_server import HttpFrontDoor, HttpStartError
+from inferd.model import ATTENTION
 from inferd.sampling import MAX_SEED
 from inferd.tiny import ARCH_CLASSES, make_tiny_model
 from shared import address as addr
@@ -59,6 +62,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--block-size", type=count(), default=16, help="tokens per KV block (default: 16)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     serve.add_argument("--threads", type=count(), help="torch CPU threads (default: torch's)")
+    serve.add_argument("--attention", choices=ATTENTION, default="auto",
+                       help="how decode steps read K/V: paged (inferd's CPU kernel reads the pool's pages; built "
+                            "with the machine's C++ compiler on first use), gather (a copy of each sequence's "
+                            "pages, then torch's attention), auto (paged where the pool is in CPU memory and the "
+                            "kernel builds, else gather; default)")
     serve.add_argument("--audit-kv", action="store_true",
                        help="before every pass, check that no one else wrote the K/V a running sequence reads "
                             "(a turn that finds it changed fails, naming the page); slower: for tests and "
@@ -83,6 +91,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     add_config_flags(serve, "INFERD")
+    sub.add_parser("build-kernel", help="build the paged attention kernel for this machine now, not at the first "
+                                        "serve, and print where it is kept")
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--arch", choices=sorted(ARCH_CLASSES), default="llama")
@@ -116,7 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
         claim(sock_path, "inferd")          # before the model loads: a second inferd there is refused at once
     link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                     max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv,
-                    verify_reuse=args.verify_reuse)
+                    verify_reuse=args.verify_reuse, attention=args.attention)
     metrics = None
     if args.metrics_port or args.http:
         metrics = InferdMetrics(link, asyncio.get_running_loop())
@@ -204,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser, serve_parser = build_parser()
     layers = Layers(serve_parser, "INFERD")
     args = parser.parse_args(argv)
+    if args.command == "build-kernel":
+        try:
+            print(paged_kernel.build())
+        except paged_kernel.KernelUnavailable as exc:
+            print(f"inferd: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "make-tiny-model":
         try:
             out = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
@@ -218,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     configure(args.log_level, args.log_format)
     try:
         uvloop.run(serve(args))
-    except (CheckpointError, MetricsPortError, HttpStartError, SocketPathError, StartupError) as exc:
+    except (CheckpointError, MetricsPortError, HttpStartError, SocketPathError, StartupError,
+            paged_kernel.KernelUnavailable) as exc:
         print(f"inferd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.checkpoint import ModelConfig
+from inferd.paged_kernel import paged_decode
 
 log = structlog.get_logger("inferd.layer_stack")
 
@@ -64,6 +65,7 @@ class AttentionLayout:
     mask: torch.Tensor | None        # [B, 1, queries, keys] boolean, or None when no key must be hidden
     key_len: int | None              # one sequence: its keys cut to this length
     causal: bool = False
+    lens: torch.Tensor | None = None  # [B] long, decode rows only: each row's keys, for the paged kernel
 
 
 @dataclass(slots=True)
@@ -85,10 +87,10 @@ class SplitAttention:
 
 
 class LayerStack:
-    """Every layer, from the config alone."""
+    """Every layer, from the config alone; `paged`: decode rows attend through `inferd.paged_kernel`."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
+    def __init__(self, config: ModelConfig, *, paged: bool = False) -> None:
+        self.config, self.paged = config, paged
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """As transformers computes it: in float32, scaled by the weight after the cast back."""
@@ -145,6 +147,8 @@ class LayerStack:
             for group in layout.groups:
                 out[group.rows] = self.attend(q[group.rows], cache, group.tables, group.layout)
             return out
+        if self.paged and layout.lens is not None:          # one new token per row, read from its pages
+            return paged_decode(q, cache, block_tables, layout.lens, c.head_dim ** -0.5)
         bsz = block_tables.shape[0]
         # K and V gathered apart: each gather is [B, max_blocks, bs, kv_heads, dim], whose block and slot dims
         # merge into one without a copy; gathering both at once would need a second copy to separate them.
@@ -226,11 +230,15 @@ def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leadin
         *args, stand_in = tensors[:leading]
         around, weights = tensors[leading:leading + 4], iter(tensors[leading + 4:])
         layers = [tuple(next(weights) if there else None for there in layer) for layer in present]
+        # The decode rows' key counts, from the stand-in, so that the graph keeps them an input.
         if kind == "batch":
-            layout = AttentionLayout(stand_in, None)
+            layout = AttentionLayout(stand_in, None, lens=stand_in.flatten(1).sum(-1))
         elif kind == "chunk":
             layout = AttentionLayout(stand_in, stand_in.shape[-1])
+        elif kind == "single":
+            layout = AttentionLayout(None, stand_in.shape[0], lens=torch.ones_like(stand_in, dtype=torch.long)
+                                     .sum(0, keepdim=True))
         else:
-            layout = AttentionLayout(None, stand_in.shape[0], causal=kind == "prompt")
+            layout = AttentionLayout(None, stand_in.shape[0], causal=True)
         return stack.logits(*args, layout, around, layers)    # type: ignore[arg-type]
     return torch.jit.trace(layers_of_a_pass, inputs, check_trace=False)

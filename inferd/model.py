@@ -17,9 +17,11 @@ from itertools import accumulate
 
 import torch
 
+from inferd import paged_kernel
 from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
 from inferd.layer_stack import AttentionGroup, AttentionLayout, LayerStack, PassGraphs, SplitAttention
+from inferd.paged_kernel import KernelUnavailable
 
 
 @dataclass(slots=True)
@@ -72,11 +74,31 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
+ATTENTION = ("auto", "paged", "gather")
+
+
+def _attention(asked: str, device: torch.device) -> str:
+    if asked not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {asked!r}")
+    if asked == "gather" or (asked == "auto" and device.type != "cpu"):
+        return "gather"
+    if device.type != "cpu":
+        raise KernelUnavailable(f"the paged kernel reads CPU memory; this pool is on {device}")
+    if paged_kernel.load():
+        return "paged"
+    if asked == "paged":
+        raise KernelUnavailable("the paged kernel could not be built or loaded (inferd build-kernel says why)")
+    return "gather"
+
+
 class PagedDecoder:
     """Weights plus the pool view; `forward` returns the logits of each sequence's last new token."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor,
-                 device: torch.device | str = "cpu", *, traced: bool = True) -> None:
+                 device: torch.device | str = "cpu", *, traced: bool = True, attention: str = "auto") -> None:
+        """`attention`: how decode rows attend. "paged" reads K/V from the pages with inferd's CPU kernel
+        (inferd.paged_kernel), "gather" copies each sequence's pages out for scaled_dot_product_attention,
+        "auto" takes "paged" where the pool is in CPU memory and the kernel builds."""
         self.config = config
         self.device = torch.device(device)
         self.kv = kv                                   # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
@@ -100,7 +122,8 @@ class PagedDecoder:
             self.layers.append((w(p + "input_layernorm.weight"), qkv_w, qkv_b, w(p + "self_attn.o_proj.weight"),
                                 w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        self._stack = LayerStack(config)
+        self.attention = _attention(attention, self.kv.device)
+        self._stack = LayerStack(config, paged=self.attention == "paged")
         self._around = (self.embed, self.inv_freq, self.norm, self.lm_head)
         self._graphs = PassGraphs(self._stack, self._around, self.layers) if traced else None
 
@@ -144,7 +167,8 @@ class PagedDecoder:
         if len(batch.query_lens) == 1:
             return self._one_sequence(batch.query_lens[0], batch.context_lens[0])
         if max(batch.query_lens) == 1:
-            return AttentionLayout(self._key_mask(batch.context_lens, batch.block_tables.shape[1]), None)
+            return AttentionLayout(self._key_mask(batch.context_lens, batch.block_tables.shape[1]), None,
+                                   lens=torch.tensor(batch.context_lens, device=self.device))
         groups, start, decode_rows, decode_seqs = [], 0, [], []
         for i, (new, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
             if new == 1:
@@ -160,13 +184,16 @@ class PagedDecoder:
             seqs = torch.tensor(decode_seqs, device=self.device)
             groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device),
                                          batch.block_tables[seqs, :blocks],
-                                         AttentionLayout(self._key_mask(clens, blocks), None)))
+                                         AttentionLayout(self._key_mask(clens, blocks), None,
+                                                         lens=torch.tensor(clens, device=self.device))))
         return SplitAttention(groups)
 
     def _one_sequence(self, new: int, ctx: int) -> AttentionLayout:
         """One sequence's `new` tokens, the last of its `ctx`: causal over a whole prompt, else masked."""
-        if new == 1 or new == ctx:
-            return AttentionLayout(None, ctx, causal=new > 1)
+        if new == 1:
+            return AttentionLayout(None, ctx, lens=torch.tensor([ctx], device=self.device))
+        if new == ctx:
+            return AttentionLayout(None, ctx, causal=True)
         qpos = torch.arange(ctx - new, ctx, device=self.device)
         mask = torch.arange(ctx, device=self.device)[None, :] <= qpos[:, None]       # [new, ctx]
         return AttentionLayout(mask[None, None], ctx)

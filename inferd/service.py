@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from inferd import paged_kernel
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
 from inferd.fingerprint import model_fingerprint
 from inferd.forward_thread import PassObserver
@@ -69,8 +70,14 @@ PERMANENT_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT}
 class MemdLink:
     def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
                  max_batch_tokens: int = 512, dtype: str | None = None, audit_kv: bool = False,
-                 verify_reuse: float = 0.0) -> None:
+                 verify_reuse: float = 0.0, attention: str = "auto") -> None:
         self.config = read_config(model_dir, dtype)
+        self.attention = attention
+        if attention != "gather":
+            kernel = paged_kernel.load()            # built now, before the first attachment waits on it
+            if attention == "paged" and not kernel:
+                raise paged_kernel.KernelUnavailable("--attention paged: the paged kernel could not be built or "
+                                                     "loaded (inferd build-kernel says why)")
         self.weights = load_weights(model_dir, self.config.dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.namespace = model_fingerprint(model_dir, self.config, block_size)
@@ -115,7 +122,11 @@ class MemdLink:
     async def _serve(self, client: MemdClient) -> None:
         assert client.pool is not None
         kv = client.pool.view(self.config.dtype, self.config.page_shape(self.block_size))
-        model = PagedDecoder(self.config, self.weights, kv, device=client.pool.pages.device)
+        try:
+            model = PagedDecoder(self.config, self.weights, kv, device=client.pool.pages.device,
+                                 attention=self.attention)
+        except paged_kernel.KernelUnavailable as exc:      # --attention paged, and memd's pool is on a GPU
+            raise AttachRefused(f"--attention paged: {exc}") from None
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
                               max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv,
                               verify_reuse=self.verify_reuse)
@@ -132,7 +143,7 @@ class MemdLink:
         if self.on_serving is not None:
             await self.on_serving(not client.draining)
         log.info("attached to memd", worker=client.worker_id, blocks=client.geometry.num_blocks,
-                 block_size=self.block_size, model=self.namespace)
+                 block_size=self.block_size, model=self.namespace, attention=model.attention)
         running = asyncio.create_task(scheduler.run())
         lost = asyncio.create_task(client.lease_lost.wait())
         try:

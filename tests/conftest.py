@@ -36,6 +36,12 @@ settings.register_profile("kvpool", deadline=None, suppress_health_check=[Health
 settings.load_profile("kvpool")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """inferd's paged kernel, built (once, for every test process) before any test forbids starting a compiler."""
+    from inferd import paged_kernel
+    paged_kernel.load()
+
+
 # Fixtures whose users start processes.
 PROCESS_FIXTURES = {"daemons", "memd_factory", "inferd_factory", "spawn_worker", "memd", "store"}
 

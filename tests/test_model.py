@@ -38,15 +38,17 @@ def reference(checkpoint):
     return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
-@pytest.fixture
-async def worker(memd_factory, checkpoint):
+@pytest.fixture(params=["paged", "gather"])
+async def worker(request, memd_factory, checkpoint):
+    # Decode rows attend through the paged kernel, or through a gathered copy of their pages.
     config = read_config(checkpoint)
     page = BS * config.bytes_per_token
     memd = await memd_factory("--device", "cpu", "--pool-bytes", str(512 * page), "--block-bytes", str(page))
     client = await MemdClient.attach(memd.address, model=checkpoint.name, block_size=BS,
                                      bytes_per_token=config.bytes_per_token)
     model = PagedDecoder(config, load_weights(checkpoint, config.dtype),
-                         client.pool.view(config.dtype, config.page_shape(BS)))
+                         client.pool.view(config.dtype, config.page_shape(BS)), attention=request.param)
+    assert model.attention == request.param
     yield client, model
     await client.close()
 
@@ -125,7 +127,8 @@ async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, 
     opened = await client.step(*[Open(p, reserve=8) for p in prompts])
     logits = model.forward(build_batch([(p, 0, r.block_ids) for p, r in zip(prompts, opened, strict=True)], BS))
     # The eager decoder on a copy of the pages: what each writes is compared too, not only what each reads.
-    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False)
+    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False,
+                         attention=model.attention)
     histories = [list(p) for p in prompts]
     for step in range(6):                      # one graph for every batch size and context length
         rows = range(len(prompts)) if step % 2 else range(1, 3)
@@ -155,7 +158,8 @@ async def test_one_sequences_prompts_and_chunks_run_as_traced_graphs_with_the_ea
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 17, 2)]
     opened = await client.step(*[Open(p, reserve=16) for p in prompts])
-    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False)
+    eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False,
+                         attention=model.attention)
     for prompt, seq in zip(prompts, opened, strict=True):        # each alone: one graph for every length
         batch = build_batch([(prompt, 0, seq.block_ids)], BS)
         assert torch.equal(model.forward(batch), eager.forward(batch))
