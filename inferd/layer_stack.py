@@ -65,7 +65,7 @@ class AttentionLayout:
     mask: torch.Tensor | None        # [B, 1, queries, keys] boolean, or None when no key must be hidden
     key_len: int | None              # one sequence: its keys cut to this length
     causal: bool = False
-    lens: torch.Tensor | None = None  # [B] long, decode rows only: each row's keys, for the paged kernel
+    lens: torch.Tensor | None = None  # [B] long, decode rows through the paged kernel only: each row's keys
 
 
 @dataclass(slots=True)
@@ -147,7 +147,7 @@ class LayerStack:
             for group in layout.groups:
                 out[group.rows] = self.attend(q[group.rows], cache, group.tables, group.layout)
             return out
-        if self.paged and layout.lens is not None:          # one new token per row, read from its pages
+        if layout.lens is not None:                         # one new token per row, read from its pages
             return paged_decode(q, cache, block_tables, layout.lens, c.head_dim ** -0.5)
         bsz = block_tables.shape[0]
         # K and V gathered apart: each gather is [B, max_blocks, bs, kv_heads, dim], whose block and slot dims
@@ -230,14 +230,14 @@ def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leadin
         *args, stand_in = tensors[:leading]
         around, weights = tensors[leading:leading + 4], iter(tensors[leading + 4:])
         layers = [tuple(next(weights) if there else None for there in layer) for layer in present]
-        # The decode rows' key counts, from the stand-in, so that the graph keeps them an input.
+        # The paged kernel's key counts come from the stand-in, so that the graph keeps them an input.
         if kind == "batch":
-            layout = AttentionLayout(stand_in, None, lens=stand_in.flatten(1).sum(-1))
+            layout = AttentionLayout(stand_in, None, lens=stand_in.flatten(1).sum(-1) if stack.paged else None)
         elif kind == "chunk":
             layout = AttentionLayout(stand_in, stand_in.shape[-1])
         elif kind == "single":
-            layout = AttentionLayout(None, stand_in.shape[0], lens=torch.ones_like(stand_in, dtype=torch.long)
-                                     .sum(0, keepdim=True))
+            lens = torch.ones_like(stand_in, dtype=torch.long).sum(0, keepdim=True) if stack.paged else None
+            layout = AttentionLayout(None, stand_in.shape[0], lens=lens)
         else:
             layout = AttentionLayout(None, stand_in.shape[0], causal=True)
         return stack.logits(*args, layout, around, layers)    # type: ignore[arg-type]

@@ -84,11 +84,7 @@ def _attention(asked: str, device: torch.device) -> str:
         return "gather"
     if device.type != "cpu":
         raise KernelUnavailable(f"the paged kernel reads CPU memory; this pool is on {device}")
-    if paged_kernel.load():
-        return "paged"
-    if asked == "paged":
-        raise KernelUnavailable("the paged kernel could not be built or loaded (inferd build-kernel says why)")
-    return "gather"
+    return "paged" if paged_kernel.available(required=asked == "paged") else "gather"
 
 
 class PagedDecoder:
@@ -168,7 +164,7 @@ class PagedDecoder:
             return self._one_sequence(batch.query_lens[0], batch.context_lens[0])
         if max(batch.query_lens) == 1:
             return AttentionLayout(self._key_mask(batch.context_lens, batch.block_tables.shape[1]), None,
-                                   lens=torch.tensor(batch.context_lens, device=self.device))
+                                   lens=self._key_counts(batch.context_lens))
         groups, start, decode_rows, decode_seqs = [], 0, [], []
         for i, (new, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
             if new == 1:
@@ -185,18 +181,22 @@ class PagedDecoder:
             groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device),
                                          batch.block_tables[seqs, :blocks],
                                          AttentionLayout(self._key_mask(clens, blocks), None,
-                                                         lens=torch.tensor(clens, device=self.device))))
+                                                         lens=self._key_counts(clens))))
         return SplitAttention(groups)
 
     def _one_sequence(self, new: int, ctx: int) -> AttentionLayout:
         """One sequence's `new` tokens, the last of its `ctx`: causal over a whole prompt, else masked."""
         if new == 1:
-            return AttentionLayout(None, ctx, lens=torch.tensor([ctx], device=self.device))
+            return AttentionLayout(None, ctx, lens=self._key_counts([ctx]))
         if new == ctx:
             return AttentionLayout(None, ctx, causal=True)
         qpos = torch.arange(ctx - new, ctx, device=self.device)
         mask = torch.arange(ctx, device=self.device)[None, :] <= qpos[:, None]       # [new, ctx]
         return AttentionLayout(mask[None, None], ctx)
+
+    def _key_counts(self, context_lens: list[int]) -> torch.Tensor | None:
+        """Decode rows' keys, for the paged kernel; None where decode attends over a gathered copy."""
+        return torch.tensor(context_lens, device=self.device) if self.attention == "paged" else None
 
     def _key_mask(self, context_lens: list[int], blocks: int) -> torch.Tensor:
         """[B, 1, 1, keys]: which of `blocks` blocks' key positions hold each sequence's context."""

@@ -93,6 +93,22 @@ inline void prefetch(const void* start, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
+// `visit(t, slot)` for each of a sequence's first `len` slots, page by page through its table; `base` is
+// the pool at the K or V half of a page. While a page is read, the same `span` bytes of each slot of the
+// next page (from `ahead` elements into the slot) are asked for.
+template <typename T, typename Visit>
+inline void for_each_slot(const T* base, const int64_t* table, int64_t len, int64_t block_size, int64_t s_block,
+                          int64_t s_slot, int64_t ahead, int64_t span, Visit&& visit) {
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* page = base + table[t0 / block_size] * s_block;
+        const T* next = t0 + block_size < len ? base + table[t0 / block_size + 1] * s_block : nullptr;
+        for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
+            if (next != nullptr) prefetch(next + (t - t0) * s_slot + ahead, span);
+            visit(t, page + (t - t0) * s_slot);
+        }
+    }
+}
+
 // exp for the softmax, in a form the compiler vectorises (libm's expf is a call per element): 2^n * e^r,
 // |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under 2e-7, about libm's rounding).
 inline float fast_exp(float x) {
@@ -156,35 +172,24 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
                 for (int64_t i = 0; i < dim; ++i) qh[i] *= static_cast<float>(scale);
             }
             scores.resize(heads * len);
-            for (int64_t t0 = 0; t0 < len; t0 += block_size) {          // every key, once, scored for its heads
-                const T* page = pages + table[t0 / block_size] * s_block;
-                const T* next = t0 + block_size < len ? pages + table[t0 / block_size + 1] * s_block : nullptr;
-                for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
-                    const T* slot = page + (t - t0) * s_slot;
-                    if (next != nullptr) prefetch(next + (t - t0) * s_slot + g0 * s_head, span);
-                    for (int64_t g = g0; g < g1; ++g) {
-                        const float* key = row_as_float(row, slot + g * s_head, scratch.data());
-                        for (int64_t h = g * group; h < (g + 1) * group; ++h)
-                            scores[h * len + t] = dot(row, queries.data() + h * dim, key);
-                    }
+            for_each_slot(pages, table, len, block_size, s_block, s_slot, g0 * s_head, span,
+                          [&](int64_t t, const T* slot) {        // every key, once, scored for its heads
+                for (int64_t g = g0; g < g1; ++g) {
+                    const float* key = row_as_float(row, slot + g * s_head, scratch.data());
+                    for (int64_t h = g * group; h < (g + 1) * group; ++h)
+                        scores[h * len + t] = dot(row, queries.data() + h * dim, key);
                 }
-            }
+            });
             for (int64_t h = h0; h < h1; ++h) softmax(scores.data() + h * len, len);
             std::fill(acc.begin() + h0 * dim, acc.begin() + h1 * dim, 0.f);
-            for (int64_t t0 = 0; t0 < len; t0 += block_size) {          // every value, once, weighted likewise
-                const T* page = pages + table[t0 / block_size] * s_block + s_kv;
-                const T* next = t0 + block_size < len ? pages + table[t0 / block_size + 1] * s_block + s_kv
-                                                      : nullptr;
-                for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
-                    const T* slot = page + (t - t0) * s_slot;
-                    if (next != nullptr) prefetch(next + (t - t0) * s_slot + g0 * s_head, span);
-                    for (int64_t g = g0; g < g1; ++g) {
-                        const float* value = row_as_float(row, slot + g * s_head, scratch.data());
-                        for (int64_t h = g * group; h < (g + 1) * group; ++h)
-                            add_scaled(row, acc.data() + h * dim, value, scores[h * len + t]);
-                    }
+            for_each_slot(pages + s_kv, table, len, block_size, s_block, s_slot, g0 * s_head, span,
+                          [&](int64_t t, const T* slot) {        // every value, once, weighted likewise
+                for (int64_t g = g0; g < g1; ++g) {
+                    const float* value = row_as_float(row, slot + g * s_head, scratch.data());
+                    for (int64_t h = g * group; h < (g + 1) * group; ++h)
+                        add_scaled(row, acc.data() + h * dim, value, scores[h * len + t]);
                 }
-            }
+            });
             T* o = out_data + b * heads * dim;
             for (int64_t i = h0 * dim; i < h1 * dim; ++i) o[i] = static_cast<T>(acc[i]);
         }

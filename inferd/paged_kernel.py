@@ -116,6 +116,15 @@ def load() -> bool:
     return _loaded
 
 
+def available(*, required: bool) -> bool:
+    """`load()`, raising KernelUnavailable where the kernel is `required` and missing."""
+    if load():
+        return True
+    if required:
+        raise KernelUnavailable("the paged kernel could not be built or loaded (inferd build-kernel says why)")
+    return False
+
+
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """q [B, heads, dim] (one new token per row), cache [blocks, 2, block_size, kv_heads, dim] (one

@@ -73,11 +73,11 @@ class MemdLink:
                  verify_reuse: float = 0.0, attention: str = "auto") -> None:
         self.config = read_config(model_dir, dtype)
         self.attention = attention
-        if attention != "gather":
-            kernel = paged_kernel.load()            # built now, before the first attachment waits on it
-            if attention == "paged" and not kernel:
-                raise paged_kernel.KernelUnavailable("--attention paged: the paged kernel could not be built or "
-                                                     "loaded (inferd build-kernel says why)")
+        if attention != "gather":                   # built now, before the first attachment waits on it
+            try:
+                paged_kernel.available(required=attention == "paged")
+            except paged_kernel.KernelUnavailable as exc:
+                raise paged_kernel.KernelUnavailable(f"--attention paged: {exc}") from None
         self.weights = load_weights(model_dir, self.config.dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.namespace = model_fingerprint(model_dir, self.config, block_size)
