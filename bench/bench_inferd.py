@@ -441,13 +441,19 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, s
     """Median ms of a decode step of CONCURRENT rows, of a prompt chunk after cached tokens, and of both as one pass.
 
     Where decode rows attend through the paged kernel, the decode step runs again attending over a gathered
-    copy of the pages (`inferd serve --attention gather`), on the same weights and pages. The pages come
+    copy of the pages (`inferd serve --attention gather`), on the same weights and pages; where the linear
+    weights are laid out for oneDNN, it runs again with them as the checkpoint has them. The pages come
     from memd (Open with a reserve) and are freed after; what they hold does not matter to the time, so
     nothing is prefilled. Passes run on a thread, as inferd's forward thread runs them."""
     vocab, context = model.config.vocab_size, sizes.mixed_context
     chunk = MAX_BATCH_TOKENS - CONCURRENT
-    other = PagedDecoder(model.config, load_weights(model_dir, model.config.dtype), model.kv, attention="gather") \
-        if model.attention == "paged" else None
+    others = {}
+    if model.attention == "paged":
+        others["decode_gather"] = PagedDecoder(model.config, load_weights(model_dir, model.config.dtype), model.kv,
+                                               attention="gather")
+    if model.weight_layout == "onednn":
+        others["decode_unpacked"] = PagedDecoder(model.config, load_weights(model_dir, model.config.dtype), model.kv,
+                                                 attention=model.attention, pack_weights=False)
     opened = await client.step(*[Open(token_ids(rng, context, vocab), reserve=1) for _ in range(CONCURRENT)],
                                Open(token_ids(rng, context + chunk, vocab)))
     try:
@@ -456,8 +462,7 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, s
         batches = {"decode": build_batch(decode, BLOCK_SIZE), "chunk": build_batch([joining], BLOCK_SIZE),
                    "mixed": build_batch([*decode[:CONCURRENT // 2], joining, *decode[CONCURRENT // 2:]], BLOCK_SIZE)}
         passes = {name: (model, batch) for name, batch in batches.items()}
-        if other is not None:
-            passes[f"decode_{other.attention}"] = (other, batches["decode"])
+        passes |= {name: (other, batches["decode"]) for name, other in others.items()}
         times: dict[str, list[float]] = {name: [] for name in passes}
         for decoder, batch in passes.values():
             await asyncio.to_thread(decoder.forward, batch)                  # warm: this shape's first pass
@@ -470,14 +475,15 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, s
     finally:
         await client.step(*[Free(r.seq_id) for r in opened])
     res: dict[str, Any] = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
-    res |= {"attention": model.attention, "decode_shares": shares, "context": context, "chunk": chunk,
+    res |= {"attention": model.attention, "weight_layout": model.weight_layout, "decode_shares": shares,
+            "context": context, "chunk": chunk,
             "ratio": res["mixed_ms"] / (res["decode_ms"] + res["chunk_ms"])}
     return res
 
 
 # Where a decode pass's CPU time goes, by torch.profiler's self time per op: the matrix products against
 # reading the context (the K/V gather through the block tables, and attention over what it gathered).
-PASS_PARTS = {"matmul": ("aten::mm", "aten::addmm"), "kv_gather": ("aten::index_select",),
+PASS_PARTS = {"matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"), "kv_gather": ("aten::index_select",),
               "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                             "aten::_scaled_dot_product_attention_math", "kvpool::paged_decode")}
 
@@ -598,6 +604,9 @@ def report(res: dict, sizes: Sizes) -> str:
     if "decode_gather_ms" in m:
         mixed += (f"; over a gathered copy instead, the decode pass takes {m['decode_gather_ms']:.1f} ms "
                   f"({m['decode_gather_ms'] / m['decode_ms']:.2f}x)")
+    if "decode_unpacked_ms" in m:
+        mixed += (f"; with the linear weights as the checkpoint lays them out (not oneDNN's), "
+                  f"{m['decode_unpacked_ms']:.1f} ms ({m['decode_unpacked_ms'] / m['decode_ms']:.2f}x)")
     mixed += (f"\nthe {CONCURRENT}-row decode pass's CPU time (profiler, self time): "
               + ", ".join(f"{part.replace('_', ' ')} {share:.0%}" for part, share in m["decode_shares"].items()))
     targets = table([

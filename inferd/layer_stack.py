@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.checkpoint import ModelConfig
+from inferd.packed_linear import linear
 from inferd.paged_kernel import paged_decode
 
 log = structlog.get_logger("inferd.layer_stack")
@@ -115,7 +116,7 @@ class LayerStack:
         signed_sin = torch.cat((-sin, sin), dim=-1).to(c.dtype)[:, None, :]
         h = self.run(embed[token_ids], cos, signed_sin, pages, slot_blocks, slot_offsets, block_tables, layout,
                      layers)
-        return F.linear(self.rms_norm(h[last], norm), lm_head).float()
+        return linear(self.rms_norm(h[last], norm), lm_head).float()
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pages: torch.Tensor,
             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, block_tables: torch.Tensor,
@@ -126,17 +127,17 @@ class LayerStack:
         half, inter = c.head_dim // 2, c.intermediate_size
         for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(layers):
             x = self.rms_norm(h, ln1)
-            qkv = F.linear(x, qkv_w, qkv_b)
+            qkv = linear(x, qkv_w, qkv_b)
             qk = qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
             turned = qk.roll(half, dims=-1)
             qk.copy_(qk * cos + turned * signed_sin)                     # RoPE, on Q and K at once
             cache = pages[:, layer]                                     # [blocks, 2, bs, kv_heads, dim]
             cache[slot_blocks, :, slot_offsets] = qkv[:, q_size:].view(-1, 2, c.num_kv_heads, c.head_dim)
             attn = self.attend(qkv[:, :q_size].view(-1, c.num_heads, c.head_dim), cache, block_tables, layout)
-            h = h + F.linear(attn, o_w)
+            h = h + linear(attn, o_w)
             x = self.rms_norm(h, ln2)
-            gu = F.linear(x, gate_up)
-            h = h + F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), down)
+            gu = linear(x, gate_up)
+            h = h + linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), down)
         return h
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,

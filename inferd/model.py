@@ -20,6 +20,7 @@ import torch
 from inferd import paged_kernel
 from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
+from inferd.decoder_weights import DecoderWeights
 from inferd.layer_stack import AttentionGroup, AttentionLayout, LayerStack, PassGraphs, SplitAttention
 from inferd.paged_kernel import KernelUnavailable
 
@@ -90,38 +91,37 @@ def _attention(asked: str, device: torch.device) -> str:
 class PagedDecoder:
     """Weights plus the pool view; `forward` returns the logits of each sequence's last new token."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor,
-                 device: torch.device | str = "cpu", *, traced: bool = True, attention: str = "auto") -> None:
-        """`attention`: how decode rows attend. "paged" reads K/V from the pages with inferd's CPU kernel
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | DecoderWeights, kv: torch.Tensor,
+                 device: torch.device | str = "cpu", *, traced: bool = True, attention: str = "auto",
+                 pack_weights: bool = True) -> None:
+        """`weights`: a checkpoint's tensors, or a `DecoderWeights` already prepared on `device`.
+
+        `attention`: how decode rows attend. "paged" reads K/V from the pages with inferd's CPU kernel
         (inferd.paged_kernel), "gather" copies each sequence's pages out for scaled_dot_product_attention,
-        "auto" takes "paged" where the pool is in CPU memory and the kernel builds."""
+        "auto" takes "paged" where the pool is in CPU memory and the kernel builds.
+
+        `pack_weights` (with a checkpoint's tensors): lay the linear weights out once for oneDNN where it
+        runs them (inferd.packed_linear)."""
         self.config = config
         self.device = torch.device(device)
         self.kv = kv                                   # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
         self.block_size = kv.shape[3]
-
-        def w(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"checkpoint lacks {name}")
-            return weights[name].to(self.device)
-
-        self.embed = w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if config.tie_embeddings or "lm_head.weight" not in weights \
-            else w("lm_head.weight")
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_b = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None
-            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
-            self.layers.append((w(p + "input_layernorm.weight"), qkv_w, qkv_b, w(p + "self_attn.o_proj.weight"),
-                                w(p + "post_attention_layernorm.weight"), gate_up, w(p + "mlp.down_proj.weight")))
+        if not isinstance(weights, DecoderWeights):
+            weights = DecoderWeights.prepare(config, weights, self.device, pack=pack_weights)
+        elif weights.device != self.device:
+            raise ValueError(f"these weights were prepared on {weights.device}, not {self.device}")
+        self.weights = weights
+        self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self.attention = _attention(attention, self.kv.device)
         self._stack = LayerStack(config, paged=self.attention == "paged")
         self._around = (self.embed, self.inv_freq, self.norm, self.lm_head)
         self._graphs = PassGraphs(self._stack, self._around, self.layers) if traced else None
+
+    @property
+    def weight_layout(self) -> str:
+        """"onednn" where the layers' linear weights are laid out for oneDNN's matmul, else "checkpoint"."""
+        return self.weights.layout
 
     @property
     def traced_graphs(self) -> list[str]:
@@ -131,8 +131,7 @@ class PagedDecoder:
 
     def flops_per_token(self) -> int:
         """Matrix work of one new token through every layer (the LM head runs once per sequence)."""
-        return 2 * sum(w.numel() for (_, qkv_w, _, o_w, _, gate_up, down) in self.layers
-                       for w in (qkv_w, o_w, gate_up, down))
+        return self.weights.flops_per_token
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import grpc
 import structlog
+import torch
 
 from inferd import paged_kernel
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
+from inferd.decoder_weights import DecoderWeights
 from inferd.fingerprint import model_fingerprint
 from inferd.forward_thread import PassObserver
 from inferd.metrics import InferdMetrics
@@ -78,7 +80,10 @@ class MemdLink:
                 paged_kernel.available(required=attention == "paged")
             except paged_kernel.KernelUnavailable as exc:
                 raise paged_kernel.KernelUnavailable(f"--attention paged: {exc}") from None
-        self.weights = load_weights(model_dir, self.config.dtype)
+        self.model_dir = model_dir
+        # The checkpoint's tensors until the first attachment prepares them on memd's device; then only those.
+        self._checkpoint: dict[str, torch.Tensor] | None = load_weights(model_dir, self.config.dtype)
+        self._weights: DecoderWeights | None = None
         self.tokenizer = load_tokenizer(model_dir)
         self.namespace = model_fingerprint(model_dir, self.config, block_size)
         self.memd_address = memd_address
@@ -119,12 +124,22 @@ class MemdLink:
             except Exception:          # a bug in serving must not leave the worker dead but attached
                 log.exception("serving failed; reattaching")
 
+    def _weights_on(self, device: torch.device) -> DecoderWeights:
+        """The decoder's weights on `device`, prepared once; read again only if memd's pool moved device."""
+        if self._weights is None or self._weights.device != device:
+            checkpoint = self._checkpoint if self._checkpoint is not None \
+                else load_weights(self.model_dir, self.config.dtype)
+            self._weights = None                                  # the old ones go before the new ones come
+            self._weights = DecoderWeights.prepare(self.config, checkpoint, device)
+            self._checkpoint = None
+        return self._weights
+
     async def _serve(self, client: MemdClient) -> None:
         assert client.pool is not None
         kv = client.pool.view(self.config.dtype, self.config.page_shape(self.block_size))
         try:
-            model = PagedDecoder(self.config, self.weights, kv, device=client.pool.pages.device,
-                                 attention=self.attention)
+            model = PagedDecoder(self.config, self._weights_on(client.pool.pages.device), kv,
+                                 device=client.pool.pages.device, attention=self.attention)
         except paged_kernel.KernelUnavailable as exc:      # --attention paged, and memd's pool is on a GPU
             raise AttachRefused(f"--attention paged: {exc}") from None
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
@@ -143,7 +158,8 @@ class MemdLink:
         if self.on_serving is not None:
             await self.on_serving(not client.draining)
         log.info("attached to memd", worker=client.worker_id, blocks=client.geometry.num_blocks,
-                 block_size=self.block_size, model=self.namespace, attention=model.attention)
+                 block_size=self.block_size, model=self.namespace, attention=model.attention,
+                 weight_layout=model.weight_layout)
         running = asyncio.create_task(scheduler.run())
         lost = asyncio.create_task(client.lease_lost.wait())
         try:

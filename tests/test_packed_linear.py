@@ -1,0 +1,84 @@
+"""Linear weights laid out for oneDNN: the same products as F.linear, in every pass kind, or left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inferd.checkpoint import load_weights, read_config
+from inferd.decoder_weights import DecoderWeights
+from inferd.model import PagedDecoder, build_batch
+from inferd.packed_linear import linear, packed
+from inferd.tiny import make_tiny_model
+
+onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@onednn
+@pytest.mark.parametrize("rows", [1, 16, 37])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_products_match_f_linear(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(96, 64, generator=gen), torch.randn(rows, 64, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    laid_out = packed(weight)
+    assert laid_out.is_mkldnn and laid_out.shape == weight.shape
+    torch.testing.assert_close(linear(x, laid_out, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@onednn
+def test_bfloat16_products_are_f_linears_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(128, 64, generator=gen).bfloat16()
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    laid_out = packed(weight)
+    if not laid_out.is_mkldnn:
+        pytest.skip("oneDNN offers no bfloat16 layout on this CPU")
+    assert torch.equal(linear(x, laid_out), F.linear(x, weight))
+
+
+def test_a_weight_without_a_layout_is_left_alone():
+    weight = torch.randn(8, 4, dtype=torch.float64)        # oneDNN lays out no float64 weight
+    assert packed(weight) is weight
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("packed") / "model", hidden=64, layers=2, heads=4,
+                                kv_heads=2, vocab=256)
+    config = read_config(model_dir)
+    return config, load_weights(model_dir, config.dtype)
+
+
+@onednn
+def test_a_decoders_passes_run_through_onednn_with_the_checkpoint_layouts_results(tiny):
+    """Prompt, then a decode step of two sequences, traced: logits as with the checkpoint's layout,
+    and the traced graph holds oneDNN's matmul and no aten::linear."""
+    config, weights = tiny
+    pool = torch.zeros(8, *config.page_shape(4))
+    laid_out = PagedDecoder(config, weights, pool.clone())
+    plain = PagedDecoder(config, weights, pool.clone(), pack_weights=False)
+    assert laid_out.weight_layout == "onednn" and plain.weight_layout == "checkpoint"
+    prompts = [([5, 9, 13, 2, 7], 0, [0, 1]), ([3, 4, 6], 0, [2, 3])]
+    steps = [build_batch(prompts, 4), build_batch([([11], 5, [0, 1]), ([12], 3, [2, 3])], 4)]
+    for batch in steps:
+        torch.testing.assert_close(laid_out.forward(batch), plain.forward(batch), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(laid_out.kv, plain.kv, rtol=1e-4, atol=1e-5)
+    assert "batch" in laid_out.traced_graphs
+    graph = str(laid_out._graphs._graphs["batch"].graph)
+    assert "packed_matmul" in graph and "aten::linear" not in graph      # oneDNN's call, scripted
+
+
+def test_decoders_built_on_prepared_weights_share_them_and_refuse_another_device(tiny):
+    """As inferd serve builds one decoder per attachment to memd: the weights are prepared once."""
+    config, weights = tiny
+    prepared = DecoderWeights.prepare(config, weights)
+    pool = torch.zeros(8, *config.page_shape(4))
+    first, second = PagedDecoder(config, prepared, pool), PagedDecoder(config, prepared, pool)
+    assert first.layers is second.layers is prepared.layers and first.lm_head is prepared.lm_head
+    assert first.flops_per_token() == PagedDecoder(config, weights, pool, pack_weights=False).flops_per_token()
+    with pytest.raises(ValueError, match="prepared on cpu"):
+        PagedDecoder(config, prepared, pool, device="meta")
