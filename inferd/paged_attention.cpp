@@ -61,12 +61,30 @@ inline void to_float(Row<Dim> row, const c10::Half* src, float* dst) {
 #endif
 }
 
+// A head size the lanes divide sums into 16 partial sums, then halves them four times: a reduction clause
+// left the compiler adding the lanes one by one, a chain of dependent scalar adds that took half the kernel's
+// time at head size 32.
+constexpr int kLanes = 16;
+
 template <int Dim>
 inline float dot(Row<Dim> row, const float* a, const float* b) {
-    float sum = 0.f;
+    if constexpr (Dim > 0 && Dim % kLanes == 0) {
+        float part[kLanes] = {};
+        for (int64_t i = 0; i < Dim; i += kLanes) {
+#pragma omp simd
+            for (int j = 0; j < kLanes; ++j) part[j] += a[i + j] * b[i + j];
+        }
+        for (int width = kLanes / 2; width > 0; width /= 2) {
+#pragma omp simd
+            for (int j = 0; j < width; ++j) part[j] += part[j + width];
+        }
+        return part[0];
+    } else {
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < row.size(); ++i) sum += a[i] * b[i];
-    return sum;
+        for (int64_t i = 0; i < row.size(); ++i) sum += a[i] * b[i];
+        return sum;
+    }
 }
 
 template <int Dim>
