@@ -61,7 +61,7 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
         laid_out = torch.ops.mkldnn._reorder_linear_weight(weight, LAYOUT_ROWS)
         probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
         _script()(probe, laid_out, None)                        # the op runs here, or nowhere
-    except RuntimeError as exc:                                 # e.g. fp16 without avx512_fp16
+    except (RuntimeError, AttributeError) as exc:               # fp16 without avx512_fp16; no such op
         log.debug("linear weight kept in its own layout", dtype=str(weight.dtype), error=str(exc))
         return weight
     return laid_out
