@@ -448,12 +448,13 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, s
     vocab, context = model.config.vocab_size, sizes.mixed_context
     chunk = MAX_BATCH_TOKENS - CONCURRENT
     others = {}
-    if model.attention == "paged":
-        others["decode_gather"] = PagedDecoder(model.config, load_weights(model_dir, model.config.dtype), model.kv,
-                                               attention="gather")
-    if model.weight_layout == "onednn":
-        others["decode_unpacked"] = PagedDecoder(model.config, load_weights(model_dir, model.config.dtype), model.kv,
-                                                 attention=model.attention, pack_weights=False)
+    if model.attention == "paged" or model.weight_layout == "onednn":
+        checkpoint = load_weights(model_dir, model.config.dtype)
+        if model.attention == "paged":
+            others["decode_gather"] = PagedDecoder(model.config, checkpoint, model.kv, attention="gather")
+        if model.weight_layout == "onednn":
+            others["decode_unpacked"] = PagedDecoder(model.config, checkpoint, model.kv, attention=model.attention,
+                                                     pack_weights=False)
     opened = await client.step(*[Open(token_ids(rng, context, vocab), reserve=1) for _ in range(CONCURRENT)],
                                Open(token_ids(rng, context + chunk, vocab)))
     try:

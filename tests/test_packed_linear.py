@@ -45,6 +45,17 @@ def test_a_weight_without_a_layout_is_left_alone():
     assert torch.equal(linear(x, weight), F.linear(x, weight))
 
 
+@onednn
+def test_a_dtype_the_cpu_cannot_lay_out_keeps_its_weight_and_products():
+    """fp16 needs AVX512-FP16 or AVX-NE-CONVERT: without them the layout is refused and the weight kept."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(32, 64, generator=gen).half()
+    x = torch.randn(4, 64, generator=gen).half()
+    laid_out = packed(weight)
+    assert laid_out is weight or laid_out.is_mkldnn
+    torch.testing.assert_close(linear(x, laid_out), F.linear(x, weight), rtol=2e-3, atol=2e-3)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("packed") / "model", hidden=64, layers=2, heads=4,
