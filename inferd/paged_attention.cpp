@@ -3,9 +3,8 @@
 //
 // Gathering each sequence's pages into a contiguous [keys, heads, dim] tensor and handing it to
 // scaled_dot_product_attention reads the whole context twice and writes it once; this reads it once.
-// Each work item is one sequence and one KV head: the query heads that share that KV head score every
-// key (K is read once for all of them), take a softmax in float32, then sum V (read once) with those
-// weights. Work items run on torch's intra-op threads.
+// The query heads that share a KV head score every key (K is read once for all of them), take a softmax
+// in float32, then sum V (read once) with those weights. Work items run on torch's intra-op threads.
 //
 // Built by inferd.paged_kernel with the machine's C++ compiler; loaded with torch.ops.load_library.
 
@@ -61,68 +60,136 @@ inline void to_float(Row<Dim> row, const c10::Half* src, float* dst) {
 #endif
 }
 
-// A head size the lanes divide sums into 16 partial sums, then halves them four times: a reduction clause
-// left the compiler adding the lanes one by one, a chain of dependent scalar adds that took half the kernel's
-// time at head size 32.
-constexpr int kLanes = 16;
+// Keys are taken in tiles of 16. Where the head size is a multiple of 16, a head's products with a tile's
+// keys are sixteen 16-lane vectors, folded together into the tile's 16 scores (15 shuffles and adds in
+// all, where summing each key's lanes alone takes 4 per key and left the K pass twice the V pass), and
+// the tile's values are summed into accumulators held in registers, stored once per tile.
+constexpr int kTile = 16;
+using Vec = float __attribute__((vector_size(64)));
+using LooseVec = float __attribute__((vector_size(64), aligned(4)));      // a row need not be 64-byte aligned
 
-template <int Dim>
-inline float dot(Row<Dim> row, const float* a, const float* b) {
-    if constexpr (Dim > 0 && Dim % kLanes == 0) {
-        float part[kLanes] = {};
-        for (int64_t i = 0; i < Dim; i += kLanes) {
-#pragma omp simd
-            for (int j = 0; j < kLanes; ++j) part[j] += a[i + j] * b[i + j];
-        }
-        for (int width = kLanes / 2; width > 0; width /= 2) {
-#pragma omp simd
-            for (int j = 0; j < width; ++j) part[j] += part[j + width];
-        }
-        return part[0];
+inline Vec load(const float* p) { return *reinterpret_cast<const LooseVec*>(p); }
+inline void store(float* p, Vec v) { *reinterpret_cast<LooseVec*>(p) = v; }
+
+// clang's and GCC's names for picking lanes from two vectors (GCC knows clang's only from release 12).
+#ifdef __clang__
+#define KVPOOL_PICK(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+using Lanes = int32_t __attribute__((vector_size(64)));
+#define KVPOOL_PICK(x, y, ...) __builtin_shuffle(x, y, Lanes{__VA_ARGS__})
+#endif
+
+// Two vectors whose lanes fall in groups of 2G, one group per key, into one whose groups of G hold the
+// same keys in the same order, each group's lanes summed in pairs.
+template <int G>
+inline Vec fold(Vec x, Vec y) {
+    if constexpr (G == 8) {
+        return KVPOOL_PICK(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               KVPOOL_PICK(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    } else if constexpr (G == 4) {
+        return KVPOOL_PICK(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               KVPOOL_PICK(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    } else if constexpr (G == 2) {
+        return KVPOOL_PICK(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               KVPOOL_PICK(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     } else {
-        float sum = 0.f;
+        return KVPOOL_PICK(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+               KVPOOL_PICK(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    }
+}
+
+// Lane t of the result: the sum of p[t]'s lanes.
+inline Vec lane_sums(const Vec* p) {
+    Vec a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i) a[i] = fold<8>(p[2 * i], p[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) b[i] = fold<4>(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) c[i] = fold<2>(b[2 * i], b[2 * i + 1]);
+    return fold<1>(c[0], c[1]);
+}
+
+// A query head's scores against the tile's n keys, into `scores[0, n)`.
+template <int Dim>
+inline void score_tile(Row<Dim> row, const float* query, const float* const* keys, int64_t n, float* scores) {
+    if constexpr (Dim > 0 && Dim % 16 == 0) {
+        Vec q[Dim / 16], p[kTile];
+        for (int c = 0; c < Dim / 16; ++c) q[c] = load(query + 16 * c);
+        for (int t = 0; t < kTile; ++t) {
+            p[t] = Vec{};
+            if (t < n)
+                for (int c = 0; c < Dim / 16; ++c) p[t] += q[c] * load(keys[t] + 16 * c);
+        }
+        const Vec s = lane_sums(p);
+        if (n == kTile) {
+            store(scores, s);
+        } else {
+            for (int t = 0; t < n; ++t) scores[t] = s[t];
+        }
+    } else {
+        for (int64_t t = 0; t < n; ++t) {
+            float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < row.size(); ++i) sum += a[i] * b[i];
-        return sum;
+            for (int64_t i = 0; i < row.size(); ++i) sum += query[i] * keys[t][i];
+            scores[t] = sum;
+        }
     }
 }
 
+// acc += the tile's n values weighted by `weights[0, n)`.
 template <int Dim>
-inline void add_scaled(Row<Dim> row, float* acc, const float* x, float weight) {
-#pragma omp simd
-    for (int64_t i = 0; i < row.size(); ++i) acc[i] += weight * x[i];
-}
-
-// A key or value row as float32: the row itself where the pages hold float32, else widened into `scratch`.
-template <typename T, int Dim>
-inline const float* row_as_float(Row<Dim> row, const T* src, float* scratch) {
-    if constexpr (std::is_same_v<T, float>) {
-        return src;
+inline void accumulate_tile(Row<Dim> row, float* acc, const float* const* values, int64_t n, const float* weights) {
+    if constexpr (Dim > 0 && Dim % 16 == 0) {
+        Vec a[Dim / 16];
+        for (int c = 0; c < Dim / 16; ++c) a[c] = load(acc + 16 * c);
+        for (int64_t t = 0; t < n; ++t) {
+            const float w = weights[t];
+            for (int c = 0; c < Dim / 16; ++c) a[c] += w * load(values[t] + 16 * c);
+        }
+        for (int c = 0; c < Dim / 16; ++c) store(acc + 16 * c, a[c]);
     } else {
-        to_float(row, src, scratch);
-        return scratch;
+        for (int64_t t = 0; t < n; ++t) {
+#pragma omp simd
+            for (int64_t i = 0; i < row.size(); ++i) acc[i] += weights[t] * values[t][i];
+        }
     }
 }
 
-// The next page's slot, asked for ahead: the pages of a sequence lie anywhere in the pool, so the
-// hardware's prefetcher, which follows strides, starts over at each one.
-inline void prefetch(const void* start, int64_t bytes) {
-    const char* p = static_cast<const char*>(start);
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+// The slots of keys [t0, t0 + n) through the table, and the same slots of the next page (null past the
+// sequence's last page); `base` is the pool at the K or V half of a page.
+template <typename T>
+inline void tile_slots(const T* base, const int64_t* table, int64_t t0, int64_t n, int64_t len, int64_t block_size,
+                       int64_t s_block, int64_t s_slot, const T** slots, const T** ahead) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t page = (t0 + i) / block_size, offset = (t0 + i) % block_size;
+        slots[i] = base + table[page] * s_block + offset * s_slot;
+        ahead[i] = (page + 1) * block_size < len ? base + table[page + 1] * s_block + offset * s_slot : nullptr;
+    }
 }
 
-// `visit(t, slot)` for each of a sequence's first `len` slots, page by page through its table; `base` is
-// the pool at the K or V half of a page. While a page is read, the same `span` bytes of each slot of the
-// next page (from `ahead` elements into the slot) are asked for.
-template <typename T, typename Visit>
-inline void for_each_slot(const T* base, const int64_t* table, int64_t len, int64_t block_size, int64_t s_block,
-                          int64_t s_slot, int64_t ahead, int64_t span, Visit&& visit) {
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* page = base + table[t0 / block_size] * s_block;
-        const T* next = t0 + block_size < len ? base + table[t0 / block_size + 1] * s_block : nullptr;
-        for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
-            if (next != nullptr) prefetch(next + (t - t0) * s_slot + ahead, span);
-            visit(t, page + (t - t0) * s_slot);
+// The pages of a sequence lie anywhere in the pool, so the hardware's prefetcher, which follows strides,
+// starts over at each one: while one KV head's rows of a tile are read, its rows of the next page are asked
+// for, a few lines at a time between the arithmetic rather than a page's worth at once. They are asked
+// into L2, not L1: prefetches into L1 held the few L1 miss buffers the loads themselves needed, and a
+// decode over pages in DRAM ran 1.5x slower for it.
+template <typename T>
+inline void prefetch_rows(const T* const* ahead, int64_t n, int64_t head_offset, int64_t bytes) {
+    for (int64_t t = 0; t < n; ++t) {
+        if (ahead[t] == nullptr) continue;
+        const char* p = reinterpret_cast<const char*>(ahead[t] + head_offset);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+    }
+}
+
+// One KV head's rows of a tile as float32: the rows themselves where the pages hold float32, else widened
+// into `scratch`.
+template <typename T, int Dim>
+inline void tile_rows(Row<Dim> row, const T* const* slots, int64_t n, int64_t head_offset, float* scratch,
+                      const float** rows) {
+    for (int64_t t = 0; t < n; ++t) {
+        if constexpr (std::is_same_v<T, float>) {
+            rows[t] = slots[t] + head_offset;
+        } else {
+            to_float(row, slots[t] + head_offset, scratch + t * row.size());
+            rows[t] = scratch + t * row.size();
         }
     }
 }
@@ -178,36 +245,41 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
     const int64_t splits = batch >= at::get_num_threads() ? 1 : kv_heads, per_item = kv_heads / splits;
 
     at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> queries(heads * dim), acc(heads * dim), scratch(dim), scores;
+        std::vector<float> queries(heads * dim), acc(heads * dim), scratch(kTile * dim), scores;
+        const T *slots[kTile], *ahead[kTile];
+        const float* rows[kTile];
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = item / splits, g0 = item % splits * per_item, g1 = g0 + per_item;
             const int64_t len = len_data[b], h0 = g0 * group, h1 = g1 * group;
             const int64_t* table = table_data + b * max_blocks;
-            const int64_t span = (g1 - g0 - 1) * s_head * sizeof(T) + dim * sizeof(T);   // bytes of a slot read
             for (int64_t h = h0; h < h1; ++h) {
                 float* qh = queries.data() + h * dim;
                 to_float(row, q_data + b * q_row + h * q_head, qh);
                 for (int64_t i = 0; i < dim; ++i) qh[i] *= static_cast<float>(scale);
             }
             scores.resize(heads * len);
-            for_each_slot(pages, table, len, block_size, s_block, s_slot, g0 * s_head, span,
-                          [&](int64_t t, const T* slot) {        // every key, once, scored for its heads
+            for (int64_t t0 = 0; t0 < len; t0 += kTile) {       // every key, once, scored for its heads
+                const int64_t n = std::min<int64_t>(kTile, len - t0);
+                tile_slots(pages, table, t0, n, len, block_size, s_block, s_slot, slots, ahead);
                 for (int64_t g = g0; g < g1; ++g) {
-                    const float* key = row_as_float(row, slot + g * s_head, scratch.data());
+                    prefetch_rows(ahead, n, g * s_head, dim * sizeof(T));
+                    tile_rows(row, slots, n, g * s_head, scratch.data(), rows);
                     for (int64_t h = g * group; h < (g + 1) * group; ++h)
-                        scores[h * len + t] = dot(row, queries.data() + h * dim, key);
+                        score_tile(row, queries.data() + h * dim, rows, n, scores.data() + h * len + t0);
                 }
-            });
+            }
             for (int64_t h = h0; h < h1; ++h) softmax(scores.data() + h * len, len);
             std::fill(acc.begin() + h0 * dim, acc.begin() + h1 * dim, 0.f);
-            for_each_slot(pages + s_kv, table, len, block_size, s_block, s_slot, g0 * s_head, span,
-                          [&](int64_t t, const T* slot) {        // every value, once, weighted likewise
+            for (int64_t t0 = 0; t0 < len; t0 += kTile) {       // every value, once, weighted likewise
+                const int64_t n = std::min<int64_t>(kTile, len - t0);
+                tile_slots(pages + s_kv, table, t0, n, len, block_size, s_block, s_slot, slots, ahead);
                 for (int64_t g = g0; g < g1; ++g) {
-                    const float* value = row_as_float(row, slot + g * s_head, scratch.data());
+                    prefetch_rows(ahead, n, g * s_head, dim * sizeof(T));
+                    tile_rows(row, slots, n, g * s_head, scratch.data(), rows);
                     for (int64_t h = g * group; h < (g + 1) * group; ++h)
-                        add_scaled(row, acc.data() + h * dim, value, scores[h * len + t]);
+                        accumulate_tile(row, acc.data() + h * dim, rows, n, scores.data() + h * len + t0);
                 }
-            });
+            }
             T* o = out_data + b * heads * dim;
             for (int64_t i = h0 * dim; i < h1 * dim; ++i) o[i] = static_cast<T>(acc[i]);
         }

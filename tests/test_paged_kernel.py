@@ -51,16 +51,17 @@ def test_the_kernel_builds_and_loads():
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4)])
-def test_decode_rows_attend_as_over_a_gathered_copy(dtype, atol, heads, kv_heads):
-    lens = [1, 15, 16, 17, 100, 33, 64, 2]     # one key, a block's edge either side, several blocks
-    q, cache, tables, lens_t = case(1, dtype, lens, heads, kv_heads, 32, 16)
-    out = paged_kernel.paged_decode(q, cache, tables, lens_t, 32 ** -0.5)
-    assert out.dtype == dtype and out.shape == (len(lens), heads * 32)
+@pytest.mark.parametrize("dim", [32, 128])
+def test_decode_rows_attend_as_over_a_gathered_copy(dtype, atol, heads, kv_heads, dim):
+    lens = [1, 15, 16, 17, 100, 33, 64, 2]     # one key, a block's (and a tile's) edge either side, several
+    q, cache, tables, lens_t = case(1, dtype, lens, heads, kv_heads, dim, 16)
+    out = paged_kernel.paged_decode(q, cache, tables, lens_t, dim ** -0.5)
+    assert out.dtype == dtype and out.shape == (len(lens), heads * dim)
     torch.testing.assert_close(out.double(), reference(q, cache, tables, lens_t), atol=atol, rtol=0)
 
 
 @given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 96), min_size=1, max_size=6),
-       groups=st.sampled_from([(4, 1), (6, 2), (2, 2)]), dim=st.sampled_from([8, 20, 64]),
+       groups=st.sampled_from([(4, 1), (6, 2), (2, 2)]), dim=st.sampled_from([8, 20, 32, 64, 128]),
        block_size=st.sampled_from([1, 4, 16]), threads=st.sampled_from([1, 2]))
 def test_any_lengths_tables_and_head_shapes_attend_as_over_a_gathered_copy(seed, lens, groups, dim, block_size,
                                                                             threads):
