@@ -64,7 +64,7 @@ inline void to_float(Row<Dim> row, const c10::Half* src, float* dst) {
 // keys are sixteen 16-lane vectors, folded together into the tile's 16 scores (15 shuffles and adds in
 // all, where summing each key's lanes alone takes 4 per key and left the K pass twice the V pass), and
 // the tile's values are summed into accumulators held in registers, stored once per tile.
-constexpr int kTile = 16;
+constexpr int kLanes = 16, kTile = kLanes;          // a tile's scores fill one vector
 using Vec = float __attribute__((vector_size(64)));
 using LooseVec = float __attribute__((vector_size(64), aligned(4)));      // a row need not be 64-byte aligned
 
@@ -110,13 +110,13 @@ inline Vec lane_sums(const Vec* p) {
 // A query head's scores against the tile's n keys, into `scores[0, n)`.
 template <int Dim>
 inline void score_tile(Row<Dim> row, const float* query, const float* const* keys, int64_t n, float* scores) {
-    if constexpr (Dim > 0 && Dim % 16 == 0) {
-        Vec q[Dim / 16], p[kTile];
-        for (int c = 0; c < Dim / 16; ++c) q[c] = load(query + 16 * c);
+    if constexpr (Dim > 0 && Dim % kLanes == 0) {
+        Vec q[Dim / kLanes], p[kTile];
+        for (int c = 0; c < Dim / kLanes; ++c) q[c] = load(query + kLanes * c);
         for (int t = 0; t < kTile; ++t) {
             p[t] = Vec{};
             if (t < n)
-                for (int c = 0; c < Dim / 16; ++c) p[t] += q[c] * load(keys[t] + 16 * c);
+                for (int c = 0; c < Dim / kLanes; ++c) p[t] += q[c] * load(keys[t] + kLanes * c);
         }
         const Vec s = lane_sums(p);
         if (n == kTile) {
@@ -137,14 +137,14 @@ inline void score_tile(Row<Dim> row, const float* query, const float* const* key
 // acc += the tile's n values weighted by `weights[0, n)`.
 template <int Dim>
 inline void accumulate_tile(Row<Dim> row, float* acc, const float* const* values, int64_t n, const float* weights) {
-    if constexpr (Dim > 0 && Dim % 16 == 0) {
-        Vec a[Dim / 16];
-        for (int c = 0; c < Dim / 16; ++c) a[c] = load(acc + 16 * c);
+    if constexpr (Dim > 0 && Dim % kLanes == 0) {
+        Vec a[Dim / kLanes];
+        for (int c = 0; c < Dim / kLanes; ++c) a[c] = load(acc + kLanes * c);
         for (int64_t t = 0; t < n; ++t) {
             const float w = weights[t];
-            for (int c = 0; c < Dim / 16; ++c) a[c] += w * load(values[t] + 16 * c);
+            for (int c = 0; c < Dim / kLanes; ++c) a[c] += w * load(values[t] + kLanes * c);
         }
-        for (int c = 0; c < Dim / 16; ++c) store(acc + 16 * c, a[c]);
+        for (int c = 0; c < Dim / kLanes; ++c) store(acc + kLanes * c, a[c]);
     } else {
         for (int64_t t = 0; t < n; ++t) {
 #pragma omp simd
@@ -258,28 +258,29 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
                 for (int64_t i = 0; i < dim; ++i) qh[i] *= static_cast<float>(scale);
             }
             scores.resize(heads * len);
-            for (int64_t t0 = 0; t0 < len; t0 += kTile) {       // every key, once, scored for its heads
-                const int64_t n = std::min<int64_t>(kTile, len - t0);
-                tile_slots(pages, table, t0, n, len, block_size, s_block, s_slot, slots, ahead);
-                for (int64_t g = g0; g < g1; ++g) {
-                    prefetch_rows(ahead, n, g * s_head, dim * sizeof(T));
-                    tile_rows(row, slots, n, g * s_head, scratch.data(), rows);
-                    for (int64_t h = g * group; h < (g + 1) * group; ++h)
-                        score_tile(row, queries.data() + h * dim, rows, n, scores.data() + h * len + t0);
+            // visit(g, rows, n, t0) for each tile of the sequence's keys and each of the item's KV heads g,
+            // the n rows as float32; `base` is the pool at the K or V half of a page.
+            const auto each_tile = [&](const T* base, auto&& visit) {
+                for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+                    const int64_t n = std::min<int64_t>(kTile, len - t0);
+                    tile_slots(base, table, t0, n, len, block_size, s_block, s_slot, slots, ahead);
+                    for (int64_t g = g0; g < g1; ++g) {
+                        prefetch_rows(ahead, n, g * s_head, dim * sizeof(T));
+                        tile_rows(row, slots, n, g * s_head, scratch.data(), rows);
+                        visit(g, rows, n, t0);
+                    }
                 }
-            }
+            };
+            each_tile(pages, [&](int64_t g, const float* const* keys, int64_t n, int64_t t0) {
+                for (int64_t h = g * group; h < (g + 1) * group; ++h)   // every key, once, scored for its heads
+                    score_tile(row, queries.data() + h * dim, keys, n, scores.data() + h * len + t0);
+            });
             for (int64_t h = h0; h < h1; ++h) softmax(scores.data() + h * len, len);
             std::fill(acc.begin() + h0 * dim, acc.begin() + h1 * dim, 0.f);
-            for (int64_t t0 = 0; t0 < len; t0 += kTile) {       // every value, once, weighted likewise
-                const int64_t n = std::min<int64_t>(kTile, len - t0);
-                tile_slots(pages + s_kv, table, t0, n, len, block_size, s_block, s_slot, slots, ahead);
-                for (int64_t g = g0; g < g1; ++g) {
-                    prefetch_rows(ahead, n, g * s_head, dim * sizeof(T));
-                    tile_rows(row, slots, n, g * s_head, scratch.data(), rows);
-                    for (int64_t h = g * group; h < (g + 1) * group; ++h)
-                        accumulate_tile(row, acc.data() + h * dim, rows, n, scores.data() + h * len + t0);
-                }
-            }
+            each_tile(pages + s_kv, [&](int64_t g, const float* const* values, int64_t n, int64_t t0) {
+                for (int64_t h = g * group; h < (g + 1) * group; ++h)   // every value, once, weighted likewise
+                    accumulate_tile(row, acc.data() + h * dim, values, n, scores.data() + h * len + t0);
+            });
             T* o = out_data + b * heads * dim;
             for (int64_t i = h0 * dim; i < h1 * dim; ++i) o[i] = static_cast<T>(acc[i]);
         }
