@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from memd.manager import KvManager
     from memd.pool import BlockPool
 
-SLICE = 512                 # blocks, queue links or swap slots checked between two turns of the loop: ~1 ms
-SEQ_SLICE = 256             # sequences checked between two turns of the loop
-SESSION_SLICE = 2_048       # sessions, or sequences' swap slots, looked up between two turns of the loop
+# Where the check may let Steps run (it does once it has held the loop a millisecond: state_copy.Pacer):
+SLICE = 128                 # every this many blocks, queue links or swap slots checked
+SEQ_SLICE = 64              # sequences
+SESSION_SLICE = 512         # sessions, or sequences' swap slots, looked up
 
 
 def violations(m: KvManager) -> list[str]:
@@ -45,7 +46,7 @@ async def violations_between_steps(m: KvManager) -> list[str]:
     with collections_paused():                  # the copy's rows would set off a full collection
         copy, pacer = await state_copy.take(m, checked=True), state_copy.Pacer()
         for _ in _manager_rules(copy, m.pool, problems):
-            await pacer.pause()
+            await pacer.checkpoint()
         pacer.held()
         await copy.drop()                       # a slice at a time: dropped at once, 10k sequences held the loop
     return problems
@@ -115,25 +116,31 @@ def _manager_rules(c: StateCopy, pool: BlockPool, out: list[str]) -> Iterator[No
     yield from _pool_rules(c, pool, out)
     blocks = c.blocks
     assert blocks is not None
-    tables: dict[int, int] = {}                         # block -> sequences and fences naming it
+    # Per block, the sequences and fences naming it. Flat, not a dict: growing a dict of a million
+    # blocks rehashes it whole, tens of milliseconds in one go.
+    counted = bytearray(8 * c.num_blocks)
+    tables = memoryview(counted).cast("q")
     for n, seq in enumerate(c.seqs.values(), 1):
         out += _seq_rules(c, seq)
         for block in seq.block_ids:
-            tables[block] = tables.get(block, 0) + 1
+            if 0 <= block < c.num_blocks:                 # one outside the pool: _seq_rules names it
+                tables[block] += 1
         if n % SEQ_SLICE == 0:
             yield
     for pid, fenced in c.fences.items():
         for block in fenced:
-            if not 0 <= block < c.num_blocks or tables.get(block):
+            if not 0 <= block < c.num_blocks or tables[block]:
                 out.append(f"block {block} is fenced for pid {pid} but also held by a sequence or twice")
             else:
                 tables[block] = 1
     for start, at, lo, hi in _slices(blocks.slice, c.num_blocks):
         refs = blocks.ref[at]
-        for i in range(lo, hi):
-            counted = tables.get(start + i, 0)
-            if counted != refs[i]:
-                out.append(f"block {start + i} has ref count {refs[i]} but {counted} table reference(s)")
+        first, end = 8 * (start + lo), 8 * (start + hi)
+        if refs[lo:hi].tobytes() != counted[first:end]:   # compared in C; block by block only where one differs
+            for i in range(lo, hi):
+                if tables[start + i] != refs[i]:
+                    out.append(f"block {start + i} has ref count {refs[i]} but {tables[start + i]} "
+                               "table reference(s)")
         yield
     for n, (session, seq_id) in enumerate(c.sessions.items(), 1):
         seq = c.seqs.get(seq_id)
@@ -181,33 +188,47 @@ def _seq_rules(c: StateCopy, seq: SeqCopy) -> list[str]:
     return out
 
 
+UNCLAIMED, IN_COPY, FREE_LIST = 0, -1, -2      # a swap slot's owner, when it is not sequence n (n + 1)
+
+
 def _swap_rules(c: StateCopy, out: list[str]) -> Iterator[None]:
     swap = c.swap
     if swap is None:
-        if any(seq.slots for seq in c.seqs.values()):
-            out.append("a sequence holds swap slots, but swap is disabled")
+        for n, seq in enumerate(c.seqs.values(), 1):
+            if seq.slots:
+                out.append("a sequence holds swap slots, but swap is disabled")
+                return
+            if n % SESSION_SLICE == 0:
+                yield
         return
     out += [problem for problem in swap.jobs.values() if problem]
-    owners: dict[int, str] = {}
+    # Per slot, who holds it. Flat, not a dict of a million slots: growing one rehashes it whole.
+    owners = memoryview(bytearray(8 * swap.num_slots)).cast("q")
+    claimed = 0
 
-    def claim(slot: int, owner: str) -> None:
+    def claim(slot: int, owner: int) -> None:
+        nonlocal claimed
         if not 0 <= slot < swap.num_slots:
-            out.append(f"swap slot {slot} of {owner} is outside the swap tier")
-        elif slot in owners:
-            out.append(f"swap slot {slot} is held by {owners[slot]} and by {owner}")
+            out.append(f"swap slot {slot} of {_owner_name(owner)} is outside the swap tier")
+        elif owners[slot] != UNCLAIMED:
+            out.append(f"swap slot {slot} is held by {_owner_name(owners[slot])} and by {_owner_name(owner)}")
         else:
-            owners[slot] = owner
+            owners[slot], claimed = owner, claimed + 1
 
     for n, seq in enumerate(c.seqs.values(), 1):
         for slot in seq.slots:
-            claim(slot, f"sequence {seq.seq_id}")
+            claim(slot, seq.seq_id + 1)
         if n % SESSION_SLICE == 0:
             yield
     for slot in swap.in_copy:
-        claim(slot, "a copy in flight")
+        claim(slot, IN_COPY)
     for n, slot in enumerate(swap.free, 1):
-        claim(slot, "the free list")
+        claim(slot, FREE_LIST)
         if n % SLICE == 0:
             yield
-    if len(owners) != swap.num_slots:
-        out.append(f"{swap.num_slots - len(owners)} swap slot(s) are neither free nor held: leaked")
+    if claimed != swap.num_slots:
+        out.append(f"{swap.num_slots - claimed} swap slot(s) are neither free nor held: leaked")
+
+
+def _owner_name(owner: int) -> str:
+    return {IN_COPY: "a copy in flight", FREE_LIST: "the free list"}.get(owner, f"sequence {owner - 1}")

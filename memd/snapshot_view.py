@@ -30,7 +30,7 @@ PACKED_CHUNK_ROWS = 1_024   # packed blocks per reply message: made in C, about 
 NAMED_CHUNK_ROWS = 128      # of them at most, blocks sequences hold or fences name: each made in Python, 5-7 us
 SEQ_CHUNK_ROWS = 128        # sequence rows per reply message: 8-10 us each
 UNNAMED_STATES = ("free", "cached")    # a block no sequence holds and no fence names, by whether it is cached
-SEQS_SLICE = 512            # sequences indexed or filtered between two turns of the loop
+SEQS_SLICE = 64             # sequences indexed or filtered between two places a slice may end (Pacer.checkpoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,23 +79,23 @@ class SnapshotView:
                     pacer.resumed()
                     reply = pb.SnapshotReply()
             if n % SEQS_SLICE == 0:                 # a filter may pass over many before it shows one
-                await pacer.pause()
+                await pacer.checkpoint()
         pacer.held()
         if reply.sequences:
             yield reply.SerializeToString()
 
-    async def _holders(self) -> dict[int, list[SeqCopy]]:
-        """Block -> the sequences whose tables name it."""
-        holders: dict[int, list[SeqCopy]] = {}
+    async def _holders(self) -> Holders:
+        holders = Holders(list(self.state.seqs.values()), self.state.num_blocks)
         pacer = state_copy.Pacer()
-        for n, seq in enumerate(self.state.seqs.values(), 1):
-            for block in seq.block_ids:
-                holders.setdefault(block, []).append(seq)
-            if n % SEQS_SLICE == 0:
-                await pacer.pause()
+        for i, seq in enumerate(holders.seqs):
+            holders.add(i, seq.block_ids)
+            if i % SEQS_SLICE == 0:
+                await pacer.checkpoint()
+        for pages in self.state.fences.values():
+            holders.fence(pages)
         return holders
 
-    def _block_chunks(self, holders: dict[int, list[SeqCopy]]) -> Iterator[bytes]:
+    def _block_chunks(self, holders: Holders) -> Iterator[bytes]:
         """Reply messages of CHUNK_ROWS blocks, serialized: BlockRow messages, or packed (`packed_blocks`).
 
         A row is made in its message (`add`) with only the fields it has: built apart and copied in it cost
@@ -121,52 +121,46 @@ class SnapshotView:
         if reply.blocks:
             yield reply.SerializeToString()
 
-    def _packed_chunks(self, holders: dict[int, list[SeqCopy]]) -> Iterator[bytes]:
+    def _packed_chunks(self, holders: Holders) -> Iterator[bytes]:
         """Packed parts of PACKED_CHUNK_ROWS blocks. The rows of blocks no sequence holds and no fence names
         (most of a pool) are zipped, in C, from the copy's arrays; only the others are made one by one."""
-        blocks, fenced = self.state.blocks, self._fenced()
+        blocks = self.state.blocks
         assert blocks is not None
-        named = sorted({*holders, *fenced})
-        at, start = 0, 0                                  # into `named`; the first block of the slice
+        start = 0                                          # the first block of the copy's array
         for refs, touched, cached in zip(blocks.ref, blocks.last_access, blocks.cached, strict=True):
             lo = 0
             while lo < len(refs):
                 hi = min(lo + PACKED_CHUNK_ROWS, len(refs))
-                if at + NAMED_CHUNK_ROWS < len(named):      # at most NAMED_CHUNK_ROWS named blocks in a chunk
-                    hi = min(hi, named[at + NAMED_CHUNK_ROWS] - start)
+                named = holders.named_in(start + lo, start + hi)
+                if len(named) > NAMED_CHUNK_ROWS:          # at most NAMED_CHUNK_ROWS named blocks in a chunk
+                    hi = named[NAMED_CHUNK_ROWS] - start
+                    del named[NAMED_CHUNK_ROWS:]
                 first, end = start + lo, start + hi
                 rows: list[BlockValues] = list(zip(
                     range(first, end), refs[lo:hi].tolist(), touched[lo:hi].tolist(),
                     map(UNNAMED_STATES.__getitem__, cached[lo:hi]), itertools.repeat(0.0),
                     itertools.repeat(()), itertools.repeat(())))
-                while at < len(named) and named[at] < end:
-                    block = named[at]
+                for block in named:
                     i = block - first
-                    rows[i] = self._block_row(block, rows[i][1], rows[i][2], cached[lo + i], holders, fenced)
-                    at += 1
+                    rows[i] = self._block_row(block, rows[i][1], rows[i][2], cached[lo + i], holders)
                 yield pb.SnapshotReply(packed_blocks=[msgpack.packb(rows)]).SerializeToString()
                 lo = hi
             start += len(refs)
 
-    def _block_rows(self, holders: dict[int, list[SeqCopy]]) -> Iterator[BlockValues]:
-        fenced = self._fenced()
+    def _block_rows(self, holders: Holders) -> Iterator[BlockValues]:
         assert self.state.blocks is not None
         for block, (ref, touched, cached) in enumerate(self.state.blocks.rows()):
-            yield self._block_row(block, ref, touched, cached, holders, fenced)
+            yield self._block_row(block, ref, touched, cached, holders)
 
-    def _block_row(self, block: int, ref: int, touched: float, cached: int, holders: dict[int, list[SeqCopy]],
-                   fenced: set[int]) -> BlockValues:
-        seqs = holders.get(block)
+    def _block_row(self, block: int, ref: int, touched: float, cached: int, holders: Holders) -> BlockValues:
+        seqs = holders.of(block)
         if seqs:
             state, now = self.state, self.taken_at
             return (block, ref, touched, ",".join(sorted({s.state for s in seqs})),
                     max(state.heat(s, now) for s in seqs), [s.seq_id for s in seqs],
                     sorted({s.owner for s in seqs if s.running and s.owner}))
-        return (block, ref, touched, "fenced" if block in fenced            # a reclaimed worker may still write it
+        return (block, ref, touched, "fenced" if block in holders.fenced    # a reclaimed worker may still write it
                 else UNNAMED_STATES[cached], 0.0, [], [])
-
-    def _fenced(self) -> set[int]:
-        return {block for pages in self.state.fences.values() for block in pages}
 
     def _seq_row(self, row: pb.SeqRow, s: SeqCopy) -> None:
         row.seq_id, row.session_id, row.state, row.owner = s.seq_id, s.session_id, s.state, s.owner
@@ -174,3 +168,51 @@ class SnapshotView:
         row.block_ids.extend(s.block_ids)
         row.last_access, row.heat = s.last_access, self.state.heat(s, self.taken_at)
         row.swapped_blocks = s.swapped_blocks
+
+
+class Holders:
+    """Which sequences' tables name each block, and which blocks a fence names.
+
+    Flat per-block arrays, not a dict of block -> sequences: a dict grows by
+    rehashing itself whole (milliseconds of the loop at once, tens of them
+    at a million blocks), and its keys had to be sorted to walk them in
+    block order, another 10 ms on a loaded host. Most blocks have one
+    holder; the rest of a block's (a shared prefix's) are in `_more`.
+    """
+
+    __slots__ = ("_first", "_more", "fenced", "named", "seqs")
+
+    def __init__(self, seqs: list[SeqCopy], num_blocks: int) -> None:
+        self.seqs = seqs
+        self._first = memoryview(bytearray(4 * num_blocks)).cast("i")  # 1 + index in seqs of its first holder
+        self._more: dict[int, list[int]] = {}
+        self.named = bytearray(num_blocks)         # 1: a sequence's table or a fence names the block
+        self.fenced: set[int] = set()
+
+    def add(self, index: int, blocks: Sequence[int]) -> None:
+        """`seqs[index]` names `blocks` (one outside the pool is left out: it has no row)."""
+        first, named, num_blocks = self._first, self.named, len(self.named)
+        for block in blocks:
+            if not 0 <= block < num_blocks:
+                continue
+            if first[block]:
+                self._more.setdefault(block, []).append(index)
+            else:
+                first[block] = index + 1
+            named[block] = 1
+
+    def fence(self, pages: Sequence[int]) -> None:
+        for block in pages:
+            if 0 <= block < len(self.named):
+                self.fenced.add(block)
+                self.named[block] = 1
+
+    def of(self, block: int) -> list[SeqCopy]:
+        first = self._first[block]
+        if not first:
+            return []
+        return [self.seqs[first - 1], *(self.seqs[i] for i in self._more.get(block, ()))]
+
+    def named_in(self, first: int, end: int) -> list[int]:
+        """The named blocks of [first, end), in order (picked out in C)."""
+        return list(itertools.compress(range(first, end), self.named[first:end]))

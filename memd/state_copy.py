@@ -39,16 +39,24 @@ if TYPE_CHECKING:
     from memd.manager import KvManager
     from memd.pool import BlockPool
 
-SLICE_BLOCKS = 8_192           # pool entries copied between two turns of the loop: under a millisecond
-CHECKED_SLICE_BLOCKS = 2_048   # the same for a check's copy, which looks each block's hash up
-SLICE_SEQS = 256               # sequences copied between two turns of the loop: about a millisecond
+SLICE_S = 0.001                # a slice ends at the first place it may once it has held the loop this long
+MAX_PAUSE_S = 0.002            # the longest a slice waits for Steps to run before the next
+# Where a slice may end: every this many entries (each a tenth of a millisecond or less, on a loaded host).
+SLICE_BLOCKS = 2_048           # pool entries copied (and the copy's arrays: one per this many blocks)
+CHECKED_SLICE_BLOCKS = 512     # the same for a check's copy, which looks each block's hash up
+SLICE_SEQS = 64                # sequences copied
 SETTLE = 4_096                 # changed blocks and sequences few enough to copy again in one go
 MAX_ROUNDS = 16                # rounds of re-copying in slices before the last one is taken regardless
-MAX_PAUSE_S = 0.002            # the longest a slice waits for Steps to run before the next
 
 
 class Pacer:
     """Between two slices, the loop is left to Steps for as long as the slice ran (two milliseconds at most).
+
+    A slice ends by the clock, not by a count of entries: the work runs
+    through `checkpoint`s a few entries apart, and the first one reached
+    after SLICE_S of holding pauses. Counts sized for a quiet host held the
+    loop five times as long on a loaded one (every process slowed by the
+    others on its cores), and Steps waited over 10 ms.
 
     Yielding one turn of the loop is not enough: a Step needs several turns
     (the request read, the handler, the reply written), and would meet a
@@ -67,6 +75,11 @@ class Pacer:
         """`observed=False`: a pacer that only paces, where the slices between its pauses wait on other things."""
         self._since = time.perf_counter()
         self._observed = observed
+
+    async def checkpoint(self) -> None:
+        """A place the slice may end: it does, once it has held the loop SLICE_S."""
+        if time.perf_counter() - self._since >= SLICE_S:
+            await self.pause()
 
     async def pause(self) -> None:
         held = self.held()
@@ -213,7 +226,7 @@ class StateCopy:
         while self.seqs:
             for _ in range(min(SLICE_SEQS, len(self.seqs))):
                 self.seqs.popitem()
-            await pacer.pause()
+            await pacer.checkpoint()
 
 
 async def take(manager: KvManager, *, blocks: bool = True, checked: bool = False) -> StateCopy:
@@ -224,7 +237,7 @@ async def take(manager: KvManager, *, blocks: bool = True, checked: bool = False
     """
     copy, pacer = StateCopy(manager.heat_decay, manager.heat_interval_s, manager.pool.num_blocks), Pacer()
     for _ in _steps(manager, copy, blocks or checked, checked):
-        await pacer.pause()
+        await pacer.checkpoint()
     pacer.held()                                    # the last stretch: the changes copied again in one go
     return copy
 

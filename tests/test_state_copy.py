@@ -18,6 +18,7 @@ from shared.ops import Free, Open, Park
 
 @pytest.fixture
 def tiny_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_copy, "SLICE_S", 0.0)         # every place a slice may end, it does
     monkeypatch.setattr(state_copy, "SLICE_BLOCKS", 16)
     monkeypatch.setattr(state_copy, "CHECKED_SLICE_BLOCKS", 16)
     monkeypatch.setattr(state_copy, "SLICE_SEQS", 2)
@@ -99,3 +100,27 @@ async def test_the_check_taken_between_steps_finds_nothing_wrong_with_a_busy_mem
     manager.pool.ref[held.block_ids[0]] += 1                   # a leak the check must name
     assert await invariants.violations_between_steps(manager) == [
         f"block {held.block_ids[0]} has ref count {manager.pool.ref[held.block_ids[0]]} but 1 table reference(s)"]
+
+
+async def test_the_check_names_a_swap_slot_held_twice_one_outside_the_tier_and_a_leaked_one(local_memd_factory,
+                                                                                          tiny_slices):
+    memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "2MiB", "--block-bytes", "1KiB",
+                                    "--state-dir", "none")
+    client = await memd.attach(block_size=16)
+    manager = memd.parts.manager
+    opened, = await client.step(Open(list(range(40)), reserve=1, session_id="s"))
+    await client.step(Park(opened.seq_id, commit_to=32))
+    async with memd.admin() as admin:
+        await admin.evict(session_id="s", mode="swap")
+    seq = manager.seqs[opened.seq_id]
+    assert seq.slots and await invariants.violations_between_steps(manager) == []
+    swap, held = manager.swap, seq.slots[0]
+    swap._free.append(held)                                  # freed while its sequence still holds it
+    leaked = swap._free.pop(0)                               # held by nothing
+    seq.slots.append(swap.num_slots)                         # outside the tier
+    assert sorted(await invariants.violations_between_steps(manager)) == sorted([
+        f"sequence {seq.seq_id} is swapped with 3 pages for 2 committed",
+        f"swap slot {held} is held by sequence {seq.seq_id} and by the free list",
+        f"swap slot {swap.num_slots} of sequence {seq.seq_id} is outside the swap tier",
+        "1 swap slot(s) are neither free nor held: leaked",
+    ]), leaked
