@@ -183,9 +183,11 @@ class KvManagerMachine(RuleBasedStateMachine):
     @rule(slot=st.integers(0, len(MODELS) - 1), data=st.data(), session=st.sampled_from(SESSIONS),
           reserve=reserves)
     def resend_a_conversation(self, slot: int, data: st.DataObject, session: str, reserve: int) -> None:
-        """Only the part the session's history shares with the conversation keeps its K/V."""
+        """Only the part the session's history shares with the conversation keeps its own K/V; past it, K/V
+        comes only from the prefix cache's pages of these very tokens (computed under the same weights)."""
         seq_id = self.manager.sessions.get(session)
-        before = list(self.manager.seqs[seq_id].token_ids) if seq_id is not None else None
+        before = self.manager.seqs[seq_id] if seq_id is not None else None
+        history = list(before.token_ids) if before is not None else []
         conversation = self.conversation(data, session)
         op = Open(conversation, reserve, session, continue_session=True, whole_history=True)
         if not self.run_step(slot, [op]):
@@ -193,11 +195,19 @@ class KvManagerMachine(RuleBasedStateMachine):
         result = self.manager.seqs[self.manager.sessions[session]]
         assert list(result.token_ids) == conversation
         assert result.num_committed < len(conversation)     # the last token is computed: its logits are needed
-        if before is not None:
-            same = next((i for i, (a, b) in enumerate(zip(before, conversation, strict=False)) if a != b),
-                        min(len(before), len(conversation)))
-            assert result.num_committed <= same, "K/V kept past where the conversation changed"
-            event("conversation resent: kept K/V" if result.num_committed else "conversation resent: none kept")
+        same = next((i for i, (a, b) in enumerate(zip(history, conversation, strict=False)) if a != b),
+                    min(len(history), len(conversation)))
+        own = same if before is not None and before.model == result.model else 0    # other weights: none its own
+        if result.num_committed > own:                       # the rest of what is kept: prefix hits alone
+            assert result.num_committed % BLOCK_SIZE == 0, "K/V kept past where the conversation changed"
+            chain = self.manager.hasher.chain(result.model, conversation, BLOCK_SIZE, 0, b"",
+                                              result.num_committed // BLOCK_SIZE)
+            for b, (digest, _) in enumerate(chain):
+                if (b + 1) * BLOCK_SIZE > own:
+                    assert self.manager.pool.hash_of[result.block_ids[b]] == digest, \
+                        f"block {b} kept past where the conversation changed, and not a prefix hit"
+            event("conversation resent: prefix hits past the history")
+        event("conversation resent: kept K/V" if result.num_committed else "conversation resent: none kept")
 
     def run_step(self, slot: int, ops: list[Op]) -> bool:
         """Whether the Step was applied."""
@@ -710,6 +720,22 @@ def test_a_resent_conversation_keeps_the_kv_of_what_it_shares_and_nothing_past_a
     assert edited.token_ids == [1, 2, 3, 9, 9]
     assert edited.num_committed == 0          # token 3 sat in a full block, never written again: recomputed
     assert m.seqs[chat].turn_start == 3 and m.violations() == []
+
+
+def test_a_conversation_resent_under_other_weights_keeps_none_of_its_own_kv_but_takes_prefix_hits():
+    # Found by the state machine: its own history is of no use under the new weights, the new model's
+    # prefix cache is (the K/V of the same tokens at the same positions, computed by these weights).
+    m = new_manager()
+    other_model = attach(m, "n")
+    m.step(other_model, [Open([1], session_id="chat")])
+    m.reclaim(other_model)                                             # parked, under model "n"
+    worker = attach(m, "m")
+    cached = open_and_commit(m, worker, [1, 1, 1, 1])
+    resent, = m.step(worker, [Open([1, 1, 1, 1, 0], session_id="chat", continue_session=True,
+                                   whole_history=True)]).results
+    assert m.seqs[resent.seq_id].model == "m" and resent.token_ids == [1, 1, 1, 1, 0]
+    assert resent.num_committed == 4 and resent.block_ids[0] == m.seqs[cached].block_ids[0]
+    assert m.violations() == []
 
 
 def test_whole_history_needs_a_session_and_changes_nothing_when_refused():
