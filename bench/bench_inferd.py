@@ -442,19 +442,23 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, s
 
     Where decode rows attend through the paged kernel, the decode step runs again attending over a gathered
     copy of the pages (`inferd serve --attention gather`), on the same weights and pages; where the linear
-    weights are laid out for oneDNN, it runs again with them as the checkpoint has them. The pages come
+    weights are laid out for oneDNN, it runs again with them as the checkpoint has them; where the layers'
+    norms, RoPE and K/V store run as inferd's CPU ops, it runs again with torch's ops. The pages come
     from memd (Open with a reserve) and are freed after; what they hold does not matter to the time, so
     nothing is prefilled. Passes run on a thread, as inferd's forward thread runs them."""
     vocab, context = model.config.vocab_size, sizes.mixed_context
     chunk = MAX_BATCH_TOKENS - CONCURRENT
     others = {}
-    if model.attention == "paged" or model.weight_layout == "onednn":
+    if model.attention == "paged" or model.weight_layout == "onednn" or model.fused:
         checkpoint = load_weights(model_dir, model.config.dtype)
         if model.attention == "paged":
             others["decode_gather"] = PagedDecoder(model.config, checkpoint, model.kv, attention="gather")
         if model.weight_layout == "onednn":
             others["decode_unpacked"] = PagedDecoder(model.config, checkpoint, model.kv, attention=model.attention,
                                                      pack_weights=False)
+        if model.fused:
+            others["decode_unfused"] = PagedDecoder(model.config, checkpoint, model.kv, attention=model.attention,
+                                                    fused=False)
     opened = await client.step(*[Open(token_ids(rng, context, vocab), reserve=1) for _ in range(CONCURRENT)],
                                Open(token_ids(rng, context + chunk, vocab)))
     try:
@@ -476,7 +480,8 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, s
     finally:
         await client.step(*[Free(r.seq_id) for r in opened])
     res: dict[str, Any] = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
-    res |= {"attention": model.attention, "weight_layout": model.weight_layout, "decode_shares": shares,
+    res |= {"attention": model.attention, "weight_layout": model.weight_layout, "fused": model.fused,
+            "decode_shares": shares,
             "context": context, "chunk": chunk,
             "ratio": res["mixed_ms"] / (res["decode_ms"] + res["chunk_ms"])}
     return res
@@ -608,6 +613,9 @@ def report(res: dict, sizes: Sizes) -> str:
     if "decode_unpacked_ms" in m:
         mixed += (f"; with the linear weights as the checkpoint lays them out (not oneDNN's), "
                   f"{m['decode_unpacked_ms']:.1f} ms ({m['decode_unpacked_ms'] / m['decode_ms']:.2f}x)")
+    if "decode_unfused_ms" in m:
+        mixed += (f"; with the norms, RoPE and K/V store as torch's ops (not inferd's), "
+                  f"{m['decode_unfused_ms']:.1f} ms ({m['decode_unfused_ms'] / m['decode_ms']:.2f}x)")
     mixed += (f"\nthe {CONCURRENT}-row decode pass's CPU time (profiler, self time): "
               + ", ".join(f"{part.replace('_', ' ')} {share:.0%}" for part, share in m["decode_shares"].items()))
     targets = table([

@@ -91,8 +91,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     add_config_flags(serve, "INFERD")
-    sub.add_parser("build-kernel", help="build the paged attention kernel for this machine now, not at the first "
-                                        "serve, and print where it is kept")
+    sub.add_parser("build-kernel", help="build inferd's CPU kernels (paged attention, the layers' norms and RoPE) "
+                                        "for this machine now, not at the first serve, and print where they are kept")
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--arch", choices=sorted(ARCH_CLASSES), default="llama")

@@ -88,13 +88,16 @@ class SplitAttention:
 
 
 class LayerStack:
-    """Every layer, from the config alone; `paged`: decode rows attend through `inferd.paged_kernel`."""
+    """Every layer, from the config alone; `paged`: decode rows attend through `inferd.paged_kernel`;
+    `fused`: the norms, RoPE and the K/V store run as inferd's CPU ops (inferd/layer_kernels.cpp)."""
 
-    def __init__(self, config: ModelConfig, *, paged: bool = False) -> None:
-        self.config, self.paged = config, paged
+    def __init__(self, config: ModelConfig, *, paged: bool = False, fused: bool = False) -> None:
+        self.config, self.paged, self.fused = config, paged, fused
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """As transformers computes it: in float32, scaled by the weight after the cast back."""
+        if self.fused:
+            return torch.ops.kvpool.rms_norm(x, weight, self.config.rms_norm_eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         return weight * F.rms_norm(x.float(), weight.shape, None, self.config.rms_norm_eps).to(x.dtype)
@@ -128,11 +131,15 @@ class LayerStack:
         for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(layers):
             x = self.rms_norm(h, ln1)
             qkv = linear(x, qkv_w, qkv_b)
-            qk = qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
-            turned = qk.roll(half, dims=-1)
-            qk.copy_(qk * cos + turned * signed_sin)                     # RoPE, on Q and K at once
             cache = pages[:, layer]                                     # [blocks, 2, bs, kv_heads, dim]
-            cache[slot_blocks, :, slot_offsets] = qkv[:, q_size:].view(-1, 2, c.num_kv_heads, c.head_dim)
+            if self.fused:
+                torch.ops.kvpool.rope_store(qkv, cos, signed_sin, cache, slot_blocks, slot_offsets, c.num_heads,
+                                            c.num_kv_heads)
+            else:
+                qk = qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+                turned = qk.roll(half, dims=-1)
+                qk.copy_(qk * cos + turned * signed_sin)                 # RoPE, on Q and K at once
+                cache[slot_blocks, :, slot_offsets] = qkv[:, q_size:].view(-1, 2, c.num_kv_heads, c.head_dim)
             attn = self.attend(qkv[:, :q_size].view(-1, c.num_heads, c.head_dim), cache, block_tables, layout)
             h = h + linear(attn, o_w)
             x = self.rms_norm(h, ln2)

@@ -93,7 +93,7 @@ class PagedDecoder:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | DecoderWeights, kv: torch.Tensor,
                  device: torch.device | str = "cpu", *, traced: bool = True, attention: str = "auto",
-                 pack_weights: bool = True) -> None:
+                 pack_weights: bool = True, fused: bool = True) -> None:
         """`weights`: a checkpoint's tensors, or a `DecoderWeights` already prepared on `device`.
 
         `attention`: how decode rows attend. "paged" reads K/V from the pages with inferd's CPU kernel
@@ -101,7 +101,10 @@ class PagedDecoder:
         "auto" takes "paged" where the pool is in CPU memory and the kernel builds.
 
         `pack_weights` (with a checkpoint's tensors): lay the linear weights out once for oneDNN where it
-        runs them (inferd.packed_linear)."""
+        runs them (inferd.packed_linear).
+
+        `fused`: run each layer's norms, RoPE and K/V store as one CPU op each (inferd/layer_kernels.cpp),
+        where the pool is in CPU memory and inferd's kernels build; else as torch's ops."""
         self.config = config
         self.device = torch.device(device)
         self.kv = kv                                   # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
@@ -114,7 +117,8 @@ class PagedDecoder:
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self.attention = _attention(attention, self.kv.device)
-        self._stack = LayerStack(config, paged=self.attention == "paged")
+        self.fused = fused and self.kv.device.type == "cpu" and paged_kernel.load()
+        self._stack = LayerStack(config, paged=self.attention == "paged", fused=self.fused)
         self._around = (self.embed, self.inv_freq, self.norm, self.lm_head)
         self._graphs = PassGraphs(self._stack, self._around, self.layers) if traced else None
 

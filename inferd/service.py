@@ -75,11 +75,10 @@ class MemdLink:
                  verify_reuse: float = 0.0, attention: str = "auto") -> None:
         self.config = read_config(model_dir, dtype)
         self.attention = attention
-        if attention != "gather":                   # built now, before the first attachment waits on it
-            try:
-                paged_kernel.available(required=attention == "paged")
-            except paged_kernel.KernelUnavailable as exc:
-                raise paged_kernel.KernelUnavailable(f"--attention paged: {exc}") from None
+        try:                                        # built now, before the first attachment waits on it
+            paged_kernel.available(required=attention == "paged")
+        except paged_kernel.KernelUnavailable as exc:
+            raise paged_kernel.KernelUnavailable(f"--attention paged: {exc}") from None
         self.model_dir = model_dir
         # The checkpoint's tensors until the first attachment prepares them on memd's device; then only those.
         self._checkpoint: dict[str, torch.Tensor] | None = load_weights(model_dir, self.config.dtype)
@@ -159,7 +158,7 @@ class MemdLink:
             await self.on_serving(not client.draining)
         log.info("attached to memd", worker=client.worker_id, blocks=client.geometry.num_blocks,
                  block_size=self.block_size, model=self.namespace, attention=model.attention,
-                 weight_layout=model.weight_layout)
+                 weight_layout=model.weight_layout, layer_ops="inferd" if model.fused else "torch")
         running = asyncio.create_task(scheduler.run())
         lost = asyncio.create_task(client.lease_lost.wait())
         try:

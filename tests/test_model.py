@@ -38,17 +38,19 @@ def reference(checkpoint):
     return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
-@pytest.fixture(params=["paged", "gather"])
+@pytest.fixture(params=["kernels", "torch"])
 async def worker(request, memd_factory, checkpoint):
-    # Decode rows attend through the paged kernel, or through a gathered copy of their pages.
+    # inferd's CPU kernels (decode rows attend over the pages; norms, RoPE and the K/V store as one op each), or
+    # torch's ops alone (decode rows attend over a gathered copy), as where no kernel builds.
+    attention, fused = ("paged", True) if request.param == "kernels" else ("gather", False)
     config = read_config(checkpoint)
     page = BS * config.bytes_per_token
     memd = await memd_factory("--device", "cpu", "--pool-bytes", str(512 * page), "--block-bytes", str(page))
     client = await MemdClient.attach(memd.address, model=checkpoint.name, block_size=BS,
                                      bytes_per_token=config.bytes_per_token)
     model = PagedDecoder(config, load_weights(checkpoint, config.dtype),
-                         client.pool.view(config.dtype, config.page_shape(BS)), attention=request.param)
-    assert model.attention == request.param
+                         client.pool.view(config.dtype, config.page_shape(BS)), attention=attention, fused=fused)
+    assert (model.attention, model.fused) == (attention, fused)
     yield client, model
     await client.close()
 
@@ -128,7 +130,7 @@ async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, 
     logits = model.forward(build_batch([(p, 0, r.block_ids) for p, r in zip(prompts, opened, strict=True)], BS))
     # The eager decoder on a copy of the pages: what each writes is compared too, not only what each reads.
     eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False,
-                         attention=model.attention)
+                         attention=model.attention, fused=model.fused)
     histories = [list(p) for p in prompts]
     for step in range(6):                      # one graph for every batch size and context length
         rows = range(len(prompts)) if step % 2 else range(1, 3)
@@ -159,7 +161,7 @@ async def test_one_sequences_prompts_and_chunks_run_as_traced_graphs_with_the_ea
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 17, 2)]
     opened = await client.step(*[Open(p, reserve=16) for p in prompts])
     eager = PagedDecoder(config, load_weights(checkpoint, config.dtype), model.kv.clone(), traced=False,
-                         attention=model.attention)
+                         attention=model.attention, fused=model.fused)
     for prompt, seq in zip(prompts, opened, strict=True):        # each alone: one graph for every length
         batch = build_batch([(prompt, 0, seq.block_ids)], BS)
         assert torch.equal(model.forward(batch), eager.forward(batch))
