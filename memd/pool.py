@@ -17,7 +17,7 @@ when it left the queue, so undo in reverse order puts it back exactly there,
 even if the block re-entered the queue elsewhere in between.
 
 A Step takes and gives back pages in runs (a prompt's blocks, a finished
-sequence's): `allocate_n` and `release_n` do a run in one pass, with one undo
+sequence's, its prefix hits): `allocate_n`, `release_n` and `incref_n` do a run in one pass, with one undo
 record and the old values read at C speed (`itemgetter`), rather than a
 method call, a branch and an undo record per block. They leave the pool
 exactly as the same blocks one by one would.
@@ -311,6 +311,33 @@ class BlockPool:
         if self.undo is not None:
             self.undo.record(self._undo_incref, block, links, self.last_access[block])
         self.last_access[block] = time.monotonic()
+
+    def incref_n(self, blocks: list[int]) -> None:
+        """One more reference to each of `blocks` (as `incref` of each in turn): a run of prefix hits."""
+        if not blocks:
+            return
+        for watch in self.watches:
+            watch.update(blocks)
+        ref, free, last_access = self.ref, self.free, self.last_access
+        touched = itemgetter(*blocks)(last_access) if len(blocks) > 1 else (last_access[blocks[0]],)
+        unlinked = []                            # (block, prev, next) of those that left the queue, in order
+        for block in blocks:
+            if not ref[block]:
+                unlinked.append((block, *free.remove(block)))
+            ref[block] += 1
+        if self.undo is not None:
+            self.undo.record(self._undo_incref_n, tuple(blocks), unlinked, touched)
+        now = time.monotonic()
+        for block in blocks:
+            last_access[block] = now
+
+    def _undo_incref_n(self, blocks: tuple[int, ...], unlinked: list[tuple[int, int, int]],
+                       last_access: tuple[float, ...]) -> None:
+        for block, touched in zip(blocks, last_access, strict=True):
+            self.ref[block] -= 1
+            self.last_access[block] = touched
+        for block, prev, nxt in reversed(unlinked):      # relinked in reverse order of removal (the docstring)
+            self.free.relink(block, prev, nxt)
 
     def _undo_incref(self, block: int, links: tuple[int, int] | None, last_access: float) -> None:
         self.last_access[block] = last_access

@@ -298,8 +298,7 @@ class StepOps:
                          list(parent.block_ids[:full]), parent.num_committed, array("I", parent.token_ids),
                          list(parent.hashes), op.session_id or None, turn_start=parent.turn_start)
         self._next_seq += 1
-        for block in child.block_ids:
-            self.pool.incref(block)
+        self.pool.incref_n(child.block_ids)
         if partial:
             # The only block either side will write: copy it now rather than share it.
             dst, _ = self.pool.allocate()
@@ -317,17 +316,18 @@ class StepOps:
         """
         bs, tokens = seq.block_size, seq.token_ids
         limit = (len(tokens) - 1) // bs if tokens else 0
-        parent = b""
+        parent, hits = b"", []
         for i in range(limit):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             digest = self.hasher.block_hash(parent, seq.model, chunk)
             block = self.pool.lookup(digest, chunk)
             if block is None:
                 break
-            self.pool.incref(block)
-            seq.block_ids.append(block)
+            hits.append(block)
             seq.hashes.append(digest)
             parent = digest
+        self.pool.incref_n(hits)
+        seq.block_ids += hits
         seq.num_committed = len(seq.block_ids) * bs
         txn.counters["prefix_query_tokens"] += len(tokens)
         txn.counters["prefix_hit_tokens"] += seq.num_committed
@@ -387,29 +387,31 @@ class StepOps:
                   seq=seq.seq_id, worker=txn.worker.worker_id, blocks=[seq.block_ids[i] for i in indices])
 
     def _swap_in(self, txn: _Txn, seq: Sequence) -> int:
-        """Pages for a SWAPPED sequence: still-cached prefix blocks are shared, the rest copied back."""
-        bs, tokens, hashes = seq.block_size, seq.token_ids, seq.hashes
-        copies = 0
-        for i, slot in enumerate(seq.slots):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs]) if i < len(hashes) else None
-            block = self.pool.lookup(hashes[i], chunk) if chunk is not None else None
-            if block is not None:
-                self.pool.incref(block)
-            else:
-                if not self.pool.num_free:
-                    raise PoolExhausted(len(seq.slots) - i, 0)
-                block, _ = self.pool.allocate()
-                assert self.swap is not None
+        """Pages for a SWAPPED sequence: still-cached prefix blocks are shared, the rest copied back.
+
+        The cached ones are taken first, in one run, so that the pages allocated for the rest never
+        evict one of them from the cache (it would be copied back from its slot instead)."""
+        bs, tokens, hashes, pool = seq.block_size, seq.token_ids, seq.hashes, self.pool
+        blocks: list[int | None] = [pool.lookup(digest, tuple(tokens[i * bs:(i + 1) * bs]))
+                                    for i, digest in enumerate(hashes[:len(seq.slots)])]
+        blocks += [None] * (len(seq.slots) - len(blocks))          # the partly filled last page: no hash
+        pool.incref_n([block for block in blocks if block is not None])
+        copied = [i for i, block in enumerate(blocks) if block is None]
+        if copied:
+            assert self.swap is not None
+            fresh, _ = pool.allocate_n(len(copied))      # each page is overwritten whole: none needs zeroing
+            for i, block in zip(copied, fresh, strict=True):
+                slot = seq.slots[i]
+                blocks[i] = block
                 txn.outcome.effects.append(SwapIn(slot, block, self.swap.checksum[slot]))
-                txn.outcome.filling.add(seq.seq_id)
                 txn.outcome.swapped_in.append(SwappedInBlock(seq, i, block))
-                copies += 1
-            seq.block_ids.append(block)
+            txn.outcome.filling.add(seq.seq_id)
+        seq.block_ids += blocks
         txn.outcome.read_slots += seq.slots
         seq.slots = []
         txn.counters["swap_ins"] += 1
-        txn.counters["swap_in_blocks"] += copies
-        txn.counters["blocks_allocated"] += copies
+        txn.counters["swap_in_blocks"] += len(copied)
+        txn.counters["blocks_allocated"] += len(copied)
         return seq.num_committed
 
     def _cancel_swap_out(self, txn: _Txn, seq: Sequence) -> None:

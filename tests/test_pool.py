@@ -347,7 +347,7 @@ def test_violations_report_a_queued_block_marked_as_out_of_the_queue():
 # An op is (name, k); k picks the target among the blocks the op is valid for,
 # so that an op list stays meaningful whatever state it meets.
 
-POOL_OP_NAMES = ("allocate", "incref", "decref", "register", "allocate_n", "release_n")
+POOL_OP_NAMES = ("allocate", "incref", "decref", "register", "allocate_n", "release_n", "incref_n")
 pool_ops = st.lists(st.tuples(st.sampled_from(POOL_OP_NAMES), st.integers(0, 50)), max_size=25)
 
 
@@ -366,6 +366,9 @@ def apply_op(pool: BlockPool, name: str, k: int) -> None:
         pool.allocate_n(k % (len(pool.free) + 1))
     elif name == "release_n":
         pool.release_n(held[k % (len(held) + 1):])
+    elif name == "incref_n":                 # free and held blocks alike, one of them twice
+        run = list(range(k % pool.num_blocks, pool.num_blocks, 3))
+        pool.incref_n(run + run[:1])
 
 
 def undone_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -> tuple[tuple, tuple]:
@@ -485,6 +488,11 @@ def test_a_run_leaves_the_pool_as_the_same_blocks_one_by_one(setup, n, data):
     picks = data.draw(st.lists(st.integers(0, len(held) - 1), unique=True) if held else st.just([]))
     released = [held[i] for i in picks]
     assert run.release_n(released) == sum(one.decref(b) for b in released)
+    assert without_times(run) == without_times(one)
+    hits = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=NUM_BLOCKS))    # free or held, repeats too
+    for block in hits:
+        one.incref(block)
+    run.incref_n(hits)
     assert without_times(run) == without_times(one)
     assert run.violations() == []
 
