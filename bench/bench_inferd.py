@@ -449,11 +449,11 @@ async def mixed_pass(client: MemdClient, model: PagedDecoder, model_dir: Path, s
     vocab, context = model.config.vocab_size, sizes.mixed_context
     chunk = MAX_BATCH_TOKENS - CONCURRENT
     others = {}
-    if model.attention == "paged" or model.weight_layout == "onednn" or model.fused:
+    if model.attention == "paged" or model.weight_layout != "checkpoint" or model.fused:
         checkpoint = load_weights(model_dir, model.config.dtype)
         if model.attention == "paged":
             others["decode_gather"] = PagedDecoder(model.config, checkpoint, model.kv, attention="gather")
-        if model.weight_layout == "onednn":
+        if model.weight_layout != "checkpoint":
             others["decode_unpacked"] = PagedDecoder(model.config, checkpoint, model.kv, attention=model.attention,
                                                      pack_weights=False)
         if model.fused:

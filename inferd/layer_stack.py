@@ -87,6 +87,42 @@ class SplitAttention:
     groups: list[AttentionGroup]
 
 
+@dataclass(slots=True)
+class WeightSets:
+    """The weights a pass runs with: the layers' linear weights as laid out for passes of several rows, and,
+    where the decoder keeps them (inferd.decoder_weights), as laid out for a decode step of one sequence."""
+
+    rows: tuple[Around, list[Layer]]
+    one_row: tuple[Around, list[Layer]] | None = None
+
+    def of(self, kind: str | None) -> tuple[Around, list[Layer]]:
+        if self.for_one_row(kind):
+            assert self.one_row is not None
+            return self.one_row
+        return self.rows
+
+    def for_one_row(self, kind: str | None) -> bool:
+        """Whether a pass of `kind` (`kind_of`) runs with the one-row weights."""
+        return kind == "single" and self.one_row is not None
+
+
+def kind_of(layout: AttentionLayout | SplitAttention) -> str | None:
+    """The kind of pass a layout makes (see PassGraphs), or None where it mixes sequences' prompts.
+
+    A mask and no key length is a decode step of several sequences; keys cut to a length with no mask,
+    one sequence's decode step (its one new token sees every key) or, causal, its whole prompt; keys cut
+    to the mask's width, one sequence's chunk after its cached tokens."""
+    if isinstance(layout, SplitAttention):
+        return None
+    if layout.mask is not None and layout.key_len is None:
+        return "batch"
+    if layout.key_len is not None and layout.mask is None:
+        return "prompt" if layout.causal else "single"
+    if layout.key_len is not None and layout.key_len == layout.mask.shape[-1] and not layout.causal:
+        return "chunk"
+    return None
+
+
 class LayerStack:
     """Every layer, from the config alone; `paged`: decode rows attend through `inferd.paged_kernel`;
     `fused`: the norms, RoPE and the K/V store run as inferd's CPU ops (inferd/layer_kernels.cpp)."""
@@ -174,13 +210,16 @@ class LayerStack:
 
 
 class PassGraphs:
-    """A decoder's traced passes, one graph per kind, each traced on its first pass."""
+    """A decoder's traced passes, one graph per kind, each traced on its first pass with its kind's weights."""
 
-    def __init__(self, stack: LayerStack, around: Around, layers: list[Layer]) -> None:
-        self.stack, self.around, self.layers = stack, around, layers
-        self._weights = [*around, *(w for layer in layers for w in layer if w is not None)]   # the last inputs
-        self._held_weights = torch.ScriptList(self._weights)     # none is let go inside a graph (the docstring)
-        self._present = [tuple(w is not None for w in layer) for layer in layers]
+    def __init__(self, stack: LayerStack, weights: WeightSets) -> None:
+        self.stack, self.weights = stack, weights
+        sets = {False: weights.rows} if weights.one_row is None else {False: weights.rows, True: weights.one_row}
+        # Each set as a graph's last inputs, and every one held: none is let go inside a graph (the docstring).
+        self._inputs = {one_row: [*around, *(w for layer in layers for w in layer if w is not None)]
+                        for one_row, (around, layers) in sets.items()}
+        self._held_weights = torch.ScriptList([w for inputs in self._inputs.values() for w in inputs])
+        self._present = [tuple(w is not None for w in layer) for layer in weights.rows[1]]
         self._graphs: dict[str, torch.jit.ScriptFunction | None] = {}                # None: tracing failed
 
     @property
@@ -188,44 +227,37 @@ class PassGraphs:
         return sorted(kind for kind, graph in self._graphs.items() if graph is not None)
 
     def run(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout | SplitAttention) -> torch.Tensor:
-        """`LayerStack.logits` of this pass: through its kind's graph, or eager where it mixes sequences' prompts.
-
-        The layout says which: a mask and no key length is a decode step of several sequences; keys cut to
-        a length with no mask, one sequence's decode step (its one new token sees every key) or, causal, its
-        whole prompt; keys cut to the mask's width, one sequence's chunk after its cached tokens."""
-        if isinstance(layout, SplitAttention):
-            return self._eager(args, layout)
-        if layout.mask is not None and layout.key_len is None:
-            kind, stand_in = "batch", layout.mask
-        elif layout.key_len is not None and layout.mask is None:
-            kind = "prompt" if layout.causal else "single"
-            stand_in = torch.empty(layout.key_len, dtype=torch.uint8)    # only its length counts
-        elif layout.key_len is not None and layout.key_len == layout.mask.shape[-1] and not layout.causal:
-            kind, stand_in = "chunk", layout.mask
-        else:
-            return self._eager(args, layout)
-        inputs = (*args, stand_in, *self._weights)
+        """`LayerStack.logits` of this pass: through its kind's graph, or eager where it mixes sequences' prompts
+        (`kind_of` says which)."""
+        kind = kind_of(layout)
+        if kind is None:
+            return self._eager(args, layout, kind)
+        assert isinstance(layout, AttentionLayout)
+        # A decode step's or chunk's mask, else a tensor whose length alone counts (the keys' cut).
+        stand_in = layout.mask if kind in ("batch", "chunk") else torch.empty(layout.key_len, dtype=torch.uint8)
+        inputs = (*args, stand_in, *self._inputs[self.weights.for_one_row(kind)])
         if kind not in self._graphs:
             try:
                 # Tracing runs the layers once, on this pass's inputs: it writes the K/V the graph then writes
                 # again, the same values into the same slots.
                 self._graphs[kind] = _trace(self.stack, self._present, kind, len(args) + 1, inputs)
             except Exception as exc:
-                logits = self._eager(args, layout)          # a fault of the pass itself raises here, and
+                logits = self._eager(args, layout, kind)    # a fault of the pass itself raises here, and
                 self._graphs[kind] = None                     # the kind runs eager from now on
                 log.warning("passes of this kind run eager: tracing them failed", kind=kind, error=str(exc))
                 return logits
         graph = self._graphs[kind]
         if graph is None:
-            return self._eager(args, layout)
+            return self._eager(args, layout, kind)
         held = torch.ScriptList([*args, stand_in])     # let go here, after the graph, with the GIL (the docstring)
         with torch.jit.optimized_execution(False):     # no profiling or fusing: the same ops, every time
             out = graph(*inputs)
         del held
         return out
 
-    def _eager(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout | SplitAttention) -> torch.Tensor:
-        return self.stack.logits(*args, layout, self.around, self.layers)
+    def _eager(self, args: tuple[torch.Tensor, ...], layout: AttentionLayout | SplitAttention,
+               kind: str | None) -> torch.Tensor:
+        return self.stack.logits(*args, layout, *self.weights.of(kind))
 
 
 def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leading: int,

@@ -21,7 +21,15 @@ from inferd import paged_kernel
 from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
 from inferd.decoder_weights import DecoderWeights
-from inferd.layer_stack import AttentionGroup, AttentionLayout, LayerStack, PassGraphs, SplitAttention
+from inferd.layer_stack import (
+    AttentionGroup,
+    AttentionLayout,
+    LayerStack,
+    PassGraphs,
+    SplitAttention,
+    WeightSets,
+    kind_of,
+)
 from inferd.paged_kernel import KernelUnavailable
 
 
@@ -119,12 +127,15 @@ class PagedDecoder:
         self.attention = _attention(attention, self.kv.device)
         self.fused = fused and self.kv.device.type == "cpu" and paged_kernel.load()
         self._stack = LayerStack(config, paged=self.attention == "paged", fused=self.fused)
-        self._around = (self.embed, self.inv_freq, self.norm, self.lm_head)
-        self._graphs = PassGraphs(self._stack, self._around, self.layers) if traced else None
+        around = (self.embed, self.inv_freq, self.norm)
+        one_row = weights.one_row
+        self._weights = WeightSets(((*around, self.lm_head), self.layers),
+                                   ((*around, one_row[0]), one_row[1]) if one_row else None)
+        self._graphs = PassGraphs(self._stack, self._weights) if traced else None
 
     @property
     def weight_layout(self) -> str:
-        """"onednn" where the layers' linear weights are laid out for oneDNN's matmul, else "checkpoint"."""
+        """How the linear weights are laid out (inferd.decoder_weights.DecoderWeights.layout)."""
         return self.weights.layout
 
     @property
@@ -153,7 +164,7 @@ class PagedDecoder:
                 last)
         if self._graphs is not None:
             return self._graphs.run(args, layout)
-        return self._stack.logits(*args, layout, self._around, self.layers)
+        return self._stack.logits(*args, layout, *self._weights.of(kind_of(layout)))
 
     def _attention_layout(self, batch: Batch) -> AttentionLayout | SplitAttention:
         """Which keys each new token sees, in as few attention calls as keep every query a real one.

@@ -92,7 +92,7 @@ def test_the_inferd_bench_runs():
         assert shares["kv_gather"] == 0 and mixed["decode_gather_ms"] > 0
     else:
         assert shares["kv_gather"] > 0
-    if mixed["weight_layout"] == "onednn":     # and again with the weights as the checkpoint lays them out
+    if mixed["weight_layout"] != "checkpoint":  # and again with the weights as the checkpoint lays them out
         assert mixed["decode_unpacked_ms"] > 0
     if mixed["fused"]:                         # and again with torch's ops for the norms, RoPE and K/V store
         assert mixed["decode_unfused_ms"] > 0

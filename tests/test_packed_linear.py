@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.checkpoint import load_weights, read_config
-from inferd.decoder_weights import DecoderWeights
+from inferd.decoder_weights import DecoderWeights, one_row_prefers_checkpoint
 from inferd.model import PagedDecoder, build_batch
 from inferd.packed_linear import linear, packed
 from inferd.tiny import make_tiny_model
@@ -70,17 +70,50 @@ def test_a_decoders_passes_run_through_onednn_with_the_checkpoint_layouts_result
     and the traced graph holds oneDNN's matmul and no aten::linear."""
     config, weights = tiny
     pool = torch.zeros(8, *config.page_shape(4))
-    laid_out = PagedDecoder(config, weights, pool.clone())
+    laid_out = PagedDecoder(config, DecoderWeights.prepare(config, weights, one_row=True), pool.clone())
     plain = PagedDecoder(config, weights, pool.clone(), pack_weights=False)
-    assert laid_out.weight_layout == "onednn" and plain.weight_layout == "checkpoint"
+    assert laid_out.weight_layout == "onednn+checkpoint" and plain.weight_layout == "checkpoint"
     prompts = [([5, 9, 13, 2, 7], 0, [0, 1]), ([3, 4, 6], 0, [2, 3])]
-    steps = [build_batch(prompts, 4), build_batch([([11], 5, [0, 1]), ([12], 3, [2, 3])], 4)]
+    steps = [build_batch(prompts, 4), build_batch([([11], 5, [0, 1]), ([12], 3, [2, 3])], 4),
+             build_batch([([14], 6, [0, 1])], 4)]                        # one sequence's step: one row
     for batch in steps:
         torch.testing.assert_close(laid_out.forward(batch), plain.forward(batch), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(laid_out.kv, plain.kv, rtol=1e-4, atol=1e-5)
-    assert "batch" in laid_out.traced_graphs
+    assert laid_out.traced_graphs == ["batch", "single"]
     graph = str(laid_out._graphs._graphs["batch"].graph)
     assert "packed_matmul" in graph and "aten::linear" not in graph      # oneDNN's call, scripted
+    graph = str(laid_out._graphs._graphs["single"].graph)                # one row: MKL, the checkpoint's layout
+    assert "aten::linear" in graph and "packed_matmul" not in graph
+
+
+@onednn
+def test_a_one_row_step_takes_the_checkpoint_layout_where_the_machine_says_so_and_the_copy_is_small(tiny, monkeypatch):
+    config, weights = tiny
+    monkeypatch.setattr("inferd.decoder_weights.one_row_prefers_checkpoint", lambda *layers: True)
+    prepared = DecoderWeights.prepare(config, weights)
+    assert prepared.one_row is not None and prepared.layout == "onednn+checkpoint"
+    head, layers = prepared.one_row
+    assert not head.is_mkldnn and not any(w.is_mkldnn for layer in layers for w in layer if w is not None)
+    assert torch.equal(layers[0][3], weights["model.layers.0.self_attn.o_proj.weight"])
+    monkeypatch.setattr("inferd.decoder_weights.ONE_ROW_COPY_BYTES", 1024)     # a model too large for the copy
+    assert DecoderWeights.prepare(config, weights).layout == "onednn"
+    monkeypatch.undo()
+    monkeypatch.setattr("inferd.decoder_weights.one_row_prefers_checkpoint", lambda *layers: False)
+    assert DecoderWeights.prepare(config, weights).layout == "onednn"         # where oneDNN is as fast at one row
+    assert DecoderWeights.prepare(config, weights, pack=False).one_row is None  # nothing laid out: one layout
+
+
+@onednn
+def test_the_machine_is_asked_once_per_process_for_a_set_of_shapes(tiny, monkeypatch):
+    config, weights = tiny
+    checkpoint = DecoderWeights.prepare(config, weights, pack=False).layers[0]
+    laid_out = DecoderWeights.prepare(config, weights, one_row=False).layers[0]
+    first = one_row_prefers_checkpoint(checkpoint, laid_out)
+    assert isinstance(first, bool)
+    def timed_again(*args: object) -> None:
+        raise AssertionError("the machine was asked again")
+    monkeypatch.setattr("inferd.decoder_weights.linear", timed_again)
+    assert one_row_prefers_checkpoint(checkpoint, laid_out) is first
 
 
 def test_decoders_built_on_prepared_weights_share_them_and_refuse_another_device(tiny):
