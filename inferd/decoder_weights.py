@@ -132,7 +132,7 @@ def one_row_prefers_checkpoint(checkpoint: Layer, laid_out: Layer) -> bool:
         torch.set_num_threads(1)
         try:
             with torch.inference_mode():
-                for _ in range(TIMING_ROUNDS):       # taking turns; the best of each, so cold rounds count not
+                for _ in range(TIMING_ROUNDS):       # taking turns; the best of each: cold rounds do not count
                     for way, (product, ws) in ways.items():
                         start = time.perf_counter()
                         for x, w in zip(inputs, ws, strict=True):

@@ -17,10 +17,10 @@ when it left the queue, so undo in reverse order puts it back exactly there,
 even if the block re-entered the queue elsewhere in between.
 
 A Step takes and gives back pages in runs (a prompt's blocks, a finished
-sequence's, its prefix hits): `allocate_n`, `release_n` and `incref_n` do a run in one pass, with one undo
-record and the old values read at C speed (`itemgetter`), rather than a
-method call, a branch and an undo record per block. They leave the pool
-exactly as the same blocks one by one would.
+sequence's, its prefix hits): `allocate_n`, `release_n` and `incref_n` do a
+run in one pass, with one undo record and the old values read at C speed
+(`itemgetter`), rather than a method call, a branch and an undo record per
+block. They leave the pool exactly as the same blocks one by one would.
 """
 
 from __future__ import annotations
