@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>

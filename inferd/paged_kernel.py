@@ -114,15 +114,20 @@ def _compile(cxx: str, tmp: Path, out: Path) -> None:
     for source, job in compiling.items():
         _, err = job.communicate()
         if job.returncode != 0 and failed is None:
-            failed = (source.name, (err.strip().splitlines() or ["no output"])[-1])
+            failed = (source.name, _last_line(err))
     if failed is None:
         link = subprocess.run([cxx, "-shared", "-fopenmp", *map(str, objects.values()), f"-L{torch_dir / 'lib'}",
                                "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out)],
                               capture_output=True, text=True, check=False)
         if link.returncode != 0:
-            failed = ("the kernels' objects", (link.stderr.strip().splitlines() or ["no output"])[-1])
+            failed = ("the kernels' objects", _last_line(link.stderr))
     if failed is not None:
         raise KernelUnavailable(f"{Path(cxx).name} failed on {failed[0]}: {failed[1]}")
+
+
+def _last_line(output: str) -> str:
+    """A compiler's verdict: the last line it wrote."""
+    return (output.strip().splitlines() or ["no output"])[-1]
 
 
 def load() -> bool:
