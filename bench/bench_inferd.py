@@ -155,16 +155,16 @@ def token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 # ---- memd as a subprocess ----------------------------------------------------
 
 class Memd:
-    """memd on CPU shared memory, sized from the checkpoint; returns once it has said READY=1."""
+    """memd on CPU shared memory (or `device`'s), sized from the checkpoint; returns once it has said READY=1."""
 
-    def __init__(self, tmp: Path, model_dir: Path) -> None:
+    def __init__(self, tmp: Path, model_dir: Path, device: str = "cpu", pool: str = POOL) -> None:
         self.address = f"unix:{tmp / 'memd.sock'}"
         self.log = tmp / "memd.log"
         with self.log.open("wb") as log:   # a file, not a pipe: nobody has to drain it
             try:
                 self.proc = spawn_ready(
-                    ["memd", "--device", "cpu", "--model", str(model_dir), "--block-size", str(BLOCK_SIZE),
-                     "--pool-bytes", POOL, "--listen", self.address, "--log-level", "warning"],
+                    ["memd", "--device", device, "--model", str(model_dir), "--block-size", str(BLOCK_SIZE),
+                     "--pool-bytes", pool, "--listen", self.address, "--log-level", "warning"],
                     tmp, timeout_s=START_TIMEOUT_S, stderr=log.fileno())
             except LaunchError as exc:
                 raise RuntimeError(f"{exc}: {self.log.read_text().strip()[-2000:]}") from None
@@ -248,16 +248,20 @@ class Probe:
 
 # ---- kvpool ------------------------------------------------------------------
 
-async def kv_scheduler(model_dir: Path, address: str, name: str) -> tuple[MemdClient, PagedDecoder, Scheduler]:
-    """inferd's scheduler in this process, attached to memd at `address` as `inferd serve` attaches."""
+async def kv_scheduler(model_dir: Path, address: str, name: str, max_num_seqs: int = CONCURRENT,
+                       attention: str = "auto") -> tuple[MemdClient, PagedDecoder, Scheduler]:
+    """inferd's scheduler in this process, attached to memd at `address` as `inferd serve` attaches: on the
+    device of memd's pool."""
     config = read_config(model_dir)
     client = await MemdClient.attach(address, model=model_fingerprint(model_dir, config, BLOCK_SIZE),
                                      block_size=BLOCK_SIZE, bytes_per_token=config.bytes_per_token,
                                      name=f"{name}:{os.getpid()}")
     assert client.pool is not None
+    device = client.pool.pages.device
     model = PagedDecoder(config, load_weights(model_dir, config.dtype),
-                         client.pool.view(config.dtype, config.page_shape(BLOCK_SIZE)))
-    scheduler = Scheduler(client, model, load_tokenizer(model_dir), max_num_seqs=CONCURRENT,
+                         client.pool.view(config.dtype, config.page_shape(BLOCK_SIZE)), device=device,
+                         attention=attention)
+    scheduler = Scheduler(client, model, load_tokenizer(model_dir), max_num_seqs=max_num_seqs,
                           max_batch_tokens=MAX_BATCH_TOKENS)
     return client, model, scheduler
 
@@ -297,20 +301,21 @@ class Stamps:
         pass
 
 
-def hf_load(model_dir: Path) -> Any:
+def hf_load(model_dir: Path, device: str = "cpu") -> Any:
+    """The checkpoint in its own dtype, on `device`."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").to(device).eval()
 
 
 def hf_generate(model: Any, prompts: list[list[int]], n: int) -> list[Run]:
     """The prompts as one left-padded batch; one Run per prompt (they share the timeline)."""
     pad = model.config.eos_token_id
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     stamps = Stamps()
     submitted = time.monotonic()
     with torch.inference_mode():
@@ -324,9 +329,10 @@ class HfAnchor:
     """transformers in a process of its own: this script with --hf-anchor, serving generate() calls on its
     main thread over a pipe (a JSON line each way). monotonic clocks are the machine's, so its times compare."""
 
-    def __init__(self, model_dir: Path, threads: int) -> None:
+    def __init__(self, model_dir: Path, threads: int, device: str = "cpu") -> None:
         self.proc = subprocess.Popen([sys.executable, __file__, "--hf-anchor", str(model_dir), "--threads",
-                                      str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                      str(threads), "--device", device],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def generate(self, prompts: list[list[int]], n: int) -> list[Run]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -347,10 +353,10 @@ class HfAnchor:
             self.proc.wait()
 
 
-def serve_hf_anchor(model_dir: Path, threads: int) -> None:
+def serve_hf_anchor(model_dir: Path, threads: int, device: str) -> None:
     """--hf-anchor: load the model and answer generate() calls on this, the main, thread."""
     torch.set_num_threads(threads)
-    model = hf_load(model_dir)
+    model = hf_load(model_dir, device)
     for line in sys.stdin:
         call = json.loads(line)
         runs = hf_generate(model, call["prompts"], call["n"])
@@ -680,9 +686,10 @@ def main() -> None:
     p.add_argument("--served", action="store_true",
                    help="decode through inferd serve (its own process, HTTP) at 1 and 2 threads (--quick: --threads)")
     p.add_argument("--hf-anchor", type=Path, metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)      # the anchor's
     args = p.parse_args()
     if args.hf_anchor is not None:
-        serve_hf_anchor(args.hf_anchor, args.threads)
+        serve_hf_anchor(args.hf_anchor, args.threads, args.device)
         return
     sizes = QUICK if args.quick else DEFAULT
     torch.set_num_threads(args.threads)

@@ -1,33 +1,41 @@
 #!/usr/bin/env bash
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-# kvpool's one-shot GPU check, run from the repository root on a machine with an NVIDIA GPU:
+# kvpool's GPU checks, run from the repository root on a machine with an NVIDIA GPU:
 #
-#     OUT=/some/dir bash bench/gpu_check.sh
+#     OUT=/some/dir bash bench/gpu_check.sh [smoke|full]
 #
-# The machine needs python3 with torch (CUDA), transformers, tokenizers, safetensors, numpy,
-# msgpack, uvloop, prometheus-client, rich, pytest (+ pytest-timeout) and cuda-python; the wheels
-# in .whl/ (grpcio, protobuf, structlog, grpcio-health-checking, grpcio-reflection, shtab,
-# pytest-asyncio) go to /tmp/site, ahead of whatever is installed. The project is not installed:
-# PYTHONPATH has the repository, and the daemons start as `python3 -m memd` / `-m inferd`.
+# The machine needs python3 with torch (CUDA, with Triton), transformers, tokenizers, safetensors, numpy,
+# msgpack, uvloop, xxhash, prometheus-client, rich, pytest (+ pytest-timeout) and cuda-python; the wheels in
+# .whl/ (grpcio, protobuf, structlog, grpcio-health-checking, grpcio-reflection, shtab, pytest-asyncio,
+# starlette, uvicorn, pydantic and theirs) go to /tmp/site, ahead of whatever is installed. The project is not
+# installed: PYTHONPATH has the repository, and the daemons start as `python3 -m memd` / `-m inferd`.
 #
-# Steps, each bounded by `timeout`, each independent of the others' outcome, all inside a total
-# budget (a step that would start past it is skipped):
+# smoke: a few minutes' first look, everything tiny: the GPU decode bench on a tiny checkpoint (memd's pool on
+# the GPU, inferd's scheduler over it, flex attention reading the pages against the gathered copy,
+# transformers on the same GPU) and the first CUDA test.
+# full, each step bounded by `timeout`, each independent of the others' outcome, all inside a total budget
+# (a step that would start past it is skipped):
 #   a. tests/test_cuda_ipc.py: CUDA IPC between processes; the paged decoder on a GPU pool against
 #      transformers on the same GPU; a second turn on another worker; swap and drop round trips
-#   b. vmm_probe: can a cuMemCreate pool exported as a POSIX fd outlive its exporter?
+#   e. bench_gpu_decode: decode tok/s at 1/16/64 requests and turn-2 TTFT on a Llama-1B-shaped checkpoint,
+#      against transformers on the same GPU
 #   c. bench_swap --device cuda:0: pool <-> pinned swap tier bandwidth, Step latency in a swap storm
-#   d. tests/test_memd_restart.py and test_memd_processes.py on this machine's CPU
-# Results: $OUT/gpu.log (everything), $OUT/pytest_cuda.xml, $OUT/vmm_probe.json,
-# $OUT/bench_swap_cuda.json, $OUT/pytest_cpu.xml.
+#   b. vmm_probe: can a cuMemCreate pool exported as a POSIX fd outlive its exporter?
+# Results: $OUT/gpu.log (everything), $OUT/pytest_cuda.xml, $OUT/bench_gpu_decode.json,
+# $OUT/bench_swap_cuda.json, $OUT/vmm_probe.json.
 
+MODE=${1:-full}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 LOG=$OUT/gpu.log
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-BUDGET_S=${BUDGET_S:-320}
+BUDGET_S=${BUDGET_S:-$([[ $MODE == smoke ]] && echo 170 || echo 480)}
 START=$SECONDS
 SUMMARY=()
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl 2>&1 | tee -a "$LOG"
+export PYTHONPATH=/tmp/site:$PWD
 
 # pytest-asyncio 1.5 needs pytest >= 8.4: bring ours (.whl/pytest/) only where the machine's is older.
 if ! python3 -c 'import sys, pytest; sys.exit(tuple(map(int, pytest.__version__.split(".")[:2])) < (8, 4))' 2>/dev/null; then
@@ -83,7 +91,8 @@ if torch.cuda.is_available():
     print("matmul tf32:", torch.backends.cuda.matmul.allow_tf32)
 for name in ("grpc", "google.protobuf", "structlog", "grpc_health", "grpc_reflection", "shtab", "pytest",
              "pytest_asyncio", "pytest_timeout", "hypothesis", "transformers", "tokenizers", "safetensors",
-             "msgpack", "uvloop", "prometheus_client", "rich", "numpy", "cuda.bindings", "cupy"):
+             "msgpack", "uvloop", "prometheus_client", "rich", "numpy", "cuda.bindings", "cupy", "triton", "xxhash",
+             "starlette", "uvicorn", "pydantic"):
     try:
         mod = importlib.import_module(name)
         version = getattr(mod, "__version__", None) or getattr(mod, "VERSION", "?")
@@ -92,22 +101,37 @@ for name in ("grpc", "google.protobuf", "structlog", "grpc_health", "grpc_reflec
         print(f"  {name:<18} NOT IMPORTABLE: {type(exc).__name__}: {exc}")
 import memd.__main__, inferd.__main__, shared.rpc.memd_pb2, shared.rpc.inferd_pb2  # noqa: E401
 print("kvpool imports: ok")
+if torch.cuda.is_available():
+    from inferd import flex_decode
+    print("flex decode available on cuda:0 with 16-token pages:", flex_decode.available(torch.device("cuda:0"), 16))
 EOF
 } 2>&1 | tee -a "$LOG"
 
-run_step "a. pytest tests/test_cuda_ipc.py" 210 \
-    python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda_ipc.py
-run_step "b. vmm_probe (CUDA VMM pool as POSIX fds)" 110 \
-    python3 bench/vmm_probe.py --size 64MiB --json-out "$OUT/vmm_probe.json"
-run_step "c. bench_swap --device cuda:0" 90 \
-    bash -c 'set -o pipefail; python3 bench/bench_swap.py --device cuda:0 --seconds 2 --moved 256MiB --repeats 3 --json \
-             | tee /tmp/bench_swap_cuda.out'
-if [[ -s /tmp/bench_swap_cuda.out ]] && tail -n 1 /tmp/bench_swap_cuda.out | grep -q '^{'; then
-    tail -n 1 /tmp/bench_swap_cuda.out > "$OUT/bench_swap_cuda.json"
+keep_json() {   # keep_json FILE: the last line of /tmp/step.out, where it is a JSON object
+    if [[ -s /tmp/step.out ]] && tail -n 1 /tmp/step.out | grep -q '^{'; then tail -n 1 /tmp/step.out > "$1"; fi
+}
+
+if [[ $MODE == smoke ]]; then
+    run_step "e. bench_gpu_decode --quick (tiny checkpoint)" 110 \
+        bash -c 'set -o pipefail; python3 bench/bench_gpu_decode.py --quick --device cuda:0 --pool 1GiB --json \
+                 | tee /tmp/step.out'
+    keep_json "$OUT/bench_gpu_decode_quick.json"
+    run_step "a. pytest tests/test_cuda_ipc.py, the first test" 80 \
+        python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" \
+        "tests/test_cuda_ipc.py::test_generate_on_a_gpu_pool_matches_transformers_on_the_gpu"
+else
+    run_step "a. pytest tests/test_cuda_ipc.py" 200 \
+        python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda_ipc.py
+    run_step "e. bench_gpu_decode (Llama-1B shape)" 200 \
+        bash -c 'set -o pipefail; python3 bench/bench_gpu_decode.py --device cuda:0 --json | tee /tmp/step.out'
+    keep_json "$OUT/bench_gpu_decode.json"
+    run_step "c. bench_swap --device cuda:0" 60 \
+        bash -c 'set -o pipefail; python3 bench/bench_swap.py --device cuda:0 --seconds 2 --moved 256MiB \
+                 --repeats 3 --json | tee /tmp/step.out'
+    keep_json "$OUT/bench_swap_cuda.json"
+    run_step "b. vmm_probe (CUDA VMM pool as POSIX fds)" 40 \
+        python3 bench/vmm_probe.py --size 64MiB --json-out "$OUT/vmm_probe.json"
 fi
-run_step "d. pytest memd restart and process tests (CPU pool)" 90 \
-    python3 -m pytest -q -rfE -p no:cacheprovider --junitxml="$OUT/pytest_cpu.xml" tests/test_memd_restart.py \
-    tests/test_memd_processes.py
 
 {
     echo "=== after the steps"

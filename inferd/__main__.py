@@ -64,9 +64,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--threads", type=count(), help="torch CPU threads (default: torch's)")
     serve.add_argument("--attention", choices=ATTENTION, default="auto",
                        help="how decode steps read K/V: paged (inferd's CPU kernel reads the pool's pages; built "
-                            "with the machine's C++ compiler on first use), gather (a copy of each sequence's "
-                            "pages, then torch's attention), auto (paged where the pool is in CPU memory and the "
-                            "kernel builds, else gather; default)")
+                            "with the machine's C++ compiler on first use), flex (torch's flex attention reads "
+                            "them on a GPU; each batch size compiles on first use), gather (a copy of each "
+                            "sequence's pages, then torch's attention), auto (paged where the pool is in CPU "
+                            "memory and the kernel builds, else gather; default)")
     serve.add_argument("--audit-kv", action="store_true",
                        help="before every pass, check that no one else wrote the K/V a running sequence reads "
                             "(a turn that finds it changed fails, naming the page); slower: for tests and "

@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
 import torch.nn.functional as F
 
 from inferd.checkpoint import ModelConfig
+from inferd.flex_decode import FlexDecode
 from inferd.packed_linear import linear
 from inferd.paged_kernel import paged_decode
 
@@ -67,6 +69,7 @@ class AttentionLayout:
     key_len: int | None              # one sequence: its keys cut to this length
     causal: bool = False
     lens: torch.Tensor | None = None  # [B] long, decode rows through the paged kernel only: each row's keys
+    block_mask: Any = None           # decode rows through flex attention only: their pages (inferd.flex_decode)
 
 
 @dataclass(slots=True)
@@ -111,7 +114,8 @@ def kind_of(layout: AttentionLayout | SplitAttention) -> str | None:
 
     A mask and no key length is a decode step of several sequences; keys cut to a length with no mask,
     one sequence's decode step (its one new token sees every key) or, causal, its whole prompt; keys cut
-    to the mask's width, one sequence's chunk after its cached tokens."""
+    to the mask's width, one sequence's chunk after its cached tokens. Decode rows reading their pages through
+    flex attention make none: its compiled kernel cannot sit in a traced graph, so they run eager."""
     if isinstance(layout, SplitAttention):
         return None
     if layout.mask is not None and layout.key_len is None:
@@ -125,10 +129,12 @@ def kind_of(layout: AttentionLayout | SplitAttention) -> str | None:
 
 class LayerStack:
     """Every layer, from the config alone; `paged`: decode rows attend through `inferd.paged_kernel`;
-    `fused`: the norms, RoPE and the K/V store run as inferd's CPU ops (inferd/layer_kernels.cpp)."""
+    `fused`: the norms, RoPE and the K/V store run as inferd's CPU ops (inferd/layer_kernels.cpp);
+    `flex`: decode rows whose layout carries a block mask attend through it (inferd.flex_decode)."""
 
-    def __init__(self, config: ModelConfig, *, paged: bool = False, fused: bool = False) -> None:
-        self.config, self.paged, self.fused = config, paged, fused
+    def __init__(self, config: ModelConfig, *, paged: bool = False, fused: bool = False,
+                 flex: FlexDecode | None = None) -> None:
+        self.config, self.paged, self.fused, self.flex = config, paged, fused, flex
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """As transformers computes it: in float32, scaled by the weight after the cast back."""
@@ -193,6 +199,9 @@ class LayerStack:
             return out
         if layout.lens is not None:                         # one new token per row, read from its pages
             return paged_decode(q, cache, block_tables, layout.lens, c.head_dim ** -0.5)
+        if layout.block_mask is not None:                   # likewise, on a GPU
+            assert self.flex is not None
+            return self.flex.attend(q, cache, layout.block_mask, c.head_dim ** -0.5)
         bsz = block_tables.shape[0]
         # K and V gathered apart: each gather is [B, max_blocks, bs, kv_heads, dim], whose block and slot dims
         # merge into one without a copy; gathering both at once would need a second copy to separate them.

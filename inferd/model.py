@@ -17,7 +17,7 @@ from itertools import accumulate
 
 import torch
 
-from inferd import paged_kernel
+from inferd import flex_decode, paged_kernel
 from inferd.block_table import padded_tables
 from inferd.checkpoint import ModelConfig
 from inferd.decoder_weights import DecoderWeights
@@ -83,12 +83,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
-ATTENTION = ("auto", "paged", "gather")
+ATTENTION = ("auto", "paged", "flex", "gather")
 
 
-def _attention(asked: str, device: torch.device) -> str:
+def _attention(asked: str, device: torch.device, block_size: int) -> str:
     if asked not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {asked!r}")
+    if asked == "flex":
+        if device.type != "cpu" and not flex_decode.available(device, block_size):
+            raise KernelUnavailable(f"flex attention reads a GPU pool with Triton and pages of a power of two of "
+                                    f"at least 16 tokens; this pool is on {device} with {block_size}")
+        return asked
     if asked == "gather" or (asked == "auto" and device.type != "cpu"):
         return "gather"
     if device.type != "cpu":
@@ -105,8 +110,10 @@ class PagedDecoder:
         """`weights`: a checkpoint's tensors, or a `DecoderWeights` already prepared on `device`.
 
         `attention`: how decode rows attend. "paged" reads K/V from the pages with inferd's CPU kernel
-        (inferd.paged_kernel), "gather" copies each sequence's pages out for scaled_dot_product_attention,
-        "auto" takes "paged" where the pool is in CPU memory and the kernel builds.
+        (inferd.paged_kernel), "flex" with torch's flex attention (inferd.flex_decode, built for a GPU),
+        "gather" copies each sequence's pages out for scaled_dot_product_attention. "auto" takes "paged"
+        where the pool is in CPU memory and the kernel builds, else "gather": "flex" is asked for by name
+        until it has run on a GPU (bench/gpu_check.sh).
 
         `pack_weights` (with a checkpoint's tensors): lay the linear weights out once for oneDNN where it
         runs them (inferd.packed_linear).
@@ -124,9 +131,11 @@ class PagedDecoder:
         self.weights = weights
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        self.attention = _attention(attention, self.kv.device)
+        self.attention = _attention(attention, self.kv.device, self.block_size)
         self.fused = fused and self.kv.device.type == "cpu" and paged_kernel.load()
-        self._stack = LayerStack(config, paged=self.attention == "paged", fused=self.fused)
+        self._flex = flex_decode.FlexDecode(kv, config.num_heads, config.max_position) \
+            if self.attention == "flex" else None
+        self._stack = LayerStack(config, paged=self.attention == "paged", fused=self.fused, flex=self._flex)
         around = (self.embed, self.inv_freq, self.norm)
         one_row = weights.one_row
         self._weights = WeightSets(((*around, self.lm_head), self.layers),
@@ -175,8 +184,12 @@ class PagedDecoder:
         those groups, rather than padding every sequence to the longest chunk's queries.
         """
         if len(batch.query_lens) == 1:
+            if batch.query_lens[0] == 1 and self._flex is not None:
+                return self._pages_read(batch.context_lens, batch.block_tables)
             return self._one_sequence(batch.query_lens[0], batch.context_lens[0])
         if max(batch.query_lens) == 1:
+            if self._flex is not None:
+                return self._pages_read(batch.context_lens, batch.block_tables)
             return AttentionLayout(self._key_mask(batch.context_lens, batch.block_tables.shape[1]), None,
                                    lens=self._key_counts(batch.context_lens))
         groups, start, decode_rows, decode_seqs = [], 0, [], []
@@ -192,10 +205,10 @@ class PagedDecoder:
             clens = [batch.context_lens[i] for i in decode_seqs]
             blocks = -(-max(clens) // self.block_size)
             seqs = torch.tensor(decode_seqs, device=self.device)
-            groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device),
-                                         batch.block_tables[seqs, :blocks],
-                                         AttentionLayout(self._key_mask(clens, blocks), None,
-                                                         lens=self._key_counts(clens))))
+            tables = batch.block_tables[seqs, :blocks]
+            layout = self._pages_read(clens, tables) if self._flex is not None else \
+                AttentionLayout(self._key_mask(clens, blocks), None, lens=self._key_counts(clens))
+            groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device), tables, layout))
         return SplitAttention(groups)
 
     def _one_sequence(self, new: int, ctx: int) -> AttentionLayout:
@@ -207,6 +220,12 @@ class PagedDecoder:
         qpos = torch.arange(ctx - new, ctx, device=self.device)
         mask = torch.arange(ctx, device=self.device)[None, :] <= qpos[:, None]       # [new, ctx]
         return AttentionLayout(mask[None, None], ctx)
+
+    def _pages_read(self, context_lens: list[int], tables: torch.Tensor) -> AttentionLayout:
+        """Decode rows reading their pages through flex attention (inferd.flex_decode)."""
+        assert self._flex is not None
+        lens = torch.tensor(context_lens, device=self.device)
+        return AttentionLayout(None, None, block_mask=self._flex.mask(tables, lens))
 
     def _key_counts(self, context_lens: list[int]) -> torch.Tensor | None:
         """Decode rows' keys, for the paged kernel; None where decode attends over a gathered copy."""

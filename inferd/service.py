@@ -139,8 +139,8 @@ class MemdLink:
         try:
             model = PagedDecoder(self.config, self._weights_on(client.pool.pages.device), kv,
                                  device=client.pool.pages.device, attention=self.attention)
-        except paged_kernel.KernelUnavailable as exc:      # --attention paged, and memd's pool is on a GPU
-            raise AttachRefused(f"--attention paged: {exc}") from None
+        except paged_kernel.KernelUnavailable as exc:      # --attention paged or flex, on a pool it cannot read
+            raise AttachRefused(f"--attention {self.attention}: {exc}") from None
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
                               max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv,
                               verify_reuse=self.verify_reuse)

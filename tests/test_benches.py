@@ -122,3 +122,12 @@ def test_the_cluster_bench_runs_and_only_the_store_run_reads_a_lost_host_from_th
     assert routed["cached_share_moved"] > 0.5 and alone["cached_share_moved"] < 0.2 and alone["moved_sessions"]
     assert routed["fetch"]["store_64k_gib_s"] > 0 and routed["fetch"]["tcp_gib_s"] > 0
     assert plain["cached_share_later"] < routed["cached_share_later"]
+
+
+def test_the_gpu_decode_bench_runs_on_the_cpu():
+    # Its figures need a GPU (bench/gpu_check.sh runs it there); here the same harness runs a tiny checkpoint.
+    report = quick("bench_gpu_decode.py", "--device", "cpu", "--pool", "256MiB")
+    assert report["decode_b1_ratio_vs_hf"] > 0 and report["decode_b4_ratio_vs_hf"] > 0
+    assert report["kvpool_turn2_ttft_ms"] > 0 and report["hf_turn2_ttft_ms"] > 0
+    read = report["page_read"]
+    assert read["argmax_agree_4"] == 1.0 and read["max_logit_diff_4"] < 1e-3     # fp32: the same attention

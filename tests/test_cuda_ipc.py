@@ -130,10 +130,12 @@ async def assert_settled(memd, *, parked: int) -> Any:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("attention", ["gather", "flex"])
 async def test_generate_on_a_gpu_pool_matches_transformers_on_the_gpu(memd_factory, inferd_factory, checkpoint,
-                                                                     gpu_reference):
+                                                                     gpu_reference, attention):
+    # Decode rows over a gathered copy (inferd's default on a GPU), or reading the pages through flex attention.
     memd = await gpu_memd(memd_factory, checkpoint)
-    inferd = await inferd_factory(checkpoint, memd.address)
+    inferd = await inferd_factory(checkpoint, memd.address, "--attention", attention)
     alone = await generate(inferd.address, PROMPTS[1], 24)                        # one sequence
     together = await asyncio.gather(*(generate(inferd.address, p, 24) for p in PROMPTS))   # a batch, mixed lengths
     notes = {}
@@ -273,3 +275,28 @@ def test_gpu_page_checksums_are_the_hosts_and_catch_a_rotten_swap_slot():
     back = [SwapIn(slot, 50 + slot, checksum) for slot, checksum in enumerate(sums)]
     assert run_effects(pool, swap, back) == [52]
     assert pool.checksums([50, 51, 53]) == [sums[0], sums[1], sums[3]]
+
+
+@pytest.mark.timeout(120)
+def test_flex_decode_reads_pages_past_two_billion_elements_as_a_gathered_copy():
+    # A production pool: one layer's K/V views span more than 2**31 elements, so the kernel's offsets must not
+    # wrap. Pages at both ends of the pool, a sequence whose last page is partly filled, others' pages between.
+    from inferd.flex_decode import FlexDecode
+    layers, bs, kv_heads, dim, heads = 16, 16, 8, 64, 32
+    blocks = 9000                                   # 9000 pages of 1 MiB in bfloat16: 9 GiB
+    pages = torch.empty(blocks, layers, 2, bs, kv_heads, dim, dtype=torch.bfloat16, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    tables = torch.tensor([[0, 8999, 4500], [8998, 1, 2], [8997, 8996, 8995]], device=DEVICE)
+    lens = torch.tensor([40, 33, 48], device=DEVICE)
+    for b in tables.unique().tolist():
+        pages[b].normal_(generator=gen)
+    flex = FlexDecode(pages, heads, max_context=4096)
+    mask = flex.mask(tables, lens)
+    q = torch.randn(3, heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    for layer in (0, layers - 1):
+        out = flex.attend(q, pages[:, layer], mask, dim ** -0.5)
+        for i in range(3):
+            keys = pages[tables[i], layer, 0].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
+            values = pages[tables[i], layer, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
+            ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
+            torch.testing.assert_close(out[i], ref.reshape(-1), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,140 @@
+"""Decode attention on a GPU pool: torch's flex attention reading K/V where they lie in memd's pages.
+
+On a GPU, decode rows attended over a copy: each step gathered every
+sequence's pages into one tensor per layer for scaled_dot_product_attention,
+reading the whole context twice and writing it once. Here flex attention's
+decode kernel (Triton, built by torch.compile) reads the keys and values from
+the pages themselves, told which pages each sequence owns by a BlockMask.
+
+The pool is [blocks, layers, K/V, block_size, kv_heads, head_dim]: one
+layer's keys are not one run of rows. But seen as rows of [kv_heads,
+head_dim], the whole pool is one run, and from a layer's first key row every
+block's keys for that layer lie `2 * layers * block_size` rows apart, its
+values `block_size` rows after them. So each layer's K and V are two strided
+views of the same memory, of the same length for every layer: page `b` is
+tile `b * 2 * layers` of both, whichever the layer, and one BlockMask serves
+every layer of a step. Its mask keeps, in each sequence's last page, the
+slots its context fills; every other page of the sequence is full.
+
+Compiling costs seconds per batch size, so a step's rows are padded to a
+power of two (the padding rows read one key of block 0 and are dropped), the
+page lists to one width, and a batch size's mask buffers are kept and
+refilled in place: a mask of the same shape and the same closure is the same
+graph, compiled once per batch size and process.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import structlog
+import torch
+
+log = structlog.get_logger("inferd.flex_decode")
+
+MAX_BATCH_BUCKETS = 16                      # compiled graphs per decoder: batch sizes 1, 2, 4 ... 2**15
+MAX_ROWS = 1 << (MAX_BATCH_BUCKETS - 1)
+
+
+def available(device: torch.device, block_size: int) -> bool:
+    """Whether flex attention's decode kernel can run on `device`: a CUDA GPU with Triton, in this torch, and
+    pages of a power of two of at least 16 tokens (a page is one of its kernel's tiles)."""
+    if device.type != "cuda" or block_size < 16 or block_size & (block_size - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _compiled() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+    # One graph per batch size (the module docstring), several decoders in one process: above dynamo's default of 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * MAX_BATCH_BUCKETS)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+class FlexDecode:
+    """One decoder's decode attention through flex attention, over its pool `pages`."""
+
+    def __init__(self, pages: torch.Tensor, num_heads: int, max_context: int) -> None:
+        """`pages`: [blocks, layers, 2, block_size, kv_heads, head_dim]; `max_context`: the most tokens one
+        sequence holds, which sets the width of the page lists."""
+        blocks, layers, _, self.block_size, self.kv_heads, self.head_dim = pages.shape
+        self.num_heads = num_heads
+        self.device = pages.device
+        self.tile = 2 * layers                                   # tiles (block_size rows) from one page to the next
+        self.rows = (blocks - 1) * self.tile * self.block_size + self.block_size   # K/V rows every layer's views span
+        width = -(-max_context // self.block_size)
+        # torch's CPU lowering wants the page lists as wide as the keys and a list of full pages; its GPU
+        # kernels take any width, and with no list of full pages they split each sequence's pages over the SMs.
+        self.cpu = self.device.type == "cpu"
+        self.width = -(-self.rows // self.block_size) if self.cpu else width
+        self._masks: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        # Each row's last page and how many of its slots hold context, read by every mask's closure.
+        self._last_block = torch.zeros(MAX_ROWS, dtype=torch.long, device=self.device)
+        self._last_fill = torch.ones(MAX_ROWS, dtype=torch.long, device=self.device)
+
+    def mask(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> Any:
+        """The BlockMask of a decode step: row i reads the first ceil(context_lens[i] / block_size) pages of
+        block_tables[i], all of each but the last, of which the first slots its context fills."""
+        rows = block_tables.shape[0]
+        if rows > MAX_ROWS:
+            raise ValueError(f"a decode step of {rows} rows: flex decode takes at most {MAX_ROWS}")
+        bucket = 1 << max(rows - 1, 0).bit_length()
+        if block_tables.shape[1] > self.width:
+            raise ValueError(f"a sequence holds {block_tables.shape[1]} pages, more than the {self.width} "
+                             "this decoder's context allows")
+        block_mask, num_pages, page_tiles = self._mask_of(bucket)
+        pages = -(-context_lens // self.block_size)
+        num_pages[:rows, 0, 0] = pages.to(torch.int32)
+        num_pages[rows:] = 1
+        page_tiles[:rows, 0, 0, :block_tables.shape[1]] = (block_tables * self.tile).to(torch.int32)
+        page_tiles[rows:, 0, 0, 0] = 0
+        last = block_tables.gather(1, (pages - 1).clamp(min=0)[:, None])[:, 0]
+        self._last_block[:rows] = last
+        self._last_fill[:rows] = context_lens - (pages - 1) * self.block_size
+        self._last_block[rows:bucket] = 0
+        self._last_fill[rows:bucket] = 1
+        return block_mask
+
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:
+        """[B, heads * head_dim]: each row's one query `q` [B, heads, head_dim] over its pages of `cache`, one
+        layer's view of the pool ([blocks, 2, block_size, kv_heads, head_dim], `pages[:, layer]`)."""
+        rows, bucket = q.shape[0], block_mask.kv_num_blocks.shape[0]
+        queries = q.new_zeros(bucket, self.num_heads, 1, self.head_dim)
+        queries[:rows, :, 0] = q
+        shape = (1, self.kv_heads, self.rows, self.head_dim)
+        stride = (0, self.head_dim, self.kv_heads * self.head_dim, 1)
+        start = cache.storage_offset()
+        keys = cache.as_strided(shape, stride, start)
+        values = cache.as_strided(shape, stride, start + self.block_size * self.kv_heads * self.head_dim)
+        out = _compiled()(queries, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return out[:rows, :, 0].reshape(rows, self.num_heads * self.head_dim)
+
+    def _mask_of(self, bucket: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """A batch size's BlockMask and the buffers it reads, made once and refilled by `mask`."""
+        if bucket in self._masks:
+            return self._masks[bucket]
+        from torch.nn.attention.flex_attention import BlockMask
+        last_block, last_fill = self._last_block, self._last_fill
+        page_rows, block_size = self.tile * self.block_size, self.block_size
+
+        def in_context(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return ((kv_idx // page_rows) != last_block[b]) | ((kv_idx % block_size) < last_fill[b])
+
+        num_pages = torch.ones(bucket, 1, 1, dtype=torch.int32, device=self.device)
+        page_tiles = torch.zeros(bucket, 1, 1, self.width, dtype=torch.int32, device=self.device)
+        full = {}
+        if self.cpu:
+            full = {"full_kv_num_blocks": torch.zeros_like(num_pages), "full_kv_indices": torch.zeros_like(page_tiles)}
+        block_mask = BlockMask.from_kv_blocks(num_pages, page_tiles, BLOCK_SIZE=(128, self.block_size),
+                                              mask_mod=in_context, seq_lengths=(1, self.rows),
+                                              compute_q_blocks=False, **full)
+        log.info("flex decode: a new batch size compiles on its first step", rows=bucket)
+        self._masks[bucket] = (block_mask, num_pages, page_tiles)
+        return self._masks[bucket]
