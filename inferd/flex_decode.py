@@ -116,6 +116,18 @@ class FlexDecode:
         out = _compiled()(queries, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
         return out[:rows, :, 0].reshape(rows, self.num_heads * self.head_dim)
 
+    def compile_ahead(self, rows: int, pages: torch.Tensor) -> list[int]:
+        """Compile every batch size a step of up to `rows` decode rows pads to, before serving: on its first
+        step each took seconds, which the requests of that step waited. Reads one key of block 0 of `pages`
+        (this decoder's pool), writes nothing; returns the batch sizes."""
+        buckets = [1 << i for i in range(max(rows - 1, 0).bit_length() + 1)]
+        for bucket in buckets:
+            tables = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
+            mask = self.mask(tables, torch.ones(bucket, dtype=torch.long, device=self.device))
+            q = torch.zeros(bucket, self.num_heads, self.head_dim, dtype=pages.dtype, device=self.device)
+            self.attend(q, pages[:, 0], mask, self.head_dim ** -0.5)
+        return buckets
+
     def _mask_of(self, bucket: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """A batch size's BlockMask and the buffers it reads, made once and refilled by `mask`."""
         if bucket in self._masks:

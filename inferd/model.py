@@ -142,6 +142,11 @@ class PagedDecoder:
                                    ((*around, one_row[0]), one_row[1]) if one_row else None)
         self._graphs = PassGraphs(self._stack, self._weights) if traced else None
 
+    def compile_ahead(self, rows: int) -> list[int]:
+        """Where decode attends through flex attention: compile it now for steps of up to `rows` sequences
+        (inferd.flex_decode.FlexDecode.compile_ahead), so that no request waits for it. The batch sizes."""
+        return self._flex.compile_ahead(rows, self.kv) if self._flex is not None else []
+
     @property
     def weight_layout(self) -> str:
         """How the linear weights are laid out (inferd.decoder_weights.DecoderWeights.layout)."""

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -145,6 +146,10 @@ class MemdLink:
                               max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv,
                               verify_reuse=self.verify_reuse)
         scheduler.forward_thread.on_pass = self.on_pass
+        if model.attention == "flex":                # on the thread that runs the passes, the loop free meanwhile
+            started = time.perf_counter()
+            sizes = await scheduler.forward_thread.run(model.compile_ahead, self.max_num_seqs, tokens=0)
+            log.info("flex decode compiled", batch_sizes=sizes, seconds=round(time.perf_counter() - started, 1))
         scheduler.adopt(self._carried)
         self._carried = []
         self.scheduler = scheduler

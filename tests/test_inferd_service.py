@@ -451,3 +451,23 @@ async def test_a_turn_sent_again_under_its_turn_id_is_answered_again_not_appende
         assert (await admin.stats()).counters["turns_retried"] == 1
     states, _, ok = await memd_state(memd)
     assert states["running"] == 0 and states["parked"] == 1 and ok
+
+
+async def test_decode_through_flex_attention_answers_as_inferds_own_kernel(memd_factory, inferd_factory, model_dir):
+    # --attention flex, as on a GPU (here compiled for the CPU): compiled for every batch size before serving,
+    # and the same tokens as the paged kernel's, alone and three at a time.
+    memd = await memd_factory("--device", "cpu", "--pool-bytes", "8MiB", "--model", str(model_dir),
+                              "--block-size", "16")
+    flex = await inferd_factory(model_dir, memd.address, "--attention", "flex", "--max-num-seqs", "3",
+                                name="inferd-flex")
+    compiled = await flex.log.wait_for("flex decode compiled")
+    assert compiled["batch_sizes"] == [1, 2, 4]
+    paged = await inferd_factory(model_dir, memd.address, "--attention", "paged", name="inferd-paged")
+    prompts = ["Tell me a story about a cat.", "Hello!", "What is a page?"]
+    answers = {}
+    for inferd in (flex, paged):
+        async with grpc.aio.insecure_channel(inferd.address) as channel:
+            alone = await generate(channel, prompts[0], 12)
+            together = await asyncio.gather(*(generate(channel, p, 12) for p in prompts))
+        answers[inferd] = (alone, together)
+    assert answers[flex] == answers[paged] and answers[flex][0] == answers[flex][1][0]

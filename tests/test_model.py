@@ -274,3 +274,19 @@ def test_a_sliding_window_caps_the_positions_served(tmp_path):
     config_path = directory / "config.json"
     config_path.write_text(config_path.read_text().replace('"sliding_window": null', '"sliding_window": 1024'))
     assert read_config(directory).max_position == 1024
+
+
+@pytest.mark.processes                         # torch's compiler builds the kernel in processes of its own
+def test_flex_decode_compiles_ahead_every_batch_size_a_step_pads_to(checkpoint):
+    # inferd serve compiles them at attach: no request waits seconds for a compile on its first step.
+    from torch._dynamo.utils import counters
+    config = read_config(checkpoint)
+    if config.arch != "llama":
+        pytest.skip("flex decode reads pages alike for every architecture: the llama checkpoint covers it")
+    model = PagedDecoder(config, load_weights(checkpoint, config.dtype), torch.zeros(16, *config.page_shape(BS)),
+                         attention="flex")
+    assert model.compile_ahead(3) == [1, 2, 4]
+    compiled = counters["frames"]["ok"]
+    for rows in (3, 1, 4, 2):                  # each pads to a size compiled ahead
+        model.forward(build_batch([([5], 2 + i, [2 * i, 2 * i + 1]) for i in range(rows)], BS))
+    assert counters["frames"]["ok"] == compiled
