@@ -16,6 +16,19 @@ tile `b * 2 * layers` of both, whichever the layer, and one BlockMask serves
 every layer of a step. Its mask keeps, in each sequence's last page, the
 slots its context fills; every other page of the sequence is full.
 
+A decode step through flex runs as a traced graph like inferd's other
+passes (inferd.layer_stack.PassGraphs: an eager pass on the forward thread
+takes the GIL back from the event loop at every op):
+`torch.ops.kvpool.flex_decode` is an op of torch's dispatcher whose Python
+body calls the compiled kernel with the mask the step's layout made, so the
+graph keeps one node per layer for it and runs the rest without Python.
+
+Compiled for the CPU (inferd's tests; on a CPU pool inferd's own kernel
+serves), torch's lowering wants the page lists as wide as the whole pool's
+keys and its kernel's time grows with them: 0.2 ms for 4 rows over a pool of
+256 pages, 10 ms over 16k. Its GPU kernels take lists as wide as one
+sequence's pages.
+
 Compiling costs seconds per batch size, so a step's rows are padded to a
 power of two (the padding rows read one key of block 0 and are dropped), the
 page lists to one width, and a batch size's mask buffers are kept and
@@ -26,6 +39,9 @@ graph, compiled once per batch size and process.
 from __future__ import annotations
 
 import functools
+import gc
+import itertools
+import weakref
 from typing import Any
 
 import structlog
@@ -48,6 +64,19 @@ def available(device: torch.device, block_size: int) -> bool:
     except ImportError:
         return False
     return True
+
+
+_decoders: dict[int, weakref.ref[FlexDecode]] = {}     # by id: a traced graph names its decoder's by number
+_ids = itertools.count(1)
+
+
+@torch.library.custom_op("kvpool::flex_decode", mutates_args=())
+def flex_decode(q: torch.Tensor, cache: torch.Tensor, decoder: int, scale: float) -> torch.Tensor:
+    """Decoder number `decoder`'s `attend` of its step's rows, with the mask its `mask` made last."""
+    flex = _decoders[decoder]()
+    if flex is None or flex.current is None:
+        raise RuntimeError(f"flex decode: decoder {decoder} is gone, or made no mask for this step")
+    return flex.attend(q, cache, flex.current, scale)
 
 
 @functools.cache
@@ -75,10 +104,17 @@ class FlexDecode:
         self.cpu = self.device.type == "cpu"
         self.width = -(-self.rows // self.block_size) if self.cpu else width
         self._masks: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self.current: Any = None                               # the mask `mask` made last: the step's
+        self.id = next(_ids)                                    # for torch.ops.kvpool.flex_decode
+        _decoders[self.id] = weakref.ref(self)
+        weakref.finalize(self, _decoders.pop, self.id, None)
         # Each row's last page and how many of its slots hold context, read by every mask's closure.
         self._last_block = torch.zeros(MAX_ROWS, dtype=torch.long, device=self.device)
         self._last_fill = torch.ones(MAX_ROWS, dtype=torch.long, device=self.device)
 
+    # Every method in inference mode, as the passes run: in another grad mode each size would compile again,
+    # and the mask's buffers, made in inference mode, could not be refilled outside it.
+    @torch.inference_mode()
     def mask(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> Any:
         """The BlockMask of a decode step: row i reads the first ceil(context_lens[i] / block_size) pages of
         block_tables[i], all of each but the last, of which the first slots its context fills."""
@@ -100,8 +136,10 @@ class FlexDecode:
         self._last_fill[:rows] = context_lens - (pages - 1) * self.block_size
         self._last_block[rows:bucket] = 0
         self._last_fill[rows:bucket] = 1
+        self.current = block_mask
         return block_mask
 
+    @torch.inference_mode()
     def attend(self, q: torch.Tensor, cache: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:
         """[B, heads * head_dim]: each row's one query `q` [B, heads, head_dim] over its pages of `cache`, one
         layer's view of the pool ([blocks, 2, block_size, kv_heads, head_dim], `pages[:, layer]`)."""
@@ -116,6 +154,7 @@ class FlexDecode:
         out = _compiled()(queries, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
         return out[:rows, :, 0].reshape(rows, self.num_heads * self.head_dim)
 
+    @torch.inference_mode()
     def compile_ahead(self, rows: int, pages: torch.Tensor) -> list[int]:
         """Compile every batch size a step of up to `rows` decode rows pads to, before serving: on its first
         step each took seconds, which the requests of that step waited. Reads one key of block 0 of `pages`
@@ -126,6 +165,9 @@ class FlexDecode:
             mask = self.mask(tables, torch.ones(bucket, dtype=torch.long, device=self.device))
             q = torch.zeros(bucket, self.num_heads, self.head_dim, dtype=pages.dtype, device=self.device)
             self.attend(q, pages[:, 0], mask, self.head_dim ** -0.5)
+        # torch's compiler leaves reference cycles that hold its example inputs, views of the pool: collected
+        # now, the pool goes with its decoder rather than at some later collection.
+        gc.collect()
         return buckets
 
     def _mask_of(self, bucket: int) -> tuple[Any, torch.Tensor, torch.Tensor]:

@@ -9,8 +9,9 @@ tensor: the weights are an argument, so a graph traced from it keeps none.
 "batch" (a decode step of several sequences, a key mask), "single" (one
 sequence's decode step, its keys cut to a stand-in tensor's length, which the
 trace keeps symbolic), "prompt" (one sequence's whole prompt, causal, keys
-cut the same way) and "chunk" (one sequence's new tokens after its cached
-ones, a query-by-key mask). A pass mixing decode rows with prompts runs
+cut the same way), "chunk" (one sequence's new tokens after its cached
+ones, a query-by-key mask) and "pages" (a decode step whose rows read their
+pages through flex attention: inferd.flex_decode). A pass mixing decode rows with prompts runs
 eager. A traced graph runs its ops in C++ without taking the GIL between
 them. The eager layers take it back after every op, so on inferd's forward
 thread they wait behind the event loop's Python work: with the loop busy 75%
@@ -115,9 +116,11 @@ def kind_of(layout: AttentionLayout | SplitAttention) -> str | None:
     A mask and no key length is a decode step of several sequences; keys cut to a length with no mask,
     one sequence's decode step (its one new token sees every key) or, causal, its whole prompt; keys cut
     to the mask's width, one sequence's chunk after its cached tokens. Decode rows reading their pages through
-    flex attention make none: its compiled kernel cannot sit in a traced graph, so they run eager."""
+    flex attention, one sequence or several, make "pages"."""
     if isinstance(layout, SplitAttention):
         return None
+    if layout.block_mask is not None:
+        return "pages"
     if layout.mask is not None and layout.key_len is None:
         return "batch"
     if layout.key_len is not None and layout.mask is None:
@@ -134,7 +137,9 @@ class LayerStack:
 
     def __init__(self, config: ModelConfig, *, paged: bool = False, fused: bool = False,
                  flex: FlexDecode | None = None) -> None:
-        self.config, self.paged, self.fused, self.flex = config, paged, fused, flex
+        # The flex decoder by number only: a traced graph, which torch keeps for the process's life, holds this.
+        self.config, self.paged, self.fused = config, paged, fused
+        self.flex_id = flex.id if flex is not None else None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """As transformers computes it: in float32, scaled by the weight after the cast back."""
@@ -199,9 +204,9 @@ class LayerStack:
             return out
         if layout.lens is not None:                         # one new token per row, read from its pages
             return paged_decode(q, cache, block_tables, layout.lens, c.head_dim ** -0.5)
-        if layout.block_mask is not None:                   # likewise, on a GPU
-            assert self.flex is not None
-            return self.flex.attend(q, cache, layout.block_mask, c.head_dim ** -0.5)
+        if layout.block_mask is not None:                   # likewise, on a GPU: the mask the step made last
+            assert self.flex_id is not None
+            return torch.ops.kvpool.flex_decode(q, cache, self.flex_id, c.head_dim ** -0.5)
         bsz = block_tables.shape[0]
         # K and V gathered apart: each gather is [B, max_blocks, bs, kv_heads, dim], whose block and slot dims
         # merge into one without a copy; gathering both at once would need a second copy to separate them.
@@ -242,8 +247,10 @@ class PassGraphs:
         if kind is None:
             return self._eager(args, layout, kind)
         assert isinstance(layout, AttentionLayout)
-        # A decode step's or chunk's mask, else a tensor whose length alone counts (the keys' cut).
-        stand_in = layout.mask if kind in ("batch", "chunk") else torch.empty(layout.key_len, dtype=torch.uint8)
+        # A decode step's or chunk's mask, else a tensor whose length alone counts (the keys' cut; none for
+        # "pages", whose op reads the mask the step made).
+        stand_in = layout.mask if kind in ("batch", "chunk") else \
+            torch.empty(layout.key_len or 0, dtype=torch.uint8)
         inputs = (*args, stand_in, *self._inputs[self.weights.for_one_row(kind)])
         if kind not in self._graphs:
             try:
@@ -287,6 +294,8 @@ def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leadin
         elif kind == "single":
             lens = torch.ones_like(stand_in, dtype=torch.long).sum(0, keepdim=True) if stack.paged else None
             layout = AttentionLayout(None, stand_in.shape[0], lens=lens)
+        elif kind == "pages":
+            layout = AttentionLayout(None, None, block_mask=True)     # attend: torch.ops.kvpool.flex_decode
         else:
             layout = AttentionLayout(None, stand_in.shape[0], causal=True)
         return stack.logits(*args, layout, around, layers)    # type: ignore[arg-type]

@@ -155,7 +155,8 @@ class PagedDecoder:
     @property
     def traced_graphs(self) -> list[str]:
         """The kinds of pass that run as a traced graph: "batch" (a decode step of several sequences),
-        "single" (of one), "prompt" (one whole prompt) and "chunk" (one sequence's tokens after its cached ones)."""
+        "single" (of one), "prompt" (one whole prompt), "chunk" (one sequence's tokens after its cached ones)
+        and "pages" (a decode step through flex attention)."""
         return self._graphs.kinds if self._graphs is not None else []
 
     def flops_per_token(self) -> int:
