@@ -113,15 +113,15 @@ class WeightSets:
 def kind_of(layout: AttentionLayout | SplitAttention) -> str | None:
     """The kind of pass a layout makes (see PassGraphs), or None where it mixes sequences' prompts.
 
-    A mask and no key length is a decode step of several sequences; keys cut to a length with no mask,
-    one sequence's decode step (its one new token sees every key) or, causal, its whole prompt; keys cut
-    to the mask's width, one sequence's chunk after its cached tokens. Decode rows reading their pages through
-    flex attention, one sequence or several, make "pages"."""
+    A mask (or the paged kernel's key counts) and no key length is a decode step of several sequences;
+    keys cut to a length with no mask, one sequence's decode step (its one new token sees every key) or,
+    causal, its whole prompt; keys cut to the mask's width, one sequence's chunk after its cached tokens.
+    Decode rows reading their pages through flex attention, one sequence or several, make "pages"."""
     if isinstance(layout, SplitAttention):
         return None
     if layout.block_mask is not None:
         return "pages"
-    if layout.mask is not None and layout.key_len is None:
+    if (layout.mask is not None or layout.lens is not None) and layout.key_len is None:
         return "batch"
     if layout.key_len is not None and layout.mask is None:
         return "prompt" if layout.causal else "single"
@@ -249,8 +249,12 @@ class PassGraphs:
         assert isinstance(layout, AttentionLayout)
         # A decode step's or chunk's mask, else a tensor whose length alone counts (the keys' cut; none for
         # "pages", whose op reads the mask the step made).
-        stand_in = layout.mask if kind in ("batch", "chunk") else \
-            torch.empty(layout.key_len or 0, dtype=torch.uint8)
+        if kind == "batch":
+            stand_in = layout.mask if layout.mask is not None else layout.lens    # the paged kernel's key counts
+        elif kind == "chunk":
+            stand_in = layout.mask
+        else:
+            stand_in = torch.empty(layout.key_len or 0, dtype=torch.uint8)
         inputs = (*args, stand_in, *self._inputs[self.weights.for_one_row(kind)])
         if kind not in self._graphs:
             try:
@@ -286,9 +290,9 @@ def _trace(stack: LayerStack, present: list[tuple[bool, ...]], kind: str, leadin
         *args, stand_in = tensors[:leading]
         around, weights = tensors[leading:leading + 4], iter(tensors[leading + 4:])
         layers = [tuple(next(weights) if there else None for there in layer) for layer in present]
-        # The paged kernel's key counts come from the stand-in, so that the graph keeps them an input.
+        # The paged kernel's key counts are the stand-in (one sequence: its length), so the graph keeps them an input.
         if kind == "batch":
-            layout = AttentionLayout(stand_in, None, lens=stand_in.flatten(1).sum(-1) if stack.paged else None)
+            layout = AttentionLayout(None, None, lens=stand_in) if stack.paged else AttentionLayout(stand_in, None)
         elif kind == "chunk":
             layout = AttentionLayout(stand_in, stand_in.shape[-1])
         elif kind == "single":

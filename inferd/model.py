@@ -196,8 +196,7 @@ class PagedDecoder:
         if max(batch.query_lens) == 1:
             if self._flex is not None:
                 return self._pages_read(batch.context_lens, batch.block_tables)
-            return AttentionLayout(self._key_mask(batch.context_lens, batch.block_tables.shape[1]), None,
-                                   lens=self._key_counts(batch.context_lens))
+            return self._decode_rows(batch.context_lens, batch.block_tables.shape[1])
         groups, start, decode_rows, decode_seqs = [], 0, [], []
         for i, (new, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
             if new == 1:
@@ -213,7 +212,7 @@ class PagedDecoder:
             seqs = torch.tensor(decode_seqs, device=self.device)
             tables = batch.block_tables[seqs, :blocks]
             layout = self._pages_read(clens, tables) if self._flex is not None else \
-                AttentionLayout(self._key_mask(clens, blocks), None, lens=self._key_counts(clens))
+                self._decode_rows(clens, blocks)
             groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device), tables, layout))
         return SplitAttention(groups)
 
@@ -232,6 +231,13 @@ class PagedDecoder:
         assert self._flex is not None
         lens = torch.tensor(context_lens, device=self.device)
         return AttentionLayout(None, None, block_mask=self._flex.mask(tables, lens))
+
+    def _decode_rows(self, context_lens: list[int], blocks: int) -> AttentionLayout:
+        """Decode rows of several sequences: each row's key count for the paged kernel, else a key mask over
+        the gathered copy (a mask the kernel does not read costs a decode step three ops on its thread)."""
+        if self.attention == "paged":
+            return AttentionLayout(None, None, lens=torch.tensor(context_lens, device=self.device))
+        return AttentionLayout(self._key_mask(context_lens, blocks), None)
 
     def _key_counts(self, context_lens: list[int]) -> torch.Tensor | None:
         """Decode rows' keys, for the paged kernel; None where decode attends over a gathered copy."""
