@@ -11,9 +11,9 @@ flat run of new tokens, plus per sequence its context length and block table.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
@@ -44,6 +44,8 @@ class Batch:
     query_lens: list[int]        # new tokens per sequence
     context_lens: list[int]      # tokens per sequence after this pass (cached + new)
     block_tables: torch.Tensor   # [B, max_blocks] long, padded with any valid block id
+    seq_lens: torch.Tensor       # [B] long: context_lens
+    last_rows: torch.Tensor      # [B] long: each sequence's last new token among the pass's
 
 
 def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
@@ -60,9 +62,19 @@ def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
         clens.append(cached + len(new))
     # Only the blocks that hold context are read: a table's lookahead blocks would widen every gather.
     tables = padded_tables([t for _, _, t in seqs], [-(-ctx // block_size) for ctx in clens])
-    # One tensor for the four per-token rows: 14-20 us for a decode step of 16, against 36-42 for four.
-    rows = torch.tensor([tokens, positions, blocks, offsets], dtype=torch.long).to(device)
-    return Batch(rows[0], rows[1], rows[2], rows[3], qlens, clens, tables.to(device))
+    if tables.device != torch.device(device):
+        tables = tables.to(device)
+    # One tensor for the per-token rows and, padded to as long, the per-sequence ones: 14-20 us for a decode
+    # step of 16, against 36-42 for four. On inferd's forward thread every op outside its traced graph may
+    # wait for the GIL behind the event loop, so a step makes as few as it can.
+    pad = [0] * (len(tokens) - len(seqs))
+    last = list(itertools.accumulate(qlens, initial=-1))[1:]
+    rows = torch.tensor([tokens, positions, blocks, offsets, clens + pad, last + pad], dtype=torch.long,
+                        device=device)
+    token_ids, positions_t, blocks_t, offsets_t, lens, last_t = rows.unbind(0)
+    if pad:
+        lens, last_t = lens[:len(seqs)], last_t[:len(seqs)]
+    return Batch(token_ids, positions_t, blocks_t, offsets_t, qlens, clens, tables, lens, last_t)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -174,9 +186,8 @@ class PagedDecoder:
         """
         pages = self.kv if kv is None else kv
         layout = self._attention_layout(batch)
-        last = torch.tensor([n - 1 for n in accumulate(batch.query_lens)], device=self.device)  # each one's last
         args = (batch.token_ids, batch.positions, pages, batch.slot_blocks, batch.slot_offsets, batch.block_tables,
-                last)
+                batch.last_rows)
         if self._graphs is not None:
             return self._graphs.run(args, layout)
         return self._stack.logits(*args, layout, *self._weights.of(kind_of(layout)))
@@ -191,12 +202,14 @@ class PagedDecoder:
         """
         if len(batch.query_lens) == 1:
             if batch.query_lens[0] == 1 and self._flex is not None:
-                return self._pages_read(batch.context_lens, batch.block_tables)
+                return self._pages_read(batch.seq_lens, batch.block_tables)
+            if batch.query_lens[0] == 1 and self.attention == "paged":
+                return AttentionLayout(None, batch.context_lens[0], lens=batch.seq_lens)
             return self._one_sequence(batch.query_lens[0], batch.context_lens[0])
         if max(batch.query_lens) == 1:
             if self._flex is not None:
-                return self._pages_read(batch.context_lens, batch.block_tables)
-            return self._decode_rows(batch.context_lens, batch.block_tables.shape[1])
+                return self._pages_read(batch.seq_lens, batch.block_tables)
+            return self._decode_rows(batch.context_lens, batch.block_tables.shape[1], batch.seq_lens)
         groups, start, decode_rows, decode_seqs = [], 0, [], []
         for i, (new, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
             if new == 1:
@@ -211,37 +224,34 @@ class PagedDecoder:
             blocks = -(-max(clens) // self.block_size)
             seqs = torch.tensor(decode_seqs, device=self.device)
             tables = batch.block_tables[seqs, :blocks]
-            layout = self._pages_read(clens, tables) if self._flex is not None else \
-                self._decode_rows(clens, blocks)
+            lens = torch.tensor(clens, device=self.device)
+            layout = self._pages_read(lens, tables) if self._flex is not None else \
+                self._decode_rows(clens, blocks, lens)
             groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device), tables, layout))
         return SplitAttention(groups)
 
     def _one_sequence(self, new: int, ctx: int) -> AttentionLayout:
         """One sequence's `new` tokens, the last of its `ctx`: causal over a whole prompt, else masked."""
         if new == 1:
-            return AttentionLayout(None, ctx, lens=self._key_counts([ctx]))
+            lens = torch.tensor([ctx], device=self.device) if self.attention == "paged" else None
+            return AttentionLayout(None, ctx, lens=lens)
         if new == ctx:
             return AttentionLayout(None, ctx, causal=True)
         qpos = torch.arange(ctx - new, ctx, device=self.device)
         mask = torch.arange(ctx, device=self.device)[None, :] <= qpos[:, None]       # [new, ctx]
         return AttentionLayout(mask[None, None], ctx)
 
-    def _pages_read(self, context_lens: list[int], tables: torch.Tensor) -> AttentionLayout:
-        """Decode rows reading their pages through flex attention (inferd.flex_decode)."""
+    def _pages_read(self, lens: torch.Tensor, tables: torch.Tensor) -> AttentionLayout:
+        """Decode rows (`lens` keys each) reading their pages through flex attention (inferd.flex_decode)."""
         assert self._flex is not None
-        lens = torch.tensor(context_lens, device=self.device)
         return AttentionLayout(None, None, block_mask=self._flex.mask(tables, lens))
 
-    def _decode_rows(self, context_lens: list[int], blocks: int) -> AttentionLayout:
-        """Decode rows of several sequences: each row's key count for the paged kernel, else a key mask over
-        the gathered copy (a mask the kernel does not read costs a decode step three ops on its thread)."""
+    def _decode_rows(self, context_lens: list[int], blocks: int, lens: torch.Tensor) -> AttentionLayout:
+        """Decode rows of several sequences: each row's key count (`lens`) for the paged kernel, else a key
+        mask over the gathered copy (a mask the kernel does not read costs a decode step ops on its thread)."""
         if self.attention == "paged":
-            return AttentionLayout(None, None, lens=torch.tensor(context_lens, device=self.device))
+            return AttentionLayout(None, None, lens=lens)
         return AttentionLayout(self._key_mask(context_lens, blocks), None)
-
-    def _key_counts(self, context_lens: list[int]) -> torch.Tensor | None:
-        """Decode rows' keys, for the paged kernel; None where decode attends over a gathered copy."""
-        return torch.tensor(context_lens, device=self.device) if self.attention == "paged" else None
 
     def _key_mask(self, context_lens: list[int], blocks: int) -> torch.Tensor:
         """[B, 1, 1, keys]: which of `blocks` blocks' key positions hold each sequence's context."""
