@@ -185,29 +185,33 @@ class PagedDecoder:
         (inferd.layer_stack.PassGraphs).
         """
         pages = self.kv if kv is None else kv
-        layout = self._attention_layout(batch)
+        layout = self._attention_layout(batch, flex=kv is None)
         args = (batch.token_ids, batch.positions, pages, batch.slot_blocks, batch.slot_offsets, batch.block_tables,
                 batch.last_rows)
         if self._graphs is not None:
             return self._graphs.run(args, layout)
         return self._stack.logits(*args, layout, *self._weights.of(kind_of(layout)))
 
-    def _attention_layout(self, batch: Batch) -> AttentionLayout | SplitAttention:
+    def _attention_layout(self, batch: Batch, *, flex: bool = True) -> AttentionLayout | SplitAttention:
         """Which keys each new token sees, in as few attention calls as keep every query a real one.
 
         A decode step (one new token per sequence) attends in one call, its keys masked to each
         sequence's context; one sequence attends alone, its keys cut to its context (causal over a
         whole prompt, masked for a chunk after cached tokens). A pass mixing the two splits into
         those groups, rather than padding every sequence to the longest chunk's queries.
+
+        `flex=False`: decode rows attend over a gathered copy even where flex attention reads the pool's
+        pages (its views span the pool; other pages, a recompute's, are not the pool).
         """
+        flex_pages = self._flex is not None and flex
         if len(batch.query_lens) == 1:
-            if batch.query_lens[0] == 1 and self._flex is not None:
+            if batch.query_lens[0] == 1 and flex_pages:
                 return self._pages_read(batch.seq_lens, batch.block_tables)
             if batch.query_lens[0] == 1 and self.attention == "paged":
                 return AttentionLayout(None, batch.context_lens[0], lens=batch.seq_lens)
             return self._one_sequence(batch.query_lens[0], batch.context_lens[0])
         if max(batch.query_lens) == 1:
-            if self._flex is not None:
+            if flex_pages:
                 return self._pages_read(batch.seq_lens, batch.block_tables)
             return self._decode_rows(batch.context_lens, batch.block_tables.shape[1], batch.seq_lens)
         groups, start, decode_rows, decode_seqs = [], 0, [], []
@@ -225,7 +229,7 @@ class PagedDecoder:
             seqs = torch.tensor(decode_seqs, device=self.device)
             tables = batch.block_tables[seqs, :blocks]
             lens = torch.tensor(clens, device=self.device)
-            layout = self._pages_read(lens, tables) if self._flex is not None else \
+            layout = self._pages_read(lens, tables) if flex_pages else \
                 self._decode_rows(clens, blocks, lens)
             groups.append(AttentionGroup(torch.tensor(decode_rows, device=self.device), tables, layout))
         return SplitAttention(groups)

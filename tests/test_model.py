@@ -296,3 +296,22 @@ def test_flex_decode_compiles_ahead_every_batch_size_a_step_pads_to(checkpoint):
     gone = [weakref.ref(model), weakref.ref(model._flex), weakref.ref(model.kv)]
     del model
     assert [ref() for ref in gone] == [None, None, None]
+
+
+def test_a_flex_decoder_recomputing_into_other_pages_attends_over_a_copy_of_those(checkpoint):
+    # The reuse check recomputes a prefix into scratch pages (inferd.reuse_check): flex's views span the pool,
+    # so a step on other pages, one token included, attends over a gathered copy of them, as the gather decoder.
+    config = read_config(checkpoint)
+    if config.arch != "llama":
+        pytest.skip("flex decode reads pages alike for every architecture: the llama checkpoint covers it")
+    weights = load_weights(checkpoint, config.dtype)
+    flex = PagedDecoder(config, weights, torch.zeros(16, *config.page_shape(BS)), attention="flex")
+    gather = PagedDecoder(config, weights, torch.zeros(16, *config.page_shape(BS)), attention="gather")
+    scratch = [torch.zeros(3, *config.page_shape(BS)) for _ in range(2)]
+    prompt = [11, 42, 7, 300, 5, 9]
+    for model, pages in zip((flex, gather), scratch, strict=True):
+        model.forward(build_batch([(prompt, 0, [0, 1])], BS), kv=pages)
+    for tokens, cached in (([8], 6), ([3], 7), ([4, 6], 8)):         # one token after cached ones, then two
+        batch = build_batch([(tokens, cached, [0, 1, 2])], BS)
+        torch.testing.assert_close(flex.forward(batch, kv=scratch[0]), gather.forward(batch, kv=scratch[1]))
+    assert torch.equal(scratch[0], scratch[1]) and flex.traced_graphs == gather.traced_graphs
