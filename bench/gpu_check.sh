@@ -103,7 +103,8 @@ import memd.__main__, inferd.__main__, shared.rpc.memd_pb2, shared.rpc.inferd_pb
 print("kvpool imports: ok")
 if torch.cuda.is_available():
     from inferd import flex_decode
-    print("flex decode available on cuda:0 with 16-token pages:", flex_decode.available(torch.device("cuda:0"), 16))
+    why = flex_decode.unavailable(torch.device("cuda:0"), 16, 32, 8, 64)     # the GPU bench's Llama-1B shape
+    print("flex decode on cuda:0, 16-token pages, 32/8 heads of 64:", why or "available")
 EOF
 } 2>&1 | tee -a "$LOG"
 

@@ -54,17 +54,34 @@ MAX_BATCH_BUCKETS = 16                      # compiled graphs per decoder: batch
 MAX_ROWS = 1 << (MAX_BATCH_BUCKETS - 1)
 
 
-def available(device: torch.device, block_size: int) -> bool:
-    """Whether flex attention's decode kernel can run on `device`: a CUDA GPU with Triton, in this torch, and
-    pages of a power of two of at least 16 tokens (a page is one of its kernel's tiles)."""
-    if device.type != "cuda" or block_size < 16 or block_size & (block_size - 1):
-        return False
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why flex attention's decode kernel cannot serve this pool and model, or None where it can: a CUDA GPU
+    with Triton in this torch; pages of a power of two of at least 16 tokens (a page is one of the kernel's
+    tiles); query heads a power of two per KV head (else torch's lowering takes its general kernel, whose
+    tiles no 16-token page fills); heads of at least 16."""
+    if device.type != "cuda":
+        return f"flex attention reads a GPU pool; this one is on {device}"
+    if block_size < 16 or not _power_of_two(block_size):
+        return f"pages must be a power of two of at least 16 tokens, not {block_size}"
+    if num_heads % kv_heads or not _power_of_two(num_heads // kv_heads):
+        return f"{num_heads} query heads over {kv_heads} KV heads: torch's decode kernel wants a power of two each"
+    if head_dim < 16:
+        return f"heads of {head_dim}: torch's kernel wants at least 16"
     try:
         import triton  # noqa: F401
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "this torch has no flex attention, or no Triton"
+    return None
+
+
+def available(device: torch.device, block_size: int, num_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether flex attention's decode kernel can serve this pool and model (`unavailable` says why not)."""
+    return unavailable(device, block_size, num_heads, kv_heads, head_dim) is None
 
 
 _decoders: dict[int, weakref.ref[FlexDecode]] = {}     # by id: a traced graph names its decoder's by number
@@ -104,6 +121,8 @@ class FlexDecode:
         # kernels take any width, and with no list of full pages they split each sequence's pages over the SMs.
         self.cpu = self.device.type == "cpu"
         self.width = -(-self.rows // self.block_size) if self.cpu else width
+        # The GPU kernel's grid has a row of blocks per (sequence, KV head), and a grid's rows are at most 65,535.
+        self.max_rows = MAX_ROWS if self.cpu else min(MAX_ROWS, 1 << ((65_535 // self.kv_heads).bit_length() - 1))
         self._masks: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self.current: Any = None                               # the mask `mask` made last: the step's
         self.id = next(_ids)                                    # for torch.ops.kvpool.flex_decode
@@ -120,9 +139,10 @@ class FlexDecode:
         """The BlockMask of a decode step: row i reads the first ceil(context_lens[i] / block_size) pages of
         block_tables[i], all of each but the last, of which the first slots its context fills."""
         rows = block_tables.shape[0]
-        if rows > MAX_ROWS:
-            raise ValueError(f"a decode step of {rows} rows: flex decode takes at most {MAX_ROWS}")
         bucket = 1 << max(rows - 1, 0).bit_length()
+        if bucket > self.max_rows:
+            raise ValueError(f"a decode step of {rows} sequences: flex decode takes at most {self.max_rows} "
+                             "(lower --max-num-seqs)")
         if block_tables.shape[1] > self.width:
             raise ValueError(f"a sequence holds {block_tables.shape[1]} pages, more than the {self.width} "
                              "this decoder's context allows")

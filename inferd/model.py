@@ -98,13 +98,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 ATTENTION = ("auto", "paged", "flex", "gather")
 
 
-def _attention(asked: str, device: torch.device, block_size: int) -> str:
+def _attention(asked: str, device: torch.device, block_size: int, config: ModelConfig) -> str:
     if asked not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {asked!r}")
     if asked == "flex":
-        if device.type != "cpu" and not flex_decode.available(device, block_size):
-            raise KernelUnavailable(f"flex attention reads a GPU pool with Triton and pages of a power of two of "
-                                    f"at least 16 tokens; this pool is on {device} with {block_size}")
+        why = flex_decode.unavailable(device, block_size, config.num_heads, config.num_kv_heads, config.head_dim)
+        if device.type != "cpu" and why is not None:         # on the CPU it compiles for tests, as it is
+            raise KernelUnavailable(why)
         return asked
     if asked == "gather" or (asked == "auto" and device.type != "cpu"):
         return "gather"
@@ -143,7 +143,7 @@ class PagedDecoder:
         self.weights = weights
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        self.attention = _attention(attention, self.kv.device, self.block_size)
+        self.attention = _attention(attention, self.kv.device, self.block_size, config)
         self.fused = fused and self.kv.device.type == "cpu" and paged_kernel.load()
         self._flex = flex_decode.FlexDecode(kv, config.num_heads, config.max_position) \
             if self.attention == "flex" else None

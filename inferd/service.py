@@ -148,7 +148,14 @@ class MemdLink:
         scheduler.forward_thread.on_pass = self.on_pass
         if model.attention == "flex":                # on the thread that runs the passes, the loop free meanwhile
             started = time.perf_counter()
-            sizes = await scheduler.forward_thread.run(model.compile_ahead, self.max_num_seqs, tokens=0)
+            try:
+                sizes = await scheduler.forward_thread.run(model.compile_ahead, self.max_num_seqs, tokens=0)
+            except Exception as exc:                  # would fail again at every attachment: inferd says why, ends
+                await scheduler.close()
+                with contextlib.suppress(Exception):
+                    await client.close()
+                raise AttachRefused(f"--attention flex: flex attention could not be compiled for this model and "
+                                    f"pool ({type(exc).__name__}: {exc})") from None
             log.info("flex decode compiled", batch_sizes=sizes, seconds=round(time.perf_counter() - started, 1))
         scheduler.adopt(self._carried)
         self._carried = []
