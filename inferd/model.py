@@ -236,9 +236,8 @@ class PagedDecoder:
 
     def _one_sequence(self, new: int, ctx: int) -> AttentionLayout:
         """One sequence's `new` tokens, the last of its `ctx`: causal over a whole prompt, else masked."""
-        if new == 1:
-            lens = torch.tensor([ctx], device=self.device) if self.attention == "paged" else None
-            return AttentionLayout(None, ctx, lens=lens)
+        if new == 1:                   # over a gathered copy: the paged kernel's step is `_attention_layout`'s
+            return AttentionLayout(None, ctx)
         if new == ctx:
             return AttentionLayout(None, ctx, causal=True)
         qpos = torch.arange(ctx - new, ctx, device=self.device)
