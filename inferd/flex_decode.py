@@ -58,6 +58,11 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
+def _bucket(rows: int) -> int:
+    """The batch size a step of `rows` decode rows is padded to: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
 def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why flex attention's decode kernel cannot serve this pool and model, or None where it can: a CUDA GPU
     with Triton in this torch; pages of a power of two of at least 16 tokens (a page is one of the kernel's
@@ -77,11 +82,6 @@ def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads:
     except ImportError:
         return "this torch has no flex attention, or no Triton"
     return None
-
-
-def available(device: torch.device, block_size: int, num_heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether flex attention's decode kernel can serve this pool and model (`unavailable` says why not)."""
-    return unavailable(device, block_size, num_heads, kv_heads, head_dim) is None
 
 
 _decoders: dict[int, weakref.ref[FlexDecode]] = {}     # by id: a traced graph names its decoder's by number
@@ -139,7 +139,7 @@ class FlexDecode:
         """The BlockMask of a decode step: row i reads the first ceil(context_lens[i] / block_size) pages of
         block_tables[i], all of each but the last, of which the first slots its context fills."""
         rows = block_tables.shape[0]
-        bucket = 1 << max(rows - 1, 0).bit_length()
+        bucket = _bucket(rows)
         if bucket > self.max_rows:
             raise ValueError(f"a decode step of {rows} sequences: flex decode takes at most {self.max_rows} "
                              "(lower --max-num-seqs)")
@@ -180,7 +180,7 @@ class FlexDecode:
         """Compile every batch size a step of up to `rows` decode rows pads to, before serving: on its first
         step each took seconds, which the requests of that step waited. Reads one key of block 0 of `pages`
         (this decoder's pool), writes nothing; returns the batch sizes."""
-        buckets = [1 << i for i in range(max(rows - 1, 0).bit_length() + 1)]
+        buckets = [1 << i for i in range(_bucket(rows).bit_length())]
         for bucket in buckets:
             tables = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
             mask = self.mask(tables, torch.ones(bucket, dtype=torch.long, device=self.device))
