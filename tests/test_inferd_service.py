@@ -471,3 +471,5 @@ async def test_decode_through_flex_attention_answers_as_inferds_own_kernel(memd_
             together = await asyncio.gather(*(generate(channel, p, 12) for p in prompts))
         answers[inferd] = (alone, together)
     assert answers[flex] == answers[paged] and answers[flex][0] == answers[flex][1][0]
+    states, used, ok = await memd_state(memd)             # every request's blocks given back
+    assert states["running"] == 0 and used == 0 and ok
