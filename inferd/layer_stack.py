@@ -186,7 +186,10 @@ class LayerStack:
                 qk = qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
                 turned = qk.roll(half, dims=-1)
                 qk.copy_(qk * cos + turned * signed_sin)                 # RoPE, on Q and K at once
-                cache[slot_blocks, :, slot_offsets] = qkv[:, q_size:].view(-1, 2, c.num_kv_heads, c.head_dim)
+                # index_put_, not `cache[slot_blocks, :, slot_offsets] = ...`: a traced setitem of one token drops
+                # its leading 1 with a fixed view, and the graph then failed on passes of more tokens.
+                cache.transpose(1, 2).index_put_((slot_blocks, slot_offsets),
+                                                 qkv[:, q_size:].view(-1, 2, c.num_kv_heads, c.head_dim))
             attn = self.attend(qkv[:, :q_size].view(-1, c.num_heads, c.head_dim), cache, block_tables, layout)
             h = h + linear(attn, o_w)
             x = self.rms_norm(h, ln2)

@@ -136,15 +136,16 @@ async def test_decode_steps_run_as_traced_graphs_with_the_eager_results(worker, 
                          attention=model.attention, fused=model.fused)
     histories = [list(p) for p in prompts]
     # Decode rows through flex attention, one sequence or several, run as one graph of their own.
-    batch_graphs, decode_graphs = (["pages"], ["pages"]) if model.attention == "flex" else \
-        (["batch"], ["batch", "single"])
+    decode_graphs = ["pages"] if model.attention == "flex" else ["batch", "single"]
+    # The first step has one row: through flex attention, its graph then takes more rows (a K/V store traced
+    # on one token, as a setitem, wrote through a fixed view of that one token).
     for step in range(6):                      # one graph for every batch size and context length
-        rows = range(len(prompts)) if step % 2 else range(1, 3)
+        rows = range(len(prompts)) if step % 2 else range(1, 2 + step // 2)
         chosen = logits.argmax(-1).tolist()    # a row for every sequence
         batch = build_batch([([chosen[i]], len(histories[i]), opened[i].block_ids) for i in rows], BS)
         logits = model.forward(batch)
         assert torch.equal(logits, eager.forward(batch))
-        assert model.traced_graphs == batch_graphs and eager.traced_graphs == []
+        assert set(model.traced_graphs) <= set(decode_graphs) and eager.traced_graphs == []
         for i in rows:
             histories[i].append(chosen[i])
         if len(rows) != len(prompts):          # a row for every sequence again: their newest tokens once more
