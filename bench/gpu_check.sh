@@ -103,8 +103,9 @@ import memd.__main__, inferd.__main__, shared.rpc.memd_pb2, shared.rpc.inferd_pb
 print("kvpool imports: ok")
 if torch.cuda.is_available():
     from inferd import flex_decode
-    why = flex_decode.unavailable(torch.device("cuda:0"), 16, 32, 8, 64)     # the GPU bench's Llama-1B shape
-    print("flex decode on cuda:0, 16-token pages, 32/8 heads of 64:", why or "available")
+    for gib in (1, 16):                      # the GPU bench's Llama-1B shape, bfloat16: pools of 1 and 16 GiB
+        why = flex_decode.unavailable(torch.device("cuda:0"), 16, 32, 8, 64, pool_elements=gib << 29)
+        print(f"flex decode on cuda:0, a {gib} GiB pool, 16-token pages, 32/8 heads of 64:", why or "available")
 EOF
 } 2>&1 | tee -a "$LOG"
 

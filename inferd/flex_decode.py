@@ -52,6 +52,10 @@ log = structlog.get_logger("inferd.flex_decode")
 
 MAX_BATCH_BUCKETS = 16                      # compiled graphs per decoder: batch sizes 1, 2, 4 ... 2**15
 MAX_ROWS = 1 << (MAX_BATCH_BUCKETS - 1)
+# Each layer's K/V views span the whole pool. Past 2**31 elements the kernel indexes with int64, and torch's
+# flex decode template then mixes int64 and int32 in one expression, which Triton refuses (seen on an H200
+# with torch 2.11 and a 16 GiB bfloat16 pool; the template of torch 2.13 reads the same).
+MAX_POOL_ELEMENTS = 1 << 31
 
 
 def _power_of_two(n: int) -> bool:
@@ -63,13 +67,18 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads: int, head_dim: int) -> str | None:
+def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads: int, head_dim: int, *,
+                pool_elements: int) -> str | None:
     """Why flex attention's decode kernel cannot serve this pool and model, or None where it can: a CUDA GPU
-    with Triton in this torch; pages of a power of two of at least 16 tokens (a page is one of the kernel's
-    tiles); query heads a power of two per KV head (else torch's lowering takes its general kernel, whose
-    tiles no 16-token page fills); heads of at least 16."""
+    with Triton in this torch; a pool of fewer than 2**31 elements (MAX_POOL_ELEMENTS); pages of a power of
+    two of at least 16 tokens (a page is one of the kernel's tiles); query heads a power of two per KV head
+    (else torch's lowering takes its general kernel, whose tiles no 16-token page fills); heads of at least 16."""
     if device.type != "cuda":
         return f"flex attention reads a GPU pool; this one is on {device}"
+    if pool_elements >= MAX_POOL_ELEMENTS:
+        return (f"a pool of {pool_elements / 2**30:.1f}Gi elements: torch's flex decode kernel (torch "
+                f"{torch.__version__}) fails to compile with the 64-bit offsets a pool of 2Gi elements or more "
+                "needs; take --attention gather, or a smaller pool")
     if block_size < 16 or not _power_of_two(block_size):
         return f"pages must be a power of two of at least 16 tokens, not {block_size}"
     if num_heads % kv_heads or not _power_of_two(num_heads // kv_heads):

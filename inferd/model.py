@@ -98,11 +98,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 ATTENTION = ("auto", "paged", "flex", "gather")
 
 
-def _attention(asked: str, device: torch.device, block_size: int, config: ModelConfig) -> str:
+def _attention(asked: str, kv: torch.Tensor, config: ModelConfig) -> str:
     if asked not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {asked!r}")
+    device, block_size = kv.device, kv.shape[3]
     if asked == "flex":
-        why = flex_decode.unavailable(device, block_size, config.num_heads, config.num_kv_heads, config.head_dim)
+        why = flex_decode.unavailable(device, block_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                      pool_elements=kv.numel())
         if device.type != "cpu" and why is not None:         # on the CPU it compiles for tests, as it is
             raise KernelUnavailable(why)
         return asked
@@ -124,8 +126,9 @@ class PagedDecoder:
         `attention`: how decode rows attend. "paged" reads K/V from the pages with inferd's CPU kernel
         (inferd.paged_kernel), "flex" with torch's flex attention (inferd.flex_decode, built for a GPU),
         "gather" copies each sequence's pages out for scaled_dot_product_attention. "auto" takes "paged"
-        where the pool is in CPU memory and the kernel builds, else "gather": "flex" is asked for by name
-        until it has run on a GPU (bench/gpu_check.sh).
+        where the pool is in CPU memory and the kernel builds, else "gather": "flex" is asked for by name,
+        since torch's kernel refuses the pools of 2**31 elements or more that production runs
+        (inferd.flex_decode.MAX_POOL_ELEMENTS).
 
         `pack_weights` (with a checkpoint's tensors): lay the linear weights out once for oneDNN where it
         runs them (inferd.packed_linear).
@@ -143,7 +146,7 @@ class PagedDecoder:
         self.weights = weights
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        self.attention = _attention(attention, self.kv.device, self.block_size, config)
+        self.attention = _attention(attention, self.kv, config)
         self.fused = fused and self.kv.device.type == "cpu" and paged_kernel.load()
         self._flex = flex_decode.FlexDecode(kv, config.num_heads, config.max_position) \
             if self.attention == "flex" else None

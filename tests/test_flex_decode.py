@@ -22,7 +22,15 @@ GPU = torch.device("cuda:0")          # a device object only: nothing here touch
     (GPU, 16, 4, 2, 8, "heads of 8"),
 ])
 def test_pools_and_models_the_gpu_kernel_cannot_serve_are_named(pool, block_size, heads, kv_heads, dim, reason):
-    assert reason in unavailable(pool, block_size, heads, kv_heads, dim)
+    assert reason in unavailable(pool, block_size, heads, kv_heads, dim, pool_elements=1 << 20)
+
+
+def test_a_gpu_pool_of_two_billion_elements_or_more_is_refused_naming_the_way_out():
+    # Llama-1B's 16-token pages are 2**18 elements (512 KiB in bfloat16): 8192 of them are 2**31 elements.
+    page = 16 * 2 * 16 * 8 * 64
+    why = unavailable(GPU, 16, 32, 8, 64, pool_elements=8192 * page)
+    assert why is not None and "2.0Gi elements" in why and "--attention gather" in why
+    assert "2Gi elements" not in (unavailable(GPU, 16, 32, 8, 64, pool_elements=8191 * page) or "")
 
 
 def test_a_gpu_decode_step_is_refused_past_the_kernels_grid():
