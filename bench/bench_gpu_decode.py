@@ -61,6 +61,7 @@ from tables import table
 from inferd.checkpoint import read_config
 from inferd.model import ATTENTION, PagedDecoder, build_batch
 from inferd.tiny import make_tiny_model
+from shared.logs import configure
 from shared.ops import Free, Open
 
 LLAMA_1B = {"arch": "llama", "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192,
@@ -187,6 +188,7 @@ def main() -> None:
                    help="how inferd's decode rows read K/V (inferd serve --attention; default: flex)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     args = p.parse_args()
+    configure("info", "console")          # as the daemons log: a failure's traceback without its locals
     size = sizes(args.quick) | {"attention": args.attention}
     shape = TINY if args.quick else LLAMA_1B
     rng = random.Random(0)

@@ -81,6 +81,7 @@ from inferd.scheduler import Request, Scheduler
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
 from shared.launch import LaunchError, spawn_ready
+from shared.logs import configure
 from shared.ops import Free, Open
 
 MODEL = {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096,
@@ -688,6 +689,7 @@ def main() -> None:
     p.add_argument("--hf-anchor", type=Path, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)      # the anchor's
     args = p.parse_args()
+    configure("info", "console")          # as the daemons log: a failure's traceback without its locals
     if args.hf_anchor is not None:
         serve_hf_anchor(args.hf_anchor, args.threads, args.device)
         return
