@@ -93,9 +93,14 @@ async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rn
         for n in size["concurrency"]:
             warm = prompts(n)
             await both(0, lambda w=warm: kv_batch(scheduler, w, 4), lambda w=warm: anchor.generate(w, 4))
+        # Each decode pass's time on the forward thread (the decoder and the read-back of its tokens): the
+        # served step's time less this is what the scheduler, memd and the event loop add.
+        passes: list[float] = []
+        scheduler.forward_thread.on_pass = lambda kind, seconds: passes.append(seconds) if kind == "decode" else None
         for n in size["concurrency"]:
             kv_runs: list[list[Run]] = []
             hf_runs: list[list[Run]] = []
+            passes.clear()
             for i in range(size["singles"] if n == 1 else 1):
                 work = prompts(n)
                 kv, hf = await both(i, lambda w=work: kv_batch(scheduler, w, size["new_tokens"]),
@@ -104,6 +109,8 @@ async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rn
                 hf_runs.append(hf)
             res[f"kvpool_b{n}_decode"] = decode_rate(kv_runs)
             res[f"hf_b{n}_decode"] = decode_rate(hf_runs)
+            res[f"kvpool_b{n}_pass_ms"] = statistics.median(passes) * 1e3
+        scheduler.forward_thread.on_pass = None
         reuse, recompute = [], []
         for i in range(size["turns"] + 1):                  # the first warms the chunk's pass: not counted
             session = f"bench-gpu-{os.getpid()}-{i}"
@@ -170,6 +177,10 @@ def report(res: dict) -> str:
     read = res["page_read"]
     lines = [f"GPU decode bench on {res['device_name']}: {res['shape']} checkpoint ({res['dtype']}), torch "
              f"{res['torch']}, decode attention {res['attention']}\n", table(rows), ""]
+    for n in res["concurrency"]:
+        step = n / res[f"kvpool_b{n}_decode"] * 1e3
+        lines.append(f"served, {n} at a time: a step every {step:.2f} ms, of which its decode pass (the decoder and "
+                     f"its tokens' read-back) {res[f'kvpool_b{n}_pass_ms']:.2f} ms")
     for rows_n in res["read_rows"]:
         paged, gathered = read[f"{res['attention']}_{rows_n}_ms"], read[f"gather_{rows_n}_ms"]
         lines.append(f"decoder alone, {rows_n} rows at {res['read_context']} tokens: {res['attention']} "
