@@ -9,15 +9,15 @@
 # starlette, uvicorn, pydantic and theirs) go to /tmp/site, ahead of whatever is installed. The project is not
 # installed: PYTHONPATH has the repository, and the daemons start as `python3 -m memd` / `-m inferd`.
 #
-# smoke: a few minutes' first look, everything tiny: the GPU decode bench on a tiny checkpoint (memd's pool on
-# the GPU, inferd's scheduler over it, flex attention reading the pages against the gathered copy,
-# transformers on the same GPU) and the first CUDA test.
+# smoke: a few minutes' first look: the GPU decode bench on a tiny checkpoint (memd's pool on the GPU,
+# inferd's scheduler over it, flex attention reading the pages against the gathered copy, transformers on
+# the same GPU), the first CUDA test and flex attention over pools of 4 GiB and past 2**31 elements.
 # full, each step bounded by `timeout`, each independent of the others' outcome, all inside a total budget
 # (a step that would start past it is skipped):
 #   a. tests/test_cuda_ipc.py: CUDA IPC between processes; the paged decoder on a GPU pool against
 #      transformers on the same GPU; a second turn on another worker; swap and drop round trips
 #   e. bench_gpu_decode: decode tok/s at 1/16/64 requests and turn-2 TTFT on a Llama-1B-shaped checkpoint,
-#      against transformers on the same GPU
+#      against transformers on the same GPU; a 3 GiB pool, which flex attention takes (under 2**31 elements)
 #   c. bench_swap --device cuda:0: pool <-> pinned swap tier bandwidth, Step latency in a swap storm
 #   b. vmm_probe: can a cuMemCreate pool exported as a POSIX fd outlive its exporter?
 # Results: $OUT/gpu.log (everything), $OUT/pytest_cuda.xml, $OUT/bench_gpu_decode.json,
@@ -29,7 +29,7 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu.log
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-BUDGET_S=${BUDGET_S:-$([[ $MODE == smoke ]] && echo 170 || echo 480)}
+BUDGET_S=${BUDGET_S:-$([[ $MODE == smoke ]] && echo 210 || echo 480)}
 START=$SECONDS
 SUMMARY=()
 
@@ -114,18 +114,20 @@ keep_json() {   # keep_json FILE: the last line of /tmp/step.out, where it is a 
 }
 
 if [[ $MODE == smoke ]]; then
-    run_step "e. bench_gpu_decode --quick (tiny checkpoint)" 110 \
+    run_step "e. bench_gpu_decode --quick (tiny checkpoint)" 80 \
         bash -c 'set -o pipefail; python3 bench/bench_gpu_decode.py --quick --device cuda:0 --pool 1GiB --json \
                  | tee /tmp/step.out'
     keep_json "$OUT/bench_gpu_decode_quick.json"
-    run_step "a. pytest tests/test_cuda_ipc.py, the first test" 80 \
+    run_step "a. pytest tests/test_cuda_ipc.py: the first test, flex on large pools" 110 \
         python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" \
-        "tests/test_cuda_ipc.py::test_generate_on_a_gpu_pool_matches_transformers_on_the_gpu"
+        "tests/test_cuda_ipc.py::test_generate_on_a_gpu_pool_matches_transformers_on_the_gpu" \
+        "tests/test_cuda_ipc.py::test_flex_decode_reads_pages_across_a_large_pool_as_a_gathered_copy"
 else
     run_step "a. pytest tests/test_cuda_ipc.py" 200 \
         python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda_ipc.py
     run_step "e. bench_gpu_decode (Llama-1B shape)" 200 \
-        bash -c 'set -o pipefail; python3 bench/bench_gpu_decode.py --device cuda:0 --json | tee /tmp/step.out'
+        bash -c 'set -o pipefail; python3 bench/bench_gpu_decode.py --device cuda:0 --pool 3GiB --json \
+                 | tee /tmp/step.out'
     keep_json "$OUT/bench_gpu_decode.json"
     run_step "c. bench_swap --device cuda:0" 60 \
         bash -c 'set -o pipefail; python3 bench/bench_swap.py --device cuda:0 --seconds 2 --moved 256MiB \

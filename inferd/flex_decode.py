@@ -52,9 +52,11 @@ log = structlog.get_logger("inferd.flex_decode")
 
 MAX_BATCH_BUCKETS = 16                      # compiled graphs per decoder: batch sizes 1, 2, 4 ... 2**15
 MAX_ROWS = 1 << (MAX_BATCH_BUCKETS - 1)
-# Each layer's K/V views span the whole pool. Past 2**31 elements the kernel indexes with int64, and torch's
-# flex decode template then mixes int64 and int32 in one expression, which Triton refuses (seen on an H200
-# with torch 2.11 and a 16 GiB bfloat16 pool; the template of torch 2.13 reads the same).
+# Each layer's K/V views span the whole pool. Past 2**31 elements the kernel indexes with int64, and with
+# page lists in int32 torch's flex decode template mixes int64 and int32 in one expression, which Triton
+# refuses (seen on an H200 with torch 2.11 and a 16 GiB bfloat16 pool; torch 2.13's template reads the same).
+# Such pools get their page lists in int64 (FlexDecode's `wide`), which has yet to run on a GPU: until it
+# has, `unavailable` refuses them.
 MAX_POOL_ELEMENTS = 1 << 31
 
 
@@ -77,8 +79,9 @@ def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads:
         return f"flex attention reads a GPU pool; this one is on {device}"
     if pool_elements >= MAX_POOL_ELEMENTS:
         return (f"a pool of {pool_elements / 2**30:.1f}Gi elements: torch's flex decode kernel (torch "
-                f"{torch.__version__}) fails to compile with the 64-bit offsets a pool of 2Gi elements or more "
-                "needs; take --attention gather, or a smaller pool")
+                f"{torch.__version__}) failed to compile with the 64-bit offsets a pool of 2Gi elements or more "
+                "needs, and page lists in int64 have yet to run on a GPU; take --attention gather, or a smaller "
+                "pool")
     if block_size < 16 or not _power_of_two(block_size):
         return f"pages must be a power of two of at least 16 tokens, not {block_size}"
     if num_heads % kv_heads or not _power_of_two(num_heads // kv_heads):
@@ -117,12 +120,19 @@ def _compiled() -> Any:
 class FlexDecode:
     """One decoder's decode attention through flex attention, over its pool `pages`."""
 
-    def __init__(self, pages: torch.Tensor, num_heads: int, max_context: int) -> None:
+    def __init__(self, pages: torch.Tensor, num_heads: int, max_context: int, *, wide: bool | None = None) -> None:
         """`pages`: [blocks, layers, 2, block_size, kv_heads, head_dim]; `max_context`: the most tokens one
-        sequence holds, which sets the width of the page lists."""
+        sequence holds, which sets the width of the page lists.
+
+        `wide`: the page lists in int64, not int32 (default: where the pool has 2**31 elements or more).
+        The GPU kernel bounds its walk over a row's pages by both the lists' count and its own program ids,
+        which it holds in int64 once its offsets are 64-bit: lists in int32 then made it mix the two types,
+        which Triton refuses (MAX_POOL_ELEMENTS); lists in int64 keep them one type."""
         blocks, layers, _, self.block_size, self.kv_heads, self.head_dim = pages.shape
         self.num_heads = num_heads
         self.device = pages.device
+        wide = pages.numel() >= MAX_POOL_ELEMENTS if wide is None else wide
+        self.index_dtype = torch.int64 if wide else torch.int32
         self.tile = 2 * layers                                   # tiles (block_size rows) from one page to the next
         self.rows = (blocks - 1) * self.tile * self.block_size + self.block_size   # K/V rows every layer's views span
         width = -(-max_context // self.block_size)
@@ -157,9 +167,9 @@ class FlexDecode:
                              "this decoder's context allows")
         block_mask, num_pages, page_tiles = self._mask_of(bucket)
         pages = -(-context_lens // self.block_size)
-        num_pages[:rows, 0, 0] = pages.to(torch.int32)
+        num_pages[:rows, 0, 0] = pages.to(self.index_dtype)
         num_pages[rows:] = 1
-        page_tiles[:rows, 0, 0, :block_tables.shape[1]] = (block_tables * self.tile).to(torch.int32)
+        page_tiles[:rows, 0, 0, :block_tables.shape[1]] = (block_tables * self.tile).to(self.index_dtype)
         page_tiles[rows:, 0, 0, 0] = 0
         last = block_tables.gather(1, (pages - 1).clamp(min=0)[:, None])[:, 0]
         self._last_block[:rows] = last
@@ -211,8 +221,8 @@ class FlexDecode:
         def in_context(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             return ((kv_idx // page_rows) != last_block[b]) | ((kv_idx % block_size) < last_fill[b])
 
-        num_pages = torch.ones(bucket, 1, 1, dtype=torch.int32, device=self.device)
-        page_tiles = torch.zeros(bucket, 1, 1, self.width, dtype=torch.int32, device=self.device)
+        num_pages = torch.ones(bucket, 1, 1, dtype=self.index_dtype, device=self.device)
+        page_tiles = torch.zeros(bucket, 1, 1, self.width, dtype=self.index_dtype, device=self.device)
         full = {}
         if self.cpu:
             full = {"full_kv_num_blocks": torch.zeros_like(num_pages), "full_kv_indices": torch.zeros_like(page_tiles)}

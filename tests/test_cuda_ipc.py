@@ -279,22 +279,25 @@ def test_gpu_page_checksums_are_the_hosts_and_catch_a_rotten_swap_slot():
 
 @pytest.mark.timeout(120)
 @pytest.mark.processes                         # torch's compiler builds the kernel in processes of its own
-def test_flex_decode_reads_pages_across_the_largest_pool_it_takes_as_a_gathered_copy():
-    # One layer's K/V views span the pool, just under 2**31 elements (a pool of 2**31 or more is refused:
-    # inferd.flex_decode.MAX_POOL_ELEMENTS), so the kernel's 32-bit offsets reach their end. Pages at both
-    # ends of the pool, a sequence whose last page is partly filled, others' pages between.
+@pytest.mark.parametrize("blocks", [8191, 9000])
+def test_flex_decode_reads_pages_across_a_large_pool_as_a_gathered_copy(blocks):
+    # One layer's K/V views span the pool: 8191 pages of 2**18 elements are 2**31 less a page (4 GiB), so the
+    # kernel's 32-bit offsets reach their end; 9000 pages are past 2**31 elements, which `unavailable` refuses
+    # until this passes: the kernel's offsets are 64-bit and the page lists int64 (FlexDecode's `wide`).
+    # Pages at both ends of the pool, a sequence whose last page is partly filled, others' pages between.
     from inferd.flex_decode import MAX_POOL_ELEMENTS, FlexDecode, unavailable
     layers, bs, kv_heads, dim, heads = 16, 16, 8, 64, 32
-    blocks = 8191                                   # 8191 pages of 2**18 elements: 2**31 less a page (4 GiB)
     pages = torch.empty(blocks, layers, 2, bs, kv_heads, dim, dtype=torch.bfloat16, device=DEVICE)
-    assert pages.numel() < MAX_POOL_ELEMENTS
-    assert unavailable(pages.device, bs, heads, kv_heads, dim, pool_elements=pages.numel()) is None
+    wide = pages.numel() >= MAX_POOL_ELEMENTS
+    assert (unavailable(pages.device, bs, heads, kv_heads, dim, pool_elements=pages.numel()) is None) != wide
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    tables = torch.tensor([[0, 8190, 4000], [8189, 1, 2], [8188, 8187, 8186]], device=DEVICE)
+    end = blocks - 1
+    tables = torch.tensor([[0, end, blocks // 2], [end - 1, 1, 2], [end - 2, end - 3, end - 4]], device=DEVICE)
     lens = torch.tensor([40, 33, 48], device=DEVICE)
     for b in tables.unique().tolist():
         pages[b].normal_(generator=gen)
     flex = FlexDecode(pages, heads, max_context=4096)
+    assert flex.index_dtype == (torch.int64 if wide else torch.int32)
     mask = flex.mask(tables, lens)
     q = torch.randn(3, heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
     for layer in (0, layers - 1):

@@ -1,4 +1,5 @@
-"""What flex decode refuses before anything compiles: pools, pages and head layouts torch's GPU kernel cannot serve.
+"""What flex decode refuses before anything compiles (pools, pages and head layouts torch's GPU kernel cannot
+serve), and its page lists in int64 for large pools.
 
 (Its results are checked in test_model and test_inferd_service, compiled for the CPU, and on a GPU in
 test_cuda_ipc.)"""
@@ -40,3 +41,31 @@ def test_a_gpu_decode_step_is_refused_past_the_kernels_grid():
     with pytest.raises(ValueError, match=r"at most 4096 .*--max-num-seqs"):
         flex.mask(torch.zeros(4097, 1, dtype=torch.long, device="meta"), torch.ones(4097, dtype=torch.long,
                                                                                     device="meta"))
+
+
+@pytest.mark.processes                         # torch's compiler builds the kernel in processes of its own
+def test_page_lists_in_int64_read_what_int32_lists_read():
+    # A pool of 2**31 elements or more gets its page lists in int64 (the GPU kernel needs them so): compiled
+    # for the CPU, both widths read each sequence's pages as attention over a copy of them does.
+    gen = torch.Generator().manual_seed(0)
+    layers, bs, kv_heads, dim, heads, blocks = 2, 16, 2, 32, 4, 64
+    pages = torch.randn(blocks, layers, 2, bs, kv_heads, dim, generator=gen)
+    tables = torch.tensor([[0, 63, 20], [62, 1, 2], [61, 60, 59]])
+    lens = torch.tensor([40, 33, 48])
+    q = torch.randn(3, heads, dim, generator=gen)
+    out = {}
+    for wide in (False, True):
+        flex = FlexDecode(pages, heads, max_context=256, wide=wide)
+        assert flex.index_dtype == (torch.int64 if wide else torch.int32)
+        mask = flex.mask(tables, lens)
+        out[wide] = [flex.attend(q, pages[:, layer], mask, dim ** -0.5) for layer in range(layers)]
+    for layer in range(layers):
+        assert torch.equal(out[True][layer], out[False][layer])
+        for i in range(3):
+            keys = pages[tables[i], layer, 0].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
+            values = pages[tables[i], layer, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
+            ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
+            torch.testing.assert_close(out[True][layer][i], ref.reshape(-1), atol=1e-5, rtol=1e-5)
+    assert FlexDecode(torch.empty(4, 2, 2, 16, 8, 64, device="meta"), 32, max_context=64).index_dtype == torch.int32
+    assert FlexDecode(torch.empty(8192, 16, 2, 16, 8, 64, device="meta"), 32, max_context=64).index_dtype == \
+        torch.int64                                     # 2**31 elements
