@@ -95,12 +95,27 @@ async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rn
             await both(0, lambda w=warm: kv_batch(scheduler, w, 4), lambda w=warm: anchor.generate(w, 4))
         # Each decode pass's time on the forward thread (the decoder and the read-back of its tokens): the
         # served step's time less this is what the scheduler, memd and the event loop add.
+        # The same for the scheduler's memd Steps, and its passes run ahead of their step: taken, or thrown
+        # away (and run again) because memd changed the batch's pages.
         passes: list[float] = []
-        scheduler.forward_thread.on_pass = lambda kind, seconds: passes.append(seconds) if kind == "decode" else None
+        memd_steps: list[float] = []
+        forward = scheduler.forward_thread
+        forward.on_pass = lambda kind, seconds: passes.append(seconds) if kind == "decode" else None
+        step = client.step
+
+        async def timed_step(*ops: Any, **fields: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await step(*ops, **fields)
+            finally:
+                memd_steps.append(time.perf_counter() - started)
+        client.step = timed_step
         for n in size["concurrency"]:
             kv_runs: list[list[Run]] = []
             hf_runs: list[list[Run]] = []
             passes.clear()
+            memd_steps.clear()
+            taken, dropped = forward.ahead_taken, forward.ahead_dropped
             for i in range(size["singles"] if n == 1 else 1):
                 work = prompts(n)
                 kv, hf = await both(i, lambda w=work: kv_batch(scheduler, w, size["new_tokens"]),
@@ -110,7 +125,13 @@ async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rn
             res[f"kvpool_b{n}_decode"] = decode_rate(kv_runs)
             res[f"hf_b{n}_decode"] = decode_rate(hf_runs)
             res[f"kvpool_b{n}_pass_ms"] = statistics.median(passes) * 1e3
-        scheduler.forward_thread.on_pass = None
+            res[f"kvpool_b{n}_passes"] = len(passes)
+            res[f"kvpool_b{n}_memd_steps"] = len(memd_steps)
+            res[f"kvpool_b{n}_memd_step_ms"] = statistics.median(memd_steps) * 1e3 if memd_steps else 0.0
+            res[f"kvpool_b{n}_ahead_taken"] = forward.ahead_taken - taken
+            res[f"kvpool_b{n}_ahead_dropped"] = forward.ahead_dropped - dropped
+        forward.on_pass = None
+        client.step = step
         reuse, recompute = [], []
         for i in range(size["turns"] + 1):                  # the first warms the chunk's pass: not counted
             session = f"bench-gpu-{os.getpid()}-{i}"
@@ -180,7 +201,10 @@ def report(res: dict) -> str:
     for n in res["concurrency"]:
         step = n / res[f"kvpool_b{n}_decode"] * 1e3
         lines.append(f"served, {n} at a time: a step every {step:.2f} ms, of which its decode pass (the decoder and "
-                     f"its tokens' read-back) {res[f'kvpool_b{n}_pass_ms']:.2f} ms")
+                     f"its tokens' read-back) {res[f'kvpool_b{n}_pass_ms']:.2f} ms; {res[f'kvpool_b{n}_passes']} "
+                     f"passes, {res[f'kvpool_b{n}_memd_steps']} memd Steps (p50 "
+                     f"{res[f'kvpool_b{n}_memd_step_ms']:.2f} ms), passes run ahead: "
+                     f"{res[f'kvpool_b{n}_ahead_taken']} taken, {res[f'kvpool_b{n}_ahead_dropped']} thrown away")
     for rows_n in res["read_rows"]:
         paged, gathered = read[f"{res['attention']}_{rows_n}_ms"], read[f"gather_{rows_n}_ms"]
         lines.append(f"decoder alone, {rows_n} rows at {res['read_context']} tokens: {res['attention']} "
