@@ -73,9 +73,9 @@ TINY = {"arch": "llama", "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, 
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
         return {"concurrency": (1, 4), "prompt": (24, 40), "new_tokens": 8, "singles": 1, "history": 100,
-                "message": 8, "turns": 1, "read_rows": (4,), "read_context": 100, "read_steps": 2}
+                "message": 8, "turns": 1, "read_rows": (1, 4), "read_context": 100, "read_steps": 2}
     return {"concurrency": (1, 16, 64), "prompt": (56, 120), "new_tokens": 128, "singles": 3, "history": 1000,
-            "message": 16, "turns": 3, "read_rows": (16, 64), "read_context": 1000, "read_steps": 20}
+            "message": 16, "turns": 3, "read_rows": (1, 16, 64), "read_context": 1000, "read_steps": 20}
 
 
 async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rng: random.Random) -> dict:
@@ -207,7 +207,8 @@ def report(res: dict) -> str:
                      f"{res[f'kvpool_b{n}_ahead_taken']} taken, {res[f'kvpool_b{n}_ahead_dropped']} thrown away")
     for rows_n in res["read_rows"]:
         paged, gathered = read[f"{res['attention']}_{rows_n}_ms"], read[f"gather_{rows_n}_ms"]
-        lines.append(f"decoder alone, {rows_n} rows at {res['read_context']} tokens: {res['attention']} "
+        label = f"{rows_n} row{'s' if rows_n > 1 else ''}"
+        lines.append(f"decoder alone, {label} at {res['read_context']} tokens: {res['attention']} "
                      f"{paged:.2f} ms per step, gathered copy {gathered:.2f} ms ({gathered / paged:.2f}x); "
                      f"logits differ by at most {read[f'max_logit_diff_{rows_n}']:.3g}, argmax agrees on "
                      f"{read[f'argmax_agree_{rows_n}']:.0%} of rows")
