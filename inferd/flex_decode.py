@@ -73,8 +73,8 @@ def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads:
                 pool_elements: int) -> str | None:
     """Why flex attention's decode kernel cannot serve this pool and model, or None where it can: a CUDA GPU
     with Triton in this torch; a pool of fewer than 2**31 elements (MAX_POOL_ELEMENTS); pages of a power of
-    two of at least 16 tokens (a page is one of the kernel's tiles); query heads a power of two per KV head
-    (else torch's lowering takes its general kernel, whose tiles no 16-token page fills); heads of at least 16."""
+    two of at least 16 tokens (a page is one of the kernel's tiles); a whole number of query heads per KV
+    head; heads of at least 16."""
     if device.type != "cuda":
         return f"flex attention reads a GPU pool; this one is on {device}"
     if pool_elements >= MAX_POOL_ELEMENTS:
@@ -84,8 +84,8 @@ def unavailable(device: torch.device, block_size: int, num_heads: int, kv_heads:
                 "pool")
     if block_size < 16 or not _power_of_two(block_size):
         return f"pages must be a power of two of at least 16 tokens, not {block_size}"
-    if num_heads % kv_heads or not _power_of_two(num_heads // kv_heads):
-        return f"{num_heads} query heads over {kv_heads} KV heads: torch's decode kernel wants a power of two each"
+    if num_heads % kv_heads:
+        return f"{num_heads} query heads over {kv_heads} KV heads: not a whole number of query heads each"
     if head_dim < 16:
         return f"heads of {head_dim}: torch's kernel wants at least 16"
     try:
@@ -130,6 +130,11 @@ class FlexDecode:
         which Triton refuses (MAX_POOL_ELEMENTS); lists in int64 keep them one type."""
         blocks, layers, _, self.block_size, self.kv_heads, self.head_dim = pages.shape
         self.num_heads = num_heads
+        # Query heads per KV head, and as the kernel sees them: padded to a power of two with zero queries,
+        # whose outputs are dropped. torch's lowering takes its decode kernel only for a power of two (else
+        # its general kernel, whose tiles no 16-token page fills): Qwen2's 7 and 6 become 8.
+        self.group = num_heads // self.kv_heads
+        self.padded_group = 1 << (self.group - 1).bit_length()
         self.device = pages.device
         wide = pages.numel() >= MAX_POOL_ELEMENTS if wide is None else wide
         self.index_dtype = torch.int64 if wide else torch.int32
@@ -184,15 +189,16 @@ class FlexDecode:
         """[B, heads * head_dim]: each row's one query `q` [B, heads, head_dim] over its pages of `cache`, one
         layer's view of the pool ([blocks, 2, block_size, kv_heads, head_dim], `pages[:, layer]`)."""
         rows, bucket = q.shape[0], block_mask.kv_num_blocks.shape[0]
-        queries = q.new_zeros(bucket, self.num_heads, 1, self.head_dim)
-        queries[:rows, :, 0] = q
+        kv_heads, group, padded, dim = self.kv_heads, self.group, self.padded_group, self.head_dim
+        queries = q.new_zeros(bucket, kv_heads * padded, 1, dim)
+        queries.view(bucket, kv_heads, padded, dim)[:rows, :, :group] = q.view(rows, kv_heads, group, dim)
         shape = (1, self.kv_heads, self.rows, self.head_dim)
         stride = (0, self.head_dim, self.kv_heads * self.head_dim, 1)
         start = cache.storage_offset()
         keys = cache.as_strided(shape, stride, start)
         values = cache.as_strided(shape, stride, start + self.block_size * self.kv_heads * self.head_dim)
         out = _compiled()(queries, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
-        return out[:rows, :, 0].reshape(rows, self.num_heads * self.head_dim)
+        return out.reshape(bucket, kv_heads, padded, dim)[:rows, :, :group].reshape(rows, self.num_heads * dim)
 
     @torch.inference_mode()
     def compile_ahead(self, rows: int, pages: torch.Tensor) -> list[int]:
