@@ -11,7 +11,8 @@
 #
 # smoke: a few minutes' first look: the GPU decode bench on a tiny checkpoint (memd's pool on the GPU,
 # inferd's scheduler over it, flex attention reading the pages against the gathered copy, transformers on
-# the same GPU), the first CUDA test and flex attention over pools of 4 GiB and past 2**31 elements.
+# the same GPU), the first CUDA test, flex attention over pools of 4 GiB and past 2**31 elements, and over
+# query groups padded to a power of two.
 # full, each step bounded by `timeout`, each independent of the others' outcome, all inside a total budget
 # (a step that would start past it is skipped):
 #   a. tests/test_cuda_ipc.py: CUDA IPC between processes; the paged decoder on a GPU pool against
@@ -121,7 +122,8 @@ if [[ $MODE == smoke ]]; then
     run_step "a. pytest tests/test_cuda_ipc.py: the first test, flex on large pools" 110 \
         python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" \
         "tests/test_cuda_ipc.py::test_generate_on_a_gpu_pool_matches_transformers_on_the_gpu" \
-        "tests/test_cuda_ipc.py::test_flex_decode_reads_pages_across_a_large_pool_as_a_gathered_copy"
+        "tests/test_cuda_ipc.py::test_flex_decode_reads_pages_across_a_large_pool_as_a_gathered_copy" \
+        "tests/test_cuda_ipc.py::test_flex_decode_pads_query_groups_to_the_kernels_power_of_two"
 else
     run_step "a. pytest tests/test_cuda_ipc.py" 200 \
         python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda_ipc.py

@@ -307,3 +307,26 @@ def test_flex_decode_reads_pages_across_a_large_pool_as_a_gathered_copy(blocks):
             values = pages[tables[i], layer, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
             ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
             torch.testing.assert_close(out[i], ref.reshape(-1), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.processes                         # torch's compiler builds the kernel in processes of its own
+@pytest.mark.parametrize(("heads", "kv_heads"), [(14, 2), (12, 2)])      # Qwen2-0.5B's 7 a KV head, and 6
+def test_flex_decode_pads_query_groups_to_the_kernels_power_of_two(heads, kv_heads):
+    from inferd.flex_decode import FlexDecode, unavailable
+    bs, dim, blocks = 16, 64, 64
+    assert unavailable(torch.device(DEVICE), bs, heads, kv_heads, dim, pool_elements=1 << 20) is None
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    pages = torch.randn(blocks, 2, 2, bs, kv_heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    tables = torch.tensor([[3, 63, 7], [62, 1, 2], [5, 4, 0]], device=DEVICE)
+    lens = torch.tensor([40, 17, 33], device=DEVICE)
+    q = torch.randn(3, heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    flex = FlexDecode(pages, heads, max_context=256)
+    mask = flex.mask(tables, lens)
+    for layer in (0, 1):
+        out = flex.attend(q, pages[:, layer], mask, dim ** -0.5)
+        for i in range(3):
+            keys = pages[tables[i], layer, 0].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
+            values = pages[tables[i], layer, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
+            ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
+            torch.testing.assert_close(out[i], ref.reshape(-1), atol=2e-2, rtol=2e-2)
