@@ -24,6 +24,7 @@ import torch
 
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
+from tests.attention_reference import attention_over_a_copy
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -303,10 +304,8 @@ def test_flex_decode_reads_pages_across_a_large_pool_as_a_gathered_copy(blocks):
     for layer in (0, layers - 1):
         out = flex.attend(q, pages[:, layer], mask, dim ** -0.5)
         for i in range(3):
-            keys = pages[tables[i], layer, 0].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-            values = pages[tables[i], layer, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-            ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
-            torch.testing.assert_close(out[i], ref.reshape(-1), atol=2e-2, rtol=2e-2)
+            ref = attention_over_a_copy(q[i], pages, layer, tables[i], lens[i])
+            torch.testing.assert_close(out[i], ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.timeout(120)
@@ -326,7 +325,5 @@ def test_flex_decode_pads_query_groups_to_the_kernels_power_of_two(heads, kv_hea
     for layer in (0, 1):
         out = flex.attend(q, pages[:, layer], mask, dim ** -0.5)
         for i in range(3):
-            keys = pages[tables[i], layer, 0].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-            values = pages[tables[i], layer, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-            ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
-            torch.testing.assert_close(out[i], ref.reshape(-1), atol=2e-2, rtol=2e-2)
+            ref = attention_over_a_copy(q[i], pages, layer, tables[i], lens[i])
+            torch.testing.assert_close(out[i], ref, atol=2e-2, rtol=2e-2)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from inferd.flex_decode import FlexDecode, unavailable
+from tests.attention_reference import attention_over_a_copy
 
 GPU = torch.device("cuda:0")          # a device object only: nothing here touches a GPU
 
@@ -61,10 +62,8 @@ def test_page_lists_in_int64_read_what_int32_lists_read():
     for layer in range(layers):
         assert torch.equal(out[True][layer], out[False][layer])
         for i in range(3):
-            keys = pages[tables[i], layer, 0].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-            values = pages[tables[i], layer, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-            ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
-            torch.testing.assert_close(out[True][layer][i], ref.reshape(-1), atol=1e-5, rtol=1e-5)
+            ref = attention_over_a_copy(q[i], pages, layer, tables[i], lens[i])
+            torch.testing.assert_close(out[True][layer][i], ref, atol=1e-5, rtol=1e-5)
     assert FlexDecode(torch.empty(4, 2, 2, 16, 8, 64, device="meta"), 32, max_context=64).index_dtype == torch.int32
     assert FlexDecode(torch.empty(8192, 16, 2, 16, 8, 64, device="meta"), 32, max_context=64).index_dtype == \
         torch.int64                                     # 2**31 elements
@@ -87,7 +86,5 @@ def test_query_groups_of_any_size_read_what_attention_over_a_copy_reads(heads, k
     out = flex.attend(q, pages[:, 0], flex.mask(tables, lens), dim ** -0.5)
     assert out.shape == (2, heads * dim)
     for i in range(2):
-        keys = pages[tables[i], 0, 0].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-        values = pages[tables[i], 0, 1].reshape(-1, kv_heads, dim)[:lens[i]].transpose(0, 1)[None]
-        ref = torch.nn.functional.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)
-        torch.testing.assert_close(out[i], ref.reshape(-1), atol=1e-5, rtol=1e-5)
+        ref = attention_over_a_copy(q[i], pages, 0, tables[i], lens[i])
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
