@@ -56,6 +56,7 @@ from bench_inferd import (
     kv_scheduler,
     token_ids,
 )
+from step_profile import pyspy_profile, torch_profile
 from tables import table
 
 from inferd.checkpoint import read_config
@@ -66,6 +67,7 @@ from shared.ops import Free, Open
 
 LLAMA_1B = {"arch": "llama", "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192,
             "vocab": 128256, "dtype": "bfloat16", "rope_theta": 500000.0, "seed": 0}
+PROFILED_TOKENS = 32          # tokens a request in a --profile window (py-spy's window: 4x as many)
 TINY = {"arch": "llama", "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512, "dtype": "float32",
         "seed": 0}
 
@@ -132,6 +134,13 @@ async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rn
             res[f"kvpool_b{n}_ahead_dropped"] = forward.ahead_dropped - dropped
         forward.on_pass = None
         client.step = step
+        if size.get("profile"):                             # after the figures: the profilers slow what they see
+            out_dir = Path(size["profile"])
+            for n in size["concurrency"]:
+                work = prompts(n)
+                await torch_profile(lambda w=work: kv_batch(scheduler, w, PROFILED_TOKENS), out_dir, f"b{n}")
+            work = prompts(1)
+            await pyspy_profile(lambda: kv_batch(scheduler, work, 4 * PROFILED_TOKENS), out_dir, "b1")
         reuse, recompute = [], []
         for i in range(size["turns"] + 1):                  # the first warms the chunk's pass: not counted
             session = f"bench-gpu-{os.getpid()}-{i}"
@@ -223,9 +232,13 @@ def main() -> None:
     p.add_argument("--attention", choices=ATTENTION, default="flex",
                    help="how inferd's decode rows read K/V (inferd serve --attention; default: flex)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="then profile a window of served decode at each concurrency into DIR (bench/step_profile.py)")
     args = p.parse_args()
     configure("info", "console")          # as the daemons log: a failure's traceback without its locals
-    size = sizes(args.quick) | {"attention": args.attention}
+    size = sizes(args.quick) | {"attention": args.attention, "profile": args.profile}
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     shape = TINY if args.quick else LLAMA_1B
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-decode-") as tmp:

@@ -94,11 +94,13 @@ def bench_bandwidth(block_bytes: int, moved_bytes: int, repeats: int) -> dict:
 def bench_bandwidth_cuda(device: str, block_bytes: int, moved_bytes: int, repeats: int) -> dict:
     """The same copies with memd's GPU pool and pinned swap tier; the raw copy_ is one DMA, synchronized."""
     from memd.memory import CudaMemory
-    from memd.swap import PinnedSwap
+    from memd.pinned_swap import GATHER_BELOW_BYTES, PinnedSwap
 
     count = moved_bytes // block_bytes
     pool = CudaMemory(device, 2 * count, block_bytes)
     swap = PinnedSwap(pool, count, block_bytes)
+    # What memd does not do at this page size (gather through a staging buffer, or not), for comparison.
+    other = PinnedSwap(pool, count, block_bytes, gather=block_bytes >= GATHER_BELOW_BYTES)
     moved = count * block_bytes
     raw_pool, raw_swap = pool.pages.view(-1)[:moved], swap.slots.view(-1)[:moved]
 
@@ -109,20 +111,24 @@ def bench_bandwidth_cuda(device: str, block_bytes: int, moved_bytes: int, repeat
     scattered = [(2 * i, i) for i in range(count)]
     back = [(slot, block) for block, slot in scattered]
     checked = swap_ins(pool, back)
-    raw_out, swap_out, raw_in, swap_in, contiguous, swap_in_checked = best_times([
+    raw_out, swap_out, raw_in, swap_in, contiguous, swap_in_checked, other_out, other_in = best_times([
         lambda: raw(raw_swap, raw_pool), lambda: swap.copy_out(scattered),
         lambda: raw(raw_pool, raw_swap), lambda: swap.copy_in(back),
-        lambda: swap.copy_out([(i, i) for i in range(count)]), lambda: run_effects(pool, swap, checked)], repeats)
+        lambda: swap.copy_out([(i, i) for i in range(count)]), lambda: run_effects(pool, swap, checked),
+        lambda: other.copy_out(scattered), lambda: other.copy_in(back)], repeats)
     # The round trip must be exact: what went out (pages 0, 2, 4, ..., each marked) comes back, each in its place.
     marks = (torch.arange(count, device=pool.pages.device) % 251 + 1).to(torch.uint8)[:, None]
-    pool.pages[0::2][:count].copy_(marks.expand(-1, block_bytes))
-    swap.copy_out(scattered)
-    pool.pages.zero_()
-    swap.copy_in(back)
-    exact = bool((pool.pages[0::2][:count] == marks).all())
+    exact = True
+    for tier in (swap, other):
+        pool.pages[0::2][:count].copy_(marks.expand(-1, block_bytes))
+        tier.copy_out(scattered)
+        pool.pages.zero_()
+        tier.copy_in(back)
+        exact = exact and bool((pool.pages[0::2][:count] == marks).all())
     gib = moved / (1 << 30)
     return {"block_bytes": block_bytes, "moved_bytes": moved, "locked": swap.locked, "device": pool.device,
-            "round_trip_exact": exact,
+            "round_trip_exact": exact, "gathered": block_bytes < GATHER_BELOW_BYTES,
+            "other_out_ratio": raw_out / other_out, "other_in_ratio": raw_in / other_in,
             "raw_out_gib_s": gib / raw_out, "raw_in_gib_s": gib / raw_in,
             "swap_out_gib_s": gib / swap_out, "swap_in_gib_s": gib / swap_in,
             "swap_out_contiguous_gib_s": gib / contiguous,
@@ -313,6 +319,13 @@ def report(res: dict) -> str:
                      f"{b['swap_in_gib_s']:.2f} GiB/s", f"{b['in_ratio']:.0%}",
                      f"{b['swap_in_checked_gib_s']:.2f} GiB/s", f"{b['check_cost']:.0%}",
                      f"{b['swap_out_contiguous_gib_s']:.2f} GiB/s"])
+    lines = [table(rows)]
+    other = [b for table_rows in res["bandwidth"].values() for b in table_rows if "other_out_ratio" in b]
+    if other:
+        ways = [f"{format_size(b['block_bytes'])} {'one DMA a run' if b['gathered'] else 'gathered'}: out "
+                f"{b['other_out_ratio']:.0%}, in {b['other_in_ratio']:.0%}" for b in other]
+        lines.append("the other way on this GPU (pages gathered on it, or not: whichever memd does not do at that "
+                     "size): " + "; ".join(ways))
     s = res["steps"]
     steps = [["probe Steps", "count", "p50", "p99"],
              ["quiet memd", str(s["quiet"]["steps"]), f"{s['quiet']['p50_ms']:.3f} ms",
@@ -327,7 +340,7 @@ def report(res: dict) -> str:
     locked = all(b["locked"] for b in every)
     return (f"swap bandwidth: {moved} per copy, pages scattered over the pool, best of {res['repeats']}, interleaved "
             f"(swap tier {'locked' if locked else 'NOT locked: raise RLIMIT_MEMLOCK'}); {res['cores']} cores\n"
-            f"{table(rows)}\n\n"
+            + "\n".join(lines) + "\n\n"
             f"Step latency, {res['seconds']:g} s each in {s['rounds']} turns, pages of "
             f"{format_size(s['page_bytes'])}; the storm swapped "
             f"{s['storm_swaps']['swap_outs']} sequences out and {s['storm_swaps']['swap_ins']} in "

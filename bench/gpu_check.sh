@@ -12,17 +12,18 @@
 # smoke: a few minutes' first look: the GPU decode bench on a tiny checkpoint (memd's pool on the GPU,
 # inferd's scheduler over it, flex attention reading the pages against the gathered copy, transformers on
 # the same GPU), the first CUDA test, flex attention over pools of 4 GiB and past 2**31 elements, and over
-# query groups padded to a power of two.
+# query groups padded to a power of two, and the swap tier's copies of scattered pages.
 # full, each step bounded by `timeout`, each independent of the others' outcome, all inside a total budget
 # (a step that would start past it is skipped):
 #   a. tests/test_cuda_ipc.py: CUDA IPC between processes; the paged decoder on a GPU pool against
 #      transformers on the same GPU; a second turn on another worker; swap and drop round trips
 #   e. bench_gpu_decode: decode tok/s at 1/16/64 requests and turn-2 TTFT on a Llama-1B-shaped checkpoint,
-#      against transformers on the same GPU; a 3 GiB pool, which flex attention takes (under 2**31 elements)
+#      against transformers on the same GPU; a 3 GiB pool, which flex attention takes (under 2**31 elements);
+#      then a window of served decode at each concurrency under torch's profiler and py-spy ($OUT/profile/)
 #   c. bench_swap --device cuda:0: pool <-> pinned swap tier bandwidth, Step latency in a swap storm
 #   b. vmm_probe: can a cuMemCreate pool exported as a POSIX fd outlive its exporter?
 # Results: $OUT/gpu.log (everything), $OUT/pytest_cuda.xml, $OUT/bench_gpu_decode.json,
-# $OUT/bench_swap_cuda.json, $OUT/vmm_probe.json.
+# $OUT/bench_swap_cuda.json, $OUT/vmm_probe.json, $OUT/profile/ (bench/step_profile.py).
 
 MODE=${1:-full}
 OUT=${OUT:-/tmp/gpu-out}
@@ -43,6 +44,13 @@ if ! python3 -c 'import sys, pytest; sys.exit(tuple(map(int, pytest.__version__.
     echo "pytest older than 8.4 (or missing): installing .whl/pytest/*" | tee -a "$LOG"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/pytest/*.whl 2>&1 | tee -a "$LOG"
+fi
+
+# py-spy (.whl/tools/), for bench_gpu_decode's --profile: its binary lands in /tmp/tools/bin.
+if ls .whl/tools/py_spy-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tools \
+        .whl/tools/py_spy-*.whl 2>&1 | tee -a "$LOG"
+    export PATH=/tmp/tools/bin:$PATH
 fi
 
 # Console scripts, for anything that calls them by name (the tests and benches use `python3 -m`).
@@ -123,13 +131,14 @@ if [[ $MODE == smoke ]]; then
         python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" \
         "tests/test_cuda_ipc.py::test_generate_on_a_gpu_pool_matches_transformers_on_the_gpu" \
         "tests/test_cuda_ipc.py::test_flex_decode_reads_pages_across_a_large_pool_as_a_gathered_copy" \
-        "tests/test_cuda_ipc.py::test_flex_decode_pads_query_groups_to_the_kernels_power_of_two"
+        "tests/test_cuda_ipc.py::test_flex_decode_pads_query_groups_to_the_kernels_power_of_two" \
+        "tests/test_cuda_ipc.py::test_gpu_swap_moves_scattered_pages_to_scattered_slots_and_back"
 else
     run_step "a. pytest tests/test_cuda_ipc.py" 200 \
         python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda_ipc.py
     run_step "e. bench_gpu_decode (Llama-1B shape)" 200 \
         bash -c 'set -o pipefail; python3 bench/bench_gpu_decode.py --device cuda:0 --pool 3GiB --json \
-                 | tee /tmp/step.out'
+                 --profile "$0/profile" | tee /tmp/step.out' "$OUT"
     keep_json "$OUT/bench_gpu_decode.json"
     run_step "c. bench_swap --device cuda:0" 60 \
         bash -c 'set -o pipefail; python3 bench/bench_swap.py --device cuda:0 --seconds 2 --moved 256MiB \

@@ -27,7 +27,6 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,7 +44,7 @@ from memd.memory import (
     open_backing_file,
     require_host_memory,
 )
-from shared.page_checksum import checksums_at, word_sums, xxh3_at
+from shared.page_checksum import checksums_at, xxh3_at
 from shared.sizes import format_size
 
 log = structlog.get_logger("memd.swap")
@@ -63,13 +62,6 @@ NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 PARALLEL_BYTES = 4 << 20         # smaller copies are not worth a hand-off to the threads
 LOCK_CHUNK_BYTES = 16 << 20      # the swap tier is locked (populated) this much at a time, after READY
 SWAP_ADVICE = " (lower --swap-ratio or use --disable-swap)"
-# CUDA: scattered small pages cost one DMA each (64 KiB pages moved at 16% of a plain copy on an
-# H200). Pages below GATHER_BELOW_BYTES, past GATHER_RUNS runs, are gathered on the GPU into a
-# staging buffer of up to STAGING_BYTES and moved in a few large DMAs: 64 KiB pages then move at
-# 65-68%. Pages of 1 MiB and up already move at 83-97% one DMA each, and gathering costs them.
-GATHER_RUNS = 8
-GATHER_BELOW_BYTES = 1 << 20
-STAGING_BYTES = 64 << 20
 
 
 class SwapMemory(Protocol):
@@ -103,20 +95,37 @@ def allocate_swap(pool: PoolMemory, num_slots: int, block_bytes: int, path: Path
     if isinstance(pool, ShmMemory):
         return HostSwap(pool, num_slots, block_bytes, delay, path)
     if isinstance(pool, CudaMemory):
+        from memd.pinned_swap import PinnedSwap
+
         return PinnedSwap(pool, num_slots, block_bytes, delay)
     raise PoolMemoryError(f"no swap tier for the {pool.backend} backend")
 
 
-def runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
-    """(source, destination, count) for each run of pairs consecutive on both sides."""
-    i = 0
-    while i < len(pairs):
-        src, dst = pairs[i]
-        n = 1
-        while i + n < len(pairs) and pairs[i + n] == (src + n, dst + n):
-            n += 1
-        yield src, dst, n
-        i += n
+def spans(index: Any) -> list[tuple[int, int, int]]:
+    """(source, destination, count) for each run of `index`'s (source, destination) rows consecutive on both
+    sides: one copy each. Vectorized: a swap of thousands of pages plans its copies in microseconds."""
+    np = _numpy()
+    if not len(index):
+        return []
+    s, d = index[:, 0], index[:, 1]
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(s) != 1) | (np.diff(d) != 1))))
+    counts = np.diff(np.append(starts, len(index)))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), counts.tolist(), strict=True))
+
+
+def pair_index(pairs: list[tuple[int, int]]) -> Any:
+    """(source, destination) pairs as an [n, 2] numpy array."""
+    np = _numpy()
+    # fromiter: half the time of np.array on a list of tuples (0.2 ms for 4k pairs, with the GIL held)
+    return np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.intp, count=2 * len(pairs)).reshape(-1, 2)
+
+
+def check_bounds(index: Any, sources: int, destinations: int) -> None:
+    """Refuse a copy naming a page or slot past the end: a gather would clamp it, a slice would drop it."""
+    for side, rows in ((index[:, 0], sources), (index[:, 1], destinations)):
+        if len(side) and (side.min() < 0 or side.max() >= rows):
+            bad = int(side.min()) if side.min() < 0 else int(side.max())
+            raise IndexError(f"a swap copy names page or slot {bad} of {rows}")
 
 
 class HostSwap:
@@ -241,11 +250,8 @@ class HostSwap:
         np = _numpy()
         pool_rows, slot_rows = self._rows()
         src, dst = (pool_rows, slot_rows) if out else (slot_rows, pool_rows)
-        # fromiter: half the time of np.array on a list of tuples (0.2 ms for 4k pairs, with the GIL held)
-        index = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.intp, count=2 * len(pairs)).reshape(-1, 2)
-        for side, rows in ((index[:, 0], src), (index[:, 1], dst)):
-            if side.min() < 0 or side.max() >= len(rows):     # take(mode="clip") would clamp, not refuse
-                raise IndexError(f"a swap copy names page or slot {int(side.max())} of {len(rows)}")
+        index = pair_index(pairs)
+        check_bounds(index, len(src), len(dst))               # take(mode="clip") would clamp, not refuse
         if self._threads is None or len(pairs) * self.block_bytes < PARALLEL_BYTES:
             copy_pages(src, dst, index)
         else:
@@ -319,96 +325,6 @@ def copy_pages(src: Any, dst: Any, index: Any) -> None:
             np.take(src, s[a:b], axis=0, out=dst[d0:d0 + n], mode="clip")    # "raise" would copy through a buffer
         else:
             dst[d[a:b]] = src[s0:s0 + n]
-
-
-class PinnedSwap:
-    """Pinned host memory; copies on a CUDA stream of their own, finished before `copy_*` returns."""
-
-    def __init__(self, pool: CudaMemory, num_slots: int, block_bytes: int, delay_s: float = 0.0) -> None:
-        import torch
-
-        require_host_memory("swap tier", num_slots * block_bytes, SWAP_ADVICE)
-        self.num_slots, self.delay_s = num_slots, delay_s
-        try:
-            self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as exc:
-            raise PoolMemoryError(f"cannot pin a swap tier of {format_size(num_slots * block_bytes)}: "
-                                  f"{exc}") from None
-        self.pages = pool.pages
-        self.locked = True            # cudaHostAlloc memory is page-locked
-        # One stream per direction: a swap-in (a Step waits for it) never queues behind a swap-out,
-        # each with its own staging buffer (None where the GPU had no room left: one DMA per run then).
-        self._out_stream = torch.cuda.Stream(pool.index)
-        self._in_stream = torch.cuda.Stream(pool.index)
-        rows = max(1, min(num_slots, STAGING_BYTES // block_bytes))
-        self._staging: dict[str, torch.Tensor] = {}
-        if block_bytes < GATHER_BELOW_BYTES:
-            try:
-                self._staging = {d: torch.empty((rows, block_bytes), dtype=torch.uint8, device=self.pages.device)
-                                 for d in ("out", "in")}
-            except torch.cuda.OutOfMemoryError:
-                log.warning("no GPU memory left for swap staging buffers: small pages swap one DMA at a time")
-
-    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy(pairs, "out", self._out_stream)
-
-    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy(pairs, "in", self._in_stream)
-
-    def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]:
-        """Copy in, then sum the pages on the GPU, on the same stream (8 bytes per page come back)."""
-        import torch
-
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        with torch.cuda.stream(self._in_stream):
-            self.move(pairs, "in")
-            return word_sums(self.pages, [block for _, block in pairs])
-
-    def _copy(self, pairs: list[tuple[int, int]], direction: str, stream: object) -> None:
-        import torch
-
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        with torch.cuda.stream(stream):
-            self.move(pairs, direction)
-        stream.synchronize()                                           # type: ignore[attr-defined]
-
-    def move(self, pairs: list[tuple[int, int]], direction: str) -> None:
-        """Queue the copies on the current stream: (block, slot) pairs out, (slot, block) pairs in."""
-        import torch
-
-        src, dst = (self.pages, self.slots) if direction == "out" else (self.slots, self.pages)
-        spans = list(runs(pairs))
-        staging = self._staging.get(direction)
-        if staging is None or len(spans) < GATHER_RUNS:
-            for a, b, n in spans:
-                dst[b:b + n].copy_(src[a:a + n], non_blocking=True)
-            return
-        rows = staging.shape[0]
-        for start in range(0, len(pairs), rows):
-            chunk = pairs[start:start + rows]
-            n = len(chunk)
-            if direction == "out":       # gather the pages on the GPU, then DMA by runs of slots
-                blocks = torch.tensor([block for block, _ in chunk], device=self.pages.device)
-                torch.index_select(self.pages, 0, blocks, out=staging[:n])
-                for row, slot, count in runs([(i, slot) for i, (_, slot) in enumerate(chunk)]):
-                    self.slots[slot:slot + count].copy_(staging[row:row + count], non_blocking=True)
-            else:                        # DMA by runs of slots, then scatter to the pages on the GPU
-                for slot, row, count in runs([(slot, i) for i, (slot, _) in enumerate(chunk)]):
-                    staging[row:row + count].copy_(self.slots[slot:slot + count], non_blocking=True)
-                blocks = torch.tensor([block for _, block in chunk], device=self.pages.device)
-                self.pages.index_copy_(0, blocks, staging[:n])
-
-    def allocated(self) -> None:
-        """Pinned whole when it was made."""
-
-    def checksums(self, slots: list[int]) -> list[int]:
-        """Of the bytes in these slots, by the CUDA pool's checksum (the word sum, computed on the host here)."""
-        return word_sums(self.slots, slots)
-
-    def close(self) -> None:
-        """Freed with the process."""
 
 
 MADV_POPULATE_WRITE = 23      # Linux 5.14: fault pages in writable without writing them

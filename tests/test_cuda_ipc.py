@@ -262,7 +262,7 @@ def test_gpu_page_checksums_are_the_hosts_and_catch_a_rotten_swap_slot():
     """The device reduction is the same number the host computes, and a swap-in checks what it copied."""
     from memd.memory import CudaMemory
     from memd.page_effects import SwapIn, run_effects
-    from memd.swap import PinnedSwap
+    from memd.pinned_swap import PinnedSwap
     from shared.page_checksum import word_sums
 
     pool = CudaMemory(DEVICE, 64, 64 << 10)
@@ -276,6 +276,29 @@ def test_gpu_page_checksums_are_the_hosts_and_catch_a_rotten_swap_slot():
     back = [SwapIn(slot, 50 + slot, checksum) for slot, checksum in enumerate(sums)]
     assert run_effects(pool, swap, back) == [52]
     assert pool.checksums([50, 51, 53]) == [sums[0], sums[1], sums[3]]
+
+
+@pytest.mark.parametrize("page_bytes, gather", [(64 << 10, None), (1 << 20, True), (1 << 20, None)])
+def test_gpu_swap_moves_scattered_pages_to_scattered_slots_and_back(monkeypatch, page_bytes, gather):
+    """Chunk after chunk through a small staging buffer, runs of slots broken everywhere: each page comes back."""
+    from memd import pinned_swap
+    from memd.memory import CudaMemory
+
+    monkeypatch.setattr(pinned_swap, "STAGING_BYTES", 5 * page_bytes)     # 5 rows: the 37 pages take 8 chunks
+    pool = CudaMemory(DEVICE, 96, page_bytes)
+    swap = pinned_swap.PinnedSwap(pool, 48, page_bytes, gather=gather)
+    pool.pages.copy_(torch.randint(0, 256, pool.pages.shape, dtype=torch.uint8, device=DEVICE))
+    pages = [(i * 29) % 96 for i in range(37)]
+    slots = [(i * 7) % 48 for i in range(37)][::-1]
+    before = pool.pages[pages].clone()
+    swap.copy_out(list(zip(pages, slots, strict=True)))
+    assert torch.equal(swap.slots[slots], before.cpu())
+    back = [95 - p for p in pages]
+    pool.pages.zero_()
+    swap.copy_in(list(zip(slots, back, strict=True)))
+    assert torch.equal(pool.pages[back], before)
+    with pytest.raises(IndexError):
+        swap.copy_out([(3, 48)])
 
 
 @pytest.mark.timeout(120)

@@ -105,10 +105,10 @@ def test_a_page_a_step_takes_and_gives_back_gets_no_effect():
 
 
 def test_swap_copies_coalesce_runs_consecutive_on_both_sides():
-    from memd.swap import runs
+    from memd.swap import pair_index, spans
     pairs = [(4, 0), (5, 1), (6, 2), (9, 3), (10, 4), (2, 5), (3, 7)]
-    assert list(runs(pairs)) == [(4, 0, 3), (9, 3, 2), (2, 5, 1), (3, 7, 1)]
-    assert list(runs([])) == []
+    assert spans(pair_index(pairs)) == [(4, 0, 3), (9, 3, 2), (2, 5, 1), (3, 7, 1)]
+    assert spans(pair_index([])) == []
 
 
 @pytest.mark.parametrize("staging_rows", [None, 3, 64])
@@ -116,7 +116,7 @@ def test_gpu_swap_gathers_scattered_pages_and_scatters_them_back(staging_rows):
     """PinnedSwap.move's gather/scatter through a staging buffer, on CPU tensors (the GPU run checks CUDA)."""
     import torch
 
-    from memd.swap import PinnedSwap
+    from memd.pinned_swap import PinnedSwap
 
     swap = PinnedSwap.__new__(PinnedSwap)
     swap.pages = torch.randint(0, 256, (40, 8), dtype=torch.uint8)
