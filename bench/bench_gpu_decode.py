@@ -132,6 +132,10 @@ async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rn
             res[f"kvpool_b{n}_memd_step_ms"] = statistics.median(memd_steps) * 1e3 if memd_steps else 0.0
             res[f"kvpool_b{n}_ahead_taken"] = forward.ahead_taken - taken
             res[f"kvpool_b{n}_ahead_dropped"] = forward.ahead_dropped - dropped
+            # As it goes: a run cut short by its time limit still shows what it measured.
+            print(f"b{n}: " + ", ".join(f"{k.removeprefix('kvpool_')} {v:.4g}" for k, v in res.items()
+                                      if k.endswith(f"_b{n}_decode") or k.startswith(f"kvpool_b{n}_")),
+                  file=sys.stderr, flush=True)
         forward.on_pass = None
         client.step = step
         if size.get("profile"):                             # after the figures: the profilers slow what they see
@@ -155,6 +159,8 @@ async def served(anchor: HfAnchor, model_dir: Path, address: str, size: dict, rn
                 recompute.append((hf.first - hf.submitted) * 1e3)
         res["kvpool_turn2_ttft_ms"] = statistics.median(reuse)
         res["hf_turn2_ttft_ms"] = statistics.median(recompute)
+        print(f"turn-2 TTFT ms: kvpool {res['kvpool_turn2_ttft_ms']:.2f}, transformers {res['hf_turn2_ttft_ms']:.2f}",
+              file=sys.stderr, flush=True)
         res["page_read"] = await page_read(client, model, model_dir, size, rng)
         if task.done():
             task.result()
@@ -190,6 +196,9 @@ async def page_read(client: Any, model: PagedDecoder, model_dir: Path, size: dic
             paged, copied = logits[model.attention], logits["gather"]
             out[f"max_logit_diff_{rows}"] = float((paged - copied).abs().max())
             out[f"argmax_agree_{rows}"] = float((paged.argmax(-1) == copied.argmax(-1)).float().mean())
+            print(f"decoder alone, {rows} rows: " + ", ".join(f"{k} {v:.4g}" for k, v in out.items()
+                                                             if k.endswith(f"_{rows}_ms") or k.endswith(f"_{rows}")),
+                  file=sys.stderr, flush=True)
         finally:
             await client.step(*[Free(r.seq_id) for r in opened])
     return out

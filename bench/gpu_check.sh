@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu.log
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-BUDGET_S=${BUDGET_S:-$([[ $MODE == smoke ]] && echo 210 || echo 480)}
+BUDGET_S=${BUDGET_S:-$([[ $MODE == smoke ]] && echo 210 || echo 530)}
 START=$SECONDS
 SUMMARY=()
 
@@ -134,9 +134,9 @@ if [[ $MODE == smoke ]]; then
         "tests/test_cuda_ipc.py::test_flex_decode_pads_query_groups_to_the_kernels_power_of_two" \
         "tests/test_cuda_ipc.py::test_gpu_swap_moves_scattered_pages_to_scattered_slots_and_back"
 else
-    run_step "a. pytest tests/test_cuda_ipc.py" 200 \
+    run_step "a. pytest tests/test_cuda_ipc.py" 180 \
         python3 -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda_ipc.py
-    run_step "e. bench_gpu_decode (Llama-1B shape)" 200 \
+    run_step "e. bench_gpu_decode (Llama-1B shape)" 260 \
         bash -c 'set -o pipefail; python3 bench/bench_gpu_decode.py --device cuda:0 --pool 3GiB --json \
                  --profile "$0/profile" | tee /tmp/step.out' "$OUT"
     keep_json "$OUT/bench_gpu_decode.json"
@@ -144,7 +144,7 @@ else
         bash -c 'set -o pipefail; python3 bench/bench_swap.py --device cuda:0 --seconds 2 --moved 256MiB \
                  --repeats 3 --json | tee /tmp/step.out'
     keep_json "$OUT/bench_swap_cuda.json"
-    run_step "b. vmm_probe (CUDA VMM pool as POSIX fds)" 40 \
+    run_step "b. vmm_probe (CUDA VMM pool as POSIX fds)" 30 \
         python3 bench/vmm_probe.py --size 64MiB --json-out "$OUT/vmm_probe.json"
 fi
 
