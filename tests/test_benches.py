@@ -128,7 +128,8 @@ def test_the_gpu_decode_bench_runs_on_the_cpu(tmp_path):
     # Its figures need a GPU (bench/gpu_check.sh runs it there); here the same harness runs a tiny checkpoint,
     # and its profile windows (py-spy's only where it is installed).
     report = quick("bench_gpu_decode.py", "--device", "cpu", "--pool", "256MiB", "--profile", str(tmp_path))
-    assert "aten::" in (tmp_path / "profile_b1.txt").read_text() and (tmp_path / "profile_b4.json.gz").stat().st_size
+    profile = (tmp_path / "profile_b1.txt").read_text()
+    assert "aten::" in profile and "ops cover" in profile and (tmp_path / "profile_b4.json.gz").stat().st_size
     assert report["decode_b1_ratio_vs_hf"] > 0 and report["decode_b4_ratio_vs_hf"] > 0
     assert report["kvpool_turn2_ttft_ms"] > 0 and report["hf_turn2_ttft_ms"] > 0
     read = report["page_read"]
