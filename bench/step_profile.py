@@ -20,6 +20,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -49,10 +50,10 @@ async def torch_profile(window: Callable[[], Awaitable[Any]], out_dir: Path, lab
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     averages = prof.key_averages()
-    device_key = "self_device_time_total" if torch.__version__ >= "2.4" else "self_cuda_time_total"
     tables = [f"=== {label}: by self CPU time\n", averages.table(sort_by="self_cpu_time_total", row_limit=45)]
     if torch.cuda.is_available():
-        tables += [f"\n=== {label}: by self device time\n", averages.table(sort_by=device_key, row_limit=30)]
+        tables += [f"\n=== {label}: by self device time\n",
+                   averages.table(sort_by="self_device_time_total", row_limit=30)]
     trace = out_dir / f"profile_{label}.json"
     prof.export_chrome_trace(str(trace))
     summary = timeline(json.loads(trace.read_text())["traceEvents"])
@@ -129,7 +130,7 @@ async def pyspy_profile(window: Callable[[], Awaitable[Any]], out_dir: Path, lab
         await asyncio.sleep(1.0)                 # py-spy attaches (no readiness signal to wait on)
         await window()
     finally:
-        proc.send_signal(2)                      # SIGINT: py-spy writes what it sampled and exits
+        proc.send_signal(signal.SIGINT)          # py-spy writes what it sampled and exits
         with contextlib.suppress(subprocess.TimeoutExpired):
             _, err = await asyncio.to_thread(proc.communicate, timeout=30)
             if proc.returncode not in (0, None) and not out.exists():
