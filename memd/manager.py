@@ -41,7 +41,7 @@ from memd.eviction import Evictor
 from memd.invariants import violations
 from memd.page_effects import Fetch, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog
-from memd.sequences import PrefixHasher, RemoteLookups, SeqState, Sequence, SwapOut, blocks_for
+from memd.sequences import PrefixHasher, RemoteLookups, SeqState, Sequence, SwapOut, blocks_for, token_bytes
 from memd.step_ops import StepOps, _check_name
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
@@ -279,7 +279,7 @@ class KvManager(StepOps):
             if b.index < len(seq.block_ids) and seq.block_ids[b.index] == b.block and b.index < len(seq.hashes) \
                     and self.seqs.get(seq.seq_id) is seq:
                 bs = seq.block_size
-                self._offer(b.block, seq.hashes[b.index], tuple(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
+                self._offer(b.block, seq.hashes[b.index], token_bytes(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
                 self.pool.set_checksum(b.block, sums.get(b.block, 0))    # a full block: what it holds from now on
                 self._sum_set(seq, b.index)
         self._filling -= outcome.filling
@@ -468,7 +468,7 @@ class KvManager(StepOps):
         seq.state, seq.owner = SeqState.PARKED, None
         self._note(seq.seq_id)
 
-    def _offer(self, block: int, digest: bytes, tokens: tuple[int, ...]) -> None:
+    def _offer(self, block: int, digest: bytes, tokens: bytes) -> None:
         """A full, committed block joins the prefix cache (unless the cache is off)."""
         if self.prefix_cache:
             self.pool.register(block, digest, tokens)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from itertools import compress
+from itertools import chain, compress
 from operator import itemgetter
 from typing import Any
 
@@ -114,6 +114,27 @@ class FreeQueue:
             watch.update((block, prev, nxt))
         return prev, nxt
 
+    def remove_n(self, blocks: list[int]) -> list[tuple[int, int, int]]:
+        """`remove` of each of `blocks` in turn; returns their (block, prev, next), for `relink` in reverse.
+
+        A swap-in takes back thousands of cached pages: one watch update for
+        the run, not one per block. ValueError, with the queue as it was, if one is out of it.
+        """
+        nxt_of, prv_of = self._next, self._prev
+        unlinked: list[tuple[int, int, int]] = []
+        for block in blocks:
+            prev, nxt = prv_of[block], nxt_of[block]
+            if prev < 0:
+                for gone, before, after in reversed(unlinked):
+                    prv_of[gone], nxt_of[gone], nxt_of[before], prv_of[after] = before, after, gone, gone
+                raise ValueError(f"block {block} is not in the free queue")
+            nxt_of[prev], prv_of[nxt], prv_of[block] = nxt, prev, -1
+            unlinked.append((block, prev, nxt))
+        self._len -= len(unlinked)
+        for watch in self.watches:
+            watch.update(chain.from_iterable(unlinked))
+        return unlinked
+
     def relink(self, block: int, prev: int, nxt: int) -> None:
         """Put `block` back between the neighbours `remove` returned.
 
@@ -178,7 +199,7 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.free = FreeQueue(num_blocks)
         self.hash_of: list[bytes | None] = [None] * num_blocks
-        self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.tokens_of: list[bytes | None] = [None] * num_blocks      # memd.sequences.token_bytes
         self.by_hash: dict[bytes, int] = {}
         # Written since it was last zeroed: the pool starts zeroed, so a page's
         # first allocation needs no memset.
@@ -221,7 +242,7 @@ class BlockPool:
         return block, bool(was_dirty)          # the watches have it already: its queue links changed
 
     def _undo_allocate(self, block: int, links: tuple[int, int], old_hash: bytes | None,
-                       old_tokens: tuple[int, ...] | None, was_dirty: int, last_access: float,
+                       old_tokens: bytes | None, was_dirty: int, last_access: float,
                        checksum: int) -> None:
         self.ref[block] = 0
         self.dirty[block] = was_dirty
@@ -261,7 +282,7 @@ class BlockPool:
             last_access[block], checksum[block] = now, 0
         return blocks, list(compress(blocks, was_dirty))
 
-    def _undo_allocate_n(self, blocks: tuple[int, ...], evicted: list[tuple[int, bytes, tuple[int, ...]]],
+    def _undo_allocate_n(self, blocks: tuple[int, ...], evicted: list[tuple[int, bytes, bytes]],
                          was_dirty: tuple[int, ...], last_access: tuple[float, ...],
                          checksum: tuple[int, ...]) -> None:
         for block, dirty, touched, check in zip(blocks, was_dirty, last_access, checksum, strict=True):
@@ -318,13 +339,19 @@ class BlockPool:
             return
         for watch in self.watches:
             watch.update(blocks)
-        ref, free, last_access = self.ref, self.free, self.last_access
+        ref, last_access = self.ref, self.last_access
         touched = itemgetter(*blocks)(last_access) if len(blocks) > 1 else (last_access[blocks[0]],)
-        unlinked = []                            # (block, prev, next) of those that left the queue, in order
+        leaving = []                             # the free ones, in order: they leave the queue
         for block in blocks:
             if not ref[block]:
-                unlinked.append((block, *free.remove(block)))
+                leaving.append(block)
             ref[block] += 1
+        try:
+            unlinked = self.free.remove_n(leaving)
+        except ValueError:
+            for block in blocks:
+                ref[block] -= 1
+            raise
         if self.undo is not None:
             self.undo.record(self._undo_incref_n, tuple(blocks), unlinked, touched)
         now = time.monotonic()
@@ -367,7 +394,7 @@ class BlockPool:
             self.free.remove(block)
         self.ref[block] += 1
 
-    def register(self, block: int, digest: bytes, tokens: tuple[int, ...]) -> None:
+    def register(self, block: int, digest: bytes, tokens: bytes) -> None:
         """Offer a full, committed block to the prefix cache; first come keeps the hash."""
         if self.hash_of[block] is not None or digest in self.by_hash:
             return
@@ -401,16 +428,32 @@ class BlockPool:
             if self.undo is not None:
                 self.undo.record(self._undo_unregister, block, digest, tokens)
 
-    def _undo_unregister(self, block: int, digest: bytes, tokens: tuple[int, ...]) -> None:
+    def _undo_unregister(self, block: int, digest: bytes, tokens: bytes) -> None:
         self.hash_of[block], self.tokens_of[block] = digest, tokens
         self.by_hash[digest] = block
 
-    def lookup(self, digest: bytes, tokens: tuple[int, ...]) -> int | None:
+    def lookup(self, digest: bytes, tokens: bytes) -> int | None:
         """The cached block for a prefix; token ids are compared so a hash collision never hits."""
         block = self.by_hash.get(digest)
         if block is None or self.tokens_of[block] != tokens:
             return None
         return block
+
+    def lookup_run(self, digests: list[bytes], tokens: bytes) -> list[int | None]:
+        """`lookup` of consecutive full blocks at once: `tokens` holds theirs, an equal share each.
+
+        A swapped-out 128k-token history is 8,192 blocks: looked up one by one,
+        they held memd's loop 16 ms; this is one dict pass and, when all of them
+        are cached (a swap-in with no pressure since), one comparison.
+        """
+        if not digests:
+            return []
+        found, tokens_of = list(map(self.by_hash.get, digests)), self.tokens_of
+        stride = len(tokens) // len(digests)
+        if None not in found and b"".join(map(tokens_of.__getitem__, found)) == tokens:   # type: ignore[arg-type]
+            return found
+        return [block if block is not None and tokens_of[block] == tokens[i * stride:(i + 1) * stride] else None
+                for i, block in enumerate(found)]
 
     def violations(self) -> list[str]:
         """The pool's own invariants (memd.invariants: the manager's include these)."""

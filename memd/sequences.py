@@ -60,6 +60,8 @@ from memd.errors import PositionError
 if TYPE_CHECKING:
     from memd.eviction import EvictionReason
 
+TOKEN_BYTES = array("I").itemsize              # a token id's bytes in a history and in `token_bytes`
+
 
 class SeqState(StrEnum):
     RUNNING = "running"   # owned by one worker, never evicted by policy
@@ -129,11 +131,23 @@ def locate(seq: Sequence, pos: int) -> tuple[int, int]:
     return seq.block_ids[pos // seq.block_size], pos % seq.block_size
 
 
+def token_bytes(token_ids: array[int] | list[int]) -> bytes:
+    """Token ids as the prefix cache hashes and keeps them: the bytes of a uint32 array.
+
+    A block's 16 tokens are one 64-byte string rather than a tuple of 16 int
+    objects: a fifth of the memory per cached page, and comparing a swapped-in
+    history's pages with what the cache holds is one `bytes` comparison per
+    page (or one for the whole run) instead of building a tuple per page.
+    """
+    return (token_ids if type(token_ids) is array else array("I", token_ids)).tobytes()
+
+
 class PrefixHasher:
     """Chained, keyed content hashes of full blocks: (parent, model, token ids) -> digest.
 
     Keyed BLAKE2b with a per-process secret: a client cannot craft two prompts
-    whose blocks collide, and lookups compare token ids anyway.
+    whose blocks collide, and lookups compare token ids anyway. A block's
+    tokens are passed as `token_bytes`.
     """
 
     __slots__ = ("_key",)
@@ -141,21 +155,22 @@ class PrefixHasher:
     def __init__(self, key: bytes) -> None:
         self._key = key[:64]
 
-    def block_hash(self, parent: bytes, model: str, tokens: tuple[int, ...]) -> bytes:
+    def block_hash(self, parent: bytes, model: str, tokens: bytes) -> bytes:
         h = hashlib.blake2b(key=self._key, digest_size=16)
         h.update(parent)
         h.update(model.encode())
         h.update(b"\0")
-        h.update(len(tokens).to_bytes(4, "little"))
-        h.update(array("I", tokens).tobytes())
+        h.update((len(tokens) // TOKEN_BYTES).to_bytes(4, "little"))
+        h.update(tokens)
         return h.digest()
 
-    def chain(self, model: str, token_ids: list[int], block_size: int, start: int, parent: bytes,
-              stop: int) -> list[tuple[bytes, tuple[int, ...]]]:
-        """Hashes and token tuples of full blocks `start` .. `stop`-1."""
+    def chain(self, model: str, token_ids: array[int] | list[int], block_size: int, start: int, parent: bytes,
+              stop: int) -> list[tuple[bytes, bytes]]:
+        """Hashes and token bytes of full blocks `start` .. `stop`-1."""
+        raw, stride = token_bytes(token_ids[start * block_size:stop * block_size]), block_size * TOKEN_BYTES
         out = []
-        for i in range(start, stop):
-            tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        for at in range(0, (stop - start) * stride if stop > start else 0, stride):
+            tokens = raw[at:at + stride]
             parent = self.block_hash(parent, model, tokens)
             out.append((parent, tokens))
         return out

@@ -19,7 +19,7 @@ from memd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, P
 from memd.eviction import Eviction, EvictionReason
 from memd.integrity import Where
 from memd.page_effects import Copy, Fetch, SwapIn, Zero
-from memd.sequences import RemotePrefix, RemoteSession, SeqState, Sequence, blocks_for
+from memd.sequences import TOKEN_BYTES, RemotePrefix, RemoteSession, SeqState, Sequence, blocks_for, token_bytes
 from memd.step_outcome import SwappedInBlock
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
@@ -316,9 +316,10 @@ class StepOps:
         """
         bs, tokens = seq.block_size, seq.token_ids
         limit = (len(tokens) - 1) // bs if tokens else 0
+        raw, stride = token_bytes(tokens[:limit * bs]), bs * TOKEN_BYTES
         parent, hits = b"", []
-        for i in range(limit):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+        for at in range(0, limit * stride, stride):
+            chunk = raw[at:at + stride]
             digest = self.hasher.block_hash(parent, seq.model, chunk)
             block = self.pool.lookup(digest, chunk)
             if block is None:
@@ -391,9 +392,8 @@ class StepOps:
 
         The cached ones are taken first, in one run, so that the pages allocated for the rest never
         evict one of them from the cache (it would be copied back from its slot instead)."""
-        bs, tokens, hashes, pool = seq.block_size, seq.token_ids, seq.hashes, self.pool
-        blocks: list[int | None] = [pool.lookup(digest, tuple(tokens[i * bs:(i + 1) * bs]))
-                                    for i, digest in enumerate(hashes[:len(seq.slots)])]
+        pool, hashed = self.pool, seq.hashes[:len(seq.slots)]
+        blocks = pool.lookup_run(hashed, token_bytes(seq.token_ids[:len(hashed) * seq.block_size]))
         blocks += [None] * (len(seq.slots) - len(blocks))          # the partly filled last page: no hash
         pool.incref_n([block for block in blocks if block is not None])
         copied = [i for i, block in enumerate(blocks) if block is None]

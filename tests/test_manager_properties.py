@@ -13,7 +13,7 @@ from memd.errors import KvError, NotFound, OpError
 from memd.eviction import Evicted, EvictionReason
 from memd.manager import KvManager
 from memd.page_effects import Copy, PageEffect, SwapIn, Zero
-from memd.sequences import SeqState, SwapOut
+from memd.sequences import SeqState, SwapOut, token_bytes
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
@@ -274,7 +274,7 @@ class KvManagerMachine(RuleBasedStateMachine):
         if (len(op.token_ids) - 1) // BLOCK_SIZE < 1:
             return False
         model = self.manager.workers[worker].model
-        chunk = tuple(op.token_ids[:BLOCK_SIZE])
+        chunk = token_bytes(op.token_ids[:BLOCK_SIZE])
         digest = self.manager.hasher.block_hash(b"", model, chunk)
         return self.manager.pool.lookup(digest, chunk) is not None
 

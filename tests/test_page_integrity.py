@@ -20,6 +20,7 @@ from inferd.scheduler import Request
 from memd.eviction import Evicted
 from memd.manager import KvManager
 from memd.page_effects import SwapIn
+from memd.sequences import token_bytes
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Open, Park, Resume
 from tests.test_inferd_service import memctl
@@ -132,7 +133,7 @@ async def test_a_cached_page_that_rotted_leaves_the_prefix_cache(local_memd_fact
     pool = memd.manager.pool
     cached = [b for b in range(pool.num_blocks) if pool.hash_of[b] is not None and pool.ref[b] == 0]
     assert len(cached) == 8                              # the request's full pages stay cached once freed
-    second = next(b for b in cached if pool.tokens_of[b] == tuple(PROMPT[BS:2 * BS]))
+    second = next(b for b in cached if pool.tokens_of[b] == token_bytes(PROMPT[BS:2 * BS]))
     rot(memd.memory.view(), second, memd.manager.geometry.block_bytes)
     async with memd.admin() as admin:
         found = await admin.scrub()
@@ -166,7 +167,7 @@ async def test_verify_reuse_recomputes_prefix_hits_and_drops_cached_kv_that_diff
     check = scheduler.reuse_check
     assert (check.checks, check.mismatches) == (1, 0)
     pool = memd.manager.pool
-    third = next(b for b in range(pool.num_blocks) if pool.tokens_of[b] == tuple(PROMPT[2 * BS:3 * BS]))
+    third = next(b for b in range(pool.num_blocks) if pool.tokens_of[b] == token_bytes(PROMPT[2 * BS:3 * BS]))
     scheduler.model.kv[third] += 0.5
     pool.checksum[third] = memd.memory.checksums([third])[0]
     assert (await ask())["cached_tokens"] == 2 * BS                      # started over without the bad block

@@ -8,12 +8,17 @@ from hypothesis import strategies as st
 
 from memd.errors import PoolExhausted
 from memd.pool import BlockPool, FreeQueue, UndoLog
+from memd.sequences import token_bytes
 
 NUM_BLOCKS = 8
 
 
 def digest(n: int) -> bytes:
     return bytes([n]) * 16
+
+
+def toks(*token_ids: int) -> bytes:
+    return token_bytes(list(token_ids))
 
 
 def hold(pool: BlockPool, n: int) -> list[int]:
@@ -161,6 +166,32 @@ def test_removals_undone_in_reverse_restore_the_queue(order, count):
     assert len(queue) == NUM_BLOCKS
 
 
+@given(st.permutations(range(NUM_BLOCKS)), st.integers(0, NUM_BLOCKS), st.data())
+def test_a_run_of_removals_is_the_same_removals_one_by_one(order, count, data):
+    one, run = FreeQueue(NUM_BLOCKS), FreeQueue(NUM_BLOCKS)
+    gone = data.draw(st.lists(st.sampled_from(range(NUM_BLOCKS)), unique=True))      # out of both first
+    for block in gone:
+        one.remove(block)
+    run.remove_n(gone)
+    run.watches.append(watch := set())
+    blocks = [b for b in order if b not in gone][:count]
+    singles = [(block, *one.remove(block)) for block in blocks]
+    assert run.remove_n(blocks) == singles
+    assert list(run) == list(one) and len(run) == len(one)
+    assert watch == {node for triple in singles for node in triple}
+    for block, prev, nxt in reversed(singles):
+        run.relink(block, prev, nxt)
+    assert list(run) == [b for b in range(NUM_BLOCKS) if b not in gone]
+
+
+def test_a_run_of_removals_with_a_block_out_of_the_queue_changes_nothing():
+    queue = FreeQueue(NUM_BLOCKS)
+    queue.remove(5)
+    with pytest.raises(ValueError, match="block 5 is not in the free queue"):
+        queue.remove_n([1, 2, 5, 6])
+    assert list(queue) == [0, 1, 2, 3, 4, 6, 7] and len(queue) == 7
+
+
 # ---- BlockPool: allocation order ------------------------------------------------
 
 
@@ -196,7 +227,7 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
     pool = BlockPool(5)
     a, b, c = hold(pool, 3)
     for n, block in enumerate((a, b, c)):
-        pool.register(block, digest(n), (n,))
+        pool.register(block, digest(n), toks(n))
     pool.decref(b)
     pool.decref(c)
     pool.decref(a)
@@ -208,7 +239,7 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
 def test_uncached_freed_blocks_are_reused_before_cached_ones():
     pool = BlockPool(3)
     cached, plain, _ = hold(pool, 3)
-    pool.register(cached, digest(1), (1,))
+    pool.register(cached, digest(1), toks(1))
     pool.decref(cached)
     pool.decref(plain)
     assert pool.allocate()[0] == plain
@@ -218,11 +249,11 @@ def test_uncached_freed_blocks_are_reused_before_cached_ones():
 def test_allocating_a_cached_block_evicts_its_prefix():
     pool = BlockPool(1)
     (block,) = hold(pool, 1)
-    pool.register(block, digest(1), (1, 2))
+    pool.register(block, digest(1), toks(1, 2))
     pool.decref(block)
-    assert pool.lookup(digest(1), (1, 2)) == block
+    assert pool.lookup(digest(1), toks(1, 2)) == block
     assert pool.allocate() == (block, True)
-    assert pool.lookup(digest(1), (1, 2)) is None
+    assert pool.lookup(digest(1), toks(1, 2)) is None
     assert pool.hash_of[block] is None and pool.tokens_of[block] is None
     assert pool.by_hash == {}
     assert pool.violations() == []
@@ -231,8 +262,8 @@ def test_allocating_a_cached_block_evicts_its_prefix():
 def test_incref_of_a_cached_free_block_takes_it_out_of_the_queue():
     pool = BlockPool(4)
     a, b = hold(pool, 2)
-    pool.register(a, digest(1), (1,))
-    pool.register(b, digest(2), (2,))
+    pool.register(a, digest(1), toks(1))
+    pool.register(b, digest(2), toks(2))
     pool.decref(a)
     pool.decref(b)
     pool.incref(a)                                 # a prefix hit revives it
@@ -260,25 +291,52 @@ def test_decref_reports_only_the_last_reference():
 def test_lookup_finds_a_registered_block_by_hash_and_tokens():
     pool = BlockPool(2)
     (block,) = hold(pool, 1)
-    pool.register(block, digest(7), (1, 2, 3, 4))
-    assert pool.lookup(digest(7), (1, 2, 3, 4)) == block
-    assert pool.lookup(digest(8), (1, 2, 3, 4)) is None
+    pool.register(block, digest(7), toks(1, 2, 3, 4))
+    assert pool.lookup(digest(7), toks(1, 2, 3, 4)) == block
+    assert pool.lookup(digest(8), toks(1, 2, 3, 4)) is None
 
 
 def test_lookup_refuses_a_hash_hit_whose_tokens_differ():
     pool = BlockPool(2)
     (block,) = hold(pool, 1)
-    pool.register(block, digest(7), (1, 2, 3, 4))
-    assert pool.lookup(digest(7), (1, 2, 3, 5)) is None       # a collision never hits
-    assert pool.lookup(digest(7), (1, 2, 3)) is None
+    pool.register(block, digest(7), toks(1, 2, 3, 4))
+    assert pool.lookup(digest(7), toks(1, 2, 3, 5)) is None       # a collision never hits
+    assert pool.lookup(digest(7), toks(1, 2, 3)) is None
+
+
+@pytest.mark.parametrize("collide", [None, 0, 2, 3])
+def test_a_run_of_lookups_finds_what_lookups_one_by_one_find(collide):
+    pool = BlockPool(6)
+    blocks = hold(pool, 4)
+    history = [[4 * i + t for t in range(4)] for i in range(4)]
+    for i, block in enumerate(blocks):
+        if i != 1:                                   # block 1 of the history is not cached
+            pool.register(block, digest(i), toks(*history[i]))
+    if collide is not None:                          # the index holds other tokens under that hash
+        history[collide][0] += 100
+    digests, tokens = [digest(i) for i in range(4)], [toks(*chunk) for chunk in history]
+    expected = [pool.lookup(d, t) for d, t in zip(digests, tokens, strict=True)]
+    assert pool.lookup_run(digests, b"".join(tokens)) == expected
+    assert expected[1] is None and (collide is None or expected[collide] is None)
+    assert sum(b is not None for b in expected) == (3 if collide is None else 2)
+
+
+def test_a_run_of_lookups_of_all_cached_blocks_finds_them_all():
+    pool = BlockPool(3)
+    blocks = hold(pool, 3)
+    for i, block in enumerate(blocks):
+        pool.register(block, digest(i), toks(i, i + 1))
+    assert pool.lookup_run([digest(i) for i in range(3)], toks(0, 1, 1, 2, 2, 3)) == blocks
+    assert pool.lookup_run([digest(i) for i in range(3)], toks(0, 1, 1, 2, 2, 4)) == blocks[:2] + [None]
+    assert pool.lookup_run([], b"") == []
 
 
 def test_register_keeps_the_first_block_for_a_hash_and_the_first_hash_for_a_block():
     pool = BlockPool(3)
     a, b = hold(pool, 2)
-    pool.register(a, digest(1), (1,))
-    pool.register(b, digest(1), (1,))              # same content elsewhere: not indexed
-    pool.register(a, digest(2), (2,))              # a block keeps its first hash
+    pool.register(a, digest(1), toks(1))
+    pool.register(b, digest(1), toks(1))              # same content elsewhere: not indexed
+    pool.register(a, digest(2), toks(2))              # a block keeps its first hash
     assert pool.by_hash == {digest(1): a}
     assert pool.hash_of[b] is None
     assert pool.hash_of[a] == digest(1)
@@ -291,7 +349,7 @@ def test_register_keeps_the_first_block_for_a_hash_and_the_first_hash_for_a_bloc
 def test_a_consistent_pool_has_no_violations():
     pool = BlockPool(4)
     a, b = hold(pool, 2)
-    pool.register(a, digest(1), (1,))
+    pool.register(a, digest(1), toks(1))
     pool.decref(a)
     pool.incref(b)
     assert pool.violations() == []
@@ -361,7 +419,7 @@ def apply_op(pool: BlockPool, name: str, k: int) -> None:
         pool.decref(held[k % len(held)])
     elif name == "register" and held:
         # Few distinct digests, so "first come keeps the hash" is exercised.
-        pool.register(held[k % len(held)], digest(k % 5), (k % 5,))
+        pool.register(held[k % len(held)], digest(k % 5), toks(k % 5))
     elif name == "allocate_n":
         pool.allocate_n(k % (len(pool.free) + 1))
     elif name == "release_n":
@@ -389,8 +447,8 @@ def undone_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -
 def test_rollback_after_taking_blocks_restores_order_refs_and_hashes():
     pool = BlockPool(6)
     a, b, c = hold(pool, 3)
-    pool.register(a, digest(1), (1,))
-    pool.register(b, digest(2), (2,))
+    pool.register(a, digest(1), toks(1))
+    pool.register(b, digest(2), toks(2))
     pool.decref(a)
     pool.decref(b)                                  # queue: 3 4 5 a b
     before = snapshot(pool)
@@ -398,20 +456,20 @@ def test_rollback_after_taking_blocks_restores_order_refs_and_hashes():
     pool.incref(b)                                  # prefix hit from the back
     pool.allocate()                                 # a plain page from the front
     pool.incref(c)
-    pool.register(c, digest(3), (3,))
+    pool.register(c, digest(3), toks(3))
     pool.allocate()
     pool.allocate()
     pool.allocate()                                 # evicts cached a
-    assert pool.lookup(digest(1), (1,)) is None
+    assert pool.lookup(digest(1), toks(1)) is None
     pool.undo.rollback()
     assert snapshot(pool) == before
-    assert pool.lookup(digest(1), (1,)) == a
+    assert pool.lookup(digest(1), toks(1)) == a
 
 
 def test_rollback_after_releasing_blocks_restores_order_refs_and_hashes():
     pool = BlockPool(6)
     a, b, c, d = hold(pool, 4)
-    pool.register(a, digest(1), (1,))
+    pool.register(a, digest(1), toks(1))
     pool.incref(d)
     before = snapshot(pool)
     pool.undo = UndoLog()
@@ -419,7 +477,7 @@ def test_rollback_after_releasing_blocks_restores_order_refs_and_hashes():
     pool.decref(a)
     pool.decref(d)
     pool.decref(d)
-    pool.register(c, digest(2), (2,))
+    pool.register(c, digest(2), toks(2))
     pool.decref(c)
     pool.undo.rollback()
     assert snapshot(pool) == before
@@ -443,7 +501,7 @@ def test_rollback_puts_an_allocated_then_cached_and_freed_block_back_at_the_fron
     pool = BlockPool(3)
     pool.undo = UndoLog()
     block, _ = pool.allocate()                      # block 0, from the front
-    pool.register(block, digest(1), (1,))
+    pool.register(block, digest(1), toks(1))
     pool.decref(block)                              # cached: re-enters at the back
     pool.undo.rollback()
     assert list(pool.free) == [0, 1, 2]             # not [1, 2, 0]
@@ -452,10 +510,10 @@ def test_rollback_puts_an_allocated_then_cached_and_freed_block_back_at_the_fron
 def test_rollback_keeps_every_free_block_in_the_queue():
     pool = BlockPool(4)
     (held,) = hold(pool, 1)                         # block 0, cached and held
-    pool.register(held, digest(1), (1,))
+    pool.register(held, digest(1), toks(1))
     pool.undo = UndoLog()
     taken, _ = pool.allocate()                      # block 1
-    pool.register(taken, digest(2), (2,))
+    pool.register(taken, digest(2), toks(2))
     pool.decref(held)                               # queue: 2 3 0
     pool.decref(taken)                              # queue: 2 3 0 1
     pool.undo.rollback()
