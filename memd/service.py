@@ -175,7 +175,8 @@ class MemdService(pb_grpc.MemdServicer):
         if enabled(logging.DEBUG):
             self._trace(request.worker_id, ops, outcome)
         if packed:
-            return pb.StepReply(free_blocks=self.manager.pool.num_free, packed_results=pack_results(outcome.results))
+            return pb.StepReply(free_blocks=self.manager.pool.num_free, packed_results=pack_results(
+                outcome.results, history_bytes=request.history_bytes))
         reply = pb.StepReply(free_blocks=self.manager.pool.num_free)
         results_into(reply.results, outcome.results)          # built in place: a third of the time of messages
         return reply

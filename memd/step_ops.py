@@ -477,4 +477,4 @@ def _check_name(what: str, value: str) -> None:
 
 def _result(seq: Sequence, first_block: int, cached: int = 0, *, history: bool = False) -> OpResult:
     return OpResult(seq.seq_id, seq.state.value, first_block, seq.block_ids[first_block:], len(seq.block_ids),
-                    seq.num_committed, cached, list(seq.token_ids) if history else None)
+                    seq.num_committed, cached, array("I", seq.token_ids) if history else None)

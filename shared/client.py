@@ -218,7 +218,7 @@ class MemdClient:
             self.pool.synchronize()
         request = pb.StepRequest(worker_id=self.worker_id, lease=self._lease, wanted_blocks=wanted_blocks)
         if self.packed_steps:
-            request.packed_ops = pack_ops(ops)
+            request.packed_ops, request.history_bytes = pack_ops(ops), True
         else:
             ops_into(request.ops, list(ops))
         try:

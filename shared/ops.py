@@ -11,6 +11,7 @@ times slower, and a decode Step builds 16 of them at each end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -103,4 +104,5 @@ class OpResult:
     num_blocks: int
     num_committed: int
     num_cached: int = 0
-    token_ids: list[int] | None = None   # resume and fork: the whole history
+    # Resume, fork, a continued session: the whole history (in memd, a copy of its uint32 array; a client's is a list).
+    token_ids: Sequence[int] | None = None

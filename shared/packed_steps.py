@@ -16,8 +16,9 @@ pack (older ones, grpcurl).
 
 from __future__ import annotations
 
+import sys
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -27,6 +28,7 @@ from shared import ops
 from shared.wire import WireError
 
 U32, U64 = 1 << 32, 1 << 64
+_BIG_ENDIAN = sys.byteorder == "big"
 
 # The kind codes: the protobuf Op oneof's field numbers.
 _KINDS: dict[type, int] = {ops.Open: 1, ops.Extend: 2, ops.Park: 3, ops.Resume: 4, ops.Free: 5, ops.Fork: 6}
@@ -68,13 +70,35 @@ def unpack_ops(data: bytes) -> list[ops.Op]:
     return out
 
 
-def pack_results(results: list[ops.OpResult]) -> bytes:
-    return msgpack.packb([_RESULT_FIELDS(r) for r in results], use_bin_type=True)
+def pack_results(results: list[ops.OpResult], *, history_bytes: bool = False) -> bytes:
+    """`history_bytes`: the client reads a history as bytes (StepRequest.history_bytes), else as ints."""
+    return msgpack.packb([_RESULT_FIELDS(r) if r.token_ids is None else
+                          (*_RESULT_FIELDS(r)[:-1], _packed_history(r.token_ids, history_bytes)) for r in results],
+                         use_bin_type=True)
 
 
 def unpack_results(data: bytes) -> list[ops.OpResult]:
-    """memd's results (trusted as memd's replies are): a history comes as a list, else None."""
-    return [ops.OpResult(*fields) for fields in msgpack.unpackb(data, raw=False, use_list=True)]
+    """memd's results (trusted as memd's replies are): a history as a list, from ints or bytes, else None."""
+    results = [ops.OpResult(*fields) for fields in msgpack.unpackb(data, raw=False, use_list=True)]
+    for r in results:
+        if type(r.token_ids) is bytes:
+            history = array("I")
+            history.frombytes(r.token_ids)
+            if _BIG_ENDIAN:
+                history.byteswap()
+            r.token_ids = history.tolist()
+    return results
+
+
+def _packed_history(token_ids: Sequence[int], as_bytes: bool) -> bytes | list[int]:
+    """A history as packed: the bytes of a little-endian uint32 array, or a list of ints (what msgpack packs)."""
+    if not as_bytes:
+        return token_ids if type(token_ids) is list else list(token_ids)
+    history = token_ids if type(token_ids) is array and token_ids.typecode == "I" else array("I", token_ids)
+    if _BIG_ENDIAN:
+        history = array("I", history)
+        history.byteswap()
+    return history.tobytes()
 
 
 # ---- checking what memd reads --------------------------------------------------

@@ -525,7 +525,7 @@ def test_a_dropped_sequence_resumes_from_its_still_cached_prefix():
     assert manager.seqs[seq].state is SeqState.DROPPED
     resumed = manager.step(attach(manager, "m"), [Resume(session_id="s1")]).results[0]
     assert resumed.num_cached == 8
-    assert resumed.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]       # the worker recomputes token 9
+    assert list(resumed.token_ids) == [1, 2, 3, 4, 5, 6, 7, 8, 9]       # the worker recomputes token 9
     assert manager.violations() == []
     free_everything(manager)
 
@@ -646,7 +646,7 @@ def test_a_turn_retried_after_its_worker_died_keeps_the_prefill_it_shares_and_no
     assert seq.interrupted and seq.num_committed == 11 and seq.token_ids[-1] == 42
 
     retried, = m.step(second, [Open(prompt, reserve=1, session_id="chat", continue_session=True)]).results
-    assert retried.token_ids == [1, 2, 3, 4, 5, *prompt]               # the sampled token is gone
+    assert list(retried.token_ids) == [1, 2, 3, 4, 5, *prompt]               # the sampled token is gone
     assert retried.num_committed == 10 and retried.num_cached == 10   # the prefill is not done again, but
     #                                                                   the last token: its logits are needed
     assert not seq.interrupted and m.counters["turns_retried"] == 1
@@ -659,7 +659,7 @@ def test_a_turn_retried_after_its_worker_died_keeps_the_prefill_it_shares_and_no
     m.reclaim(second)
     third = attach(m, "m")
     again, = m.step(third, [Open(changed, session_id="chat", continue_session=True)]).results
-    assert again.token_ids == [1, 2, 3, 4, 5, *prompt, *changed] and again.num_committed == 11
+    assert list(again.token_ids) == [1, 2, 3, 4, 5, *prompt, *changed] and again.num_committed == 11
     assert resumed.seq_id == retried.seq_id == again.seq_id == history
     assert m.violations() == []
 
@@ -674,7 +674,7 @@ def test_a_finished_turn_sent_again_with_its_turn_id_replaces_itself():
     m.step(worker, [Park(chat, append=[42, 43], commit_to=12)])       # answered; the answer never arrived
     again, = m.step(worker, [Open(prompt, reserve=4, session_id="chat", continue_session=True,
                                   turn_id="t2")]).results
-    assert again.token_ids == [1, 2, 3, 4, 5, *prompt]                 # the turn once, its answer gone
+    assert list(again.token_ids) == [1, 2, 3, 4, 5, *prompt]                 # the turn once, its answer gone
     assert again.num_committed == again.num_cached == 8               # whole blocks; the rest is recomputed
     assert m.counters["turns_retried"] == 1
     m.step(worker, [Park(chat, append=[42, 43], commit_to=12)])
@@ -682,7 +682,7 @@ def test_a_finished_turn_sent_again_with_its_turn_id_replaces_itself():
     m.step(worker, [Park(chat, commit_to=13)])
     # The same message under another turn id (or none) is a new turn: the user said it twice.
     twice, = m.step(worker, [Open([50], session_id="chat", continue_session=True, turn_id="t4")]).results
-    assert twice.token_ids == [1, 2, 3, 4, 5, *prompt, 42, 43, 50, 50] and m.counters["turns_retried"] == 1
+    assert list(twice.token_ids) == [1, 2, 3, 4, 5, *prompt, 42, 43, 50, 50] and m.counters["turns_retried"] == 1
     assert m.violations() == []
 
 
@@ -693,7 +693,7 @@ def test_a_different_prompt_replaces_the_failed_turn_from_where_they_part():
     m.reclaim(worker)                                                  # the first turn never ended
     worker = attach(m, "m")
     retried, = m.step(worker, [Open([1, 2, 3, 4, 5, 0], session_id="chat", continue_session=True)]).results
-    assert retried.token_ids == [1, 2, 3, 4, 5, 0]
+    assert list(retried.token_ids) == [1, 2, 3, 4, 5, 0]
     # Token 5 sat in a full block, which is never written again: only whole blocks are kept.
     assert retried.num_committed == 4 and len(m.seqs[seq_id].block_ids) == 2
     assert m.violations() == []
@@ -712,12 +712,12 @@ def test_a_resent_conversation_keeps_the_kv_of_what_it_shares_and_nothing_past_a
         return result
 
     grown = resend([1, 2, 3, 4, 5, 42, 43, 7, 8])                      # the next turn: the whole of it again
-    assert grown.seq_id == chat and grown.token_ids == [1, 2, 3, 4, 5, 42, 43, 7, 8]
+    assert grown.seq_id == chat and list(grown.token_ids) == [1, 2, 3, 4, 5, 42, 43, 7, 8]
     assert grown.num_cached == grown.num_committed == 6                # the partial block's K/V too
     same = resend([1, 2, 3, 4, 5, 42, 43, 7, 8])                       # sent again as it is (a regenerate)
     assert same.num_committed == 6                                     # the last token's logits are recomputed
     edited = resend([1, 2, 3, 9, 9])                                   # an earlier message changed
-    assert edited.token_ids == [1, 2, 3, 9, 9]
+    assert list(edited.token_ids) == [1, 2, 3, 9, 9]
     assert edited.num_committed == 0          # token 3 sat in a full block, never written again: recomputed
     assert m.seqs[chat].turn_start == 3 and m.violations() == []
 
@@ -733,7 +733,7 @@ def test_a_conversation_resent_under_other_weights_keeps_none_of_its_own_kv_but_
     cached = open_and_commit(m, worker, [1, 1, 1, 1])
     resent, = m.step(worker, [Open([1, 1, 1, 1, 0], session_id="chat", continue_session=True,
                                    whole_history=True)]).results
-    assert m.seqs[resent.seq_id].model == "m" and resent.token_ids == [1, 1, 1, 1, 0]
+    assert m.seqs[resent.seq_id].model == "m" and list(resent.token_ids) == [1, 1, 1, 1, 0]
     assert resent.num_committed == 4 and resent.block_ids[0] == m.seqs[cached].block_ids[0]
     assert m.violations() == []
 
@@ -786,7 +786,7 @@ def test_a_session_whose_turn_is_preempted_is_busy_for_a_new_turn():
         assert busy.value.code == "FAILED_PRECONDITION" and "in flight" in str(busy.value)
         assert dump(m) == before
     resumed, = m.step(worker, [Resume(chat)]).results                          # its own request resumes it
-    assert resumed.token_ids == [1, 2, 3, 4, 5] and m.violations() == []
+    assert list(resumed.token_ids) == [1, 2, 3, 4, 5] and m.violations() == []
 
 
 @pytest.mark.parametrize("swapped", [False, True], ids=["parked", "swapped"])
@@ -800,7 +800,7 @@ def test_a_session_resumed_under_other_weights_keeps_its_history_and_none_of_its
         assert m.evictions.finish_swap_out(jobs[0]) and m.seqs[chat].state is SeqState.SWAPPED
     outcome = m.step(new, [Open([7], session_id="chat", continue_session=True)])
     resumed, = outcome.results
-    assert resumed.token_ids == [1, 2, 3, 4, 5, 6, 7] and resumed.num_cached == 0       # recomputed, not refused
+    assert list(resumed.token_ids) == [1, 2, 3, 4, 5, 6, 7] and resumed.num_cached == 0       # recomputed, not refused
     assert not any(isinstance(e, SwapIn) for e in outcome.effects)                       # old bytes never read
     assert m.seqs[chat].model == "weights-b" and m.counters["resumed_under_other_weights"] == 1
     m.release_slots(outcome.read_slots)

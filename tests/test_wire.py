@@ -4,6 +4,9 @@ use); a packed Step that is not what it claims is refused, naming its op."""
 
 from __future__ import annotations
 
+import dataclasses
+from array import array
+
 import msgpack
 import pytest
 from hypothesis import given
@@ -61,9 +64,31 @@ def test_packed_operations_read_back_as_the_protobuf_ones(step_ops):
     assert unpack_ops(pack_ops(step_ops)) == [op_from_proto(m) for m in request.ops] == step_ops
 
 
-@given(st.lists(results, max_size=8))
-def test_packed_results_read_back_as_sent(step_results):
-    assert unpack_results(pack_results(step_results)) == step_results
+@given(st.lists(results, max_size=8), st.booleans())
+def test_packed_results_read_back_as_sent(step_results, history_bytes):
+    assert unpack_results(pack_results(step_results, history_bytes=history_bytes)) == step_results
+
+
+@given(st.lists(results, max_size=8), st.booleans())
+def test_histories_memd_keeps_as_arrays_read_back_as_lists(step_results, history_bytes):
+    """memd's results hold a copy of a sequence's uint32 array; clients read a list, whichever way it was packed."""
+    as_memd = [dataclasses.replace(r, token_ids=None if r.token_ids is None else array("I", r.token_ids))
+               for r in step_results]
+    read = unpack_results(pack_results(as_memd, history_bytes=history_bytes))
+    assert read == step_results
+    assert all(r.token_ids is None or type(r.token_ids) is list for r in read)
+    reply = pb.StepReply()
+    results_into(reply.results, as_memd)                 # the protobuf reply of a client that does not pack
+    assert [result_from_proto(m, r.token_ids is not None) for m, r in zip(reply.results, as_memd, strict=True)] \
+        == step_results
+
+
+def test_a_history_as_bytes_is_a_little_endian_uint32_array():
+    result = ops.OpResult(5, "running", 0, [1], 1, 3, 0, [1, 2**32 - 1, 258])
+    (fields,) = msgpack.unpackb(pack_results([result], history_bytes=True))
+    assert fields[-1] == b"".join(t.to_bytes(4, "little") for t in (1, 2**32 - 1, 258))
+    (fields,) = msgpack.unpackb(pack_results([result]))
+    assert fields[-1] == [1, 2**32 - 1, 258]           # what a client that did not ask reads
 
 
 EXTEND = [2, [7, [1], 1, 1, 0, []]]

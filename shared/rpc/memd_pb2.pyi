@@ -75,18 +75,20 @@ class SessionDown(_message.Message):
     def __init__(self, event: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("worker_id", "ops", "lease", "wanted_blocks", "packed_ops")
+    __slots__ = ("worker_id", "ops", "lease", "wanted_blocks", "packed_ops", "history_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     WANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PACKED_OPS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     ops: _containers.RepeatedCompositeFieldContainer[Op]
     lease: bytes
     wanted_blocks: int
     packed_ops: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ..., wanted_blocks: _Optional[int] = ..., packed_ops: _Optional[bytes] = ...) -> None: ...
+    history_bytes: bool
+    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ..., wanted_blocks: _Optional[int] = ..., packed_ops: _Optional[bytes] = ..., history_bytes: _Optional[bool] = ...) -> None: ...
 
 class Op(_message.Message):
     __slots__ = ("open", "extend", "park", "resume", "free", "fork")
