@@ -28,13 +28,13 @@ import contextlib
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import structlog
 
+from memd.pool import picked
 from memd.sequences import SeqState, Sequence
 
 if TYPE_CHECKING:
@@ -409,8 +409,8 @@ class WriteAheadLog:
                       start, seq.token_ids[start:].tolist(), manager.filling(seq.seq_id), seq.turn_start,
                       seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
                       _owner_pid(seq, manager), seq.turn_id,
-                      _picked(manager.swap.checksum, seq.slots) if manager.swap is not None else (),
-                      _picked(manager.pool.checksum, carried), first])
+                      picked(manager.swap.checksum, seq.slots) if manager.swap is not None else (),
+                      picked(manager.pool.checksum, carried), first])
 
     def close(self) -> None:
         self._abandon_rewrite()              # the journal in use is whole: a restart reads it
@@ -424,14 +424,6 @@ class WriteAheadLog:
 def _owner_pid(seq: Sequence, manager: KvManager) -> int:
     worker = manager.workers.get(seq.owner) if seq.owner is not None else None
     return worker.pid if worker is not None else 0
-
-
-def _picked(values: list[int], indices: list[int]) -> tuple[int, ...]:
-    """`values` at `indices`, read at C speed: a record carries a checksum per page, and a Step rewrites the
-    record of every sequence it changed (a comprehension was a third of a decode Step's journaling)."""
-    if len(indices) > 1:
-        return itemgetter(*indices)(values)
-    return (values[indices[0]],) if indices else ()
 
 
 _packer = msgpack.Packer(use_bin_type=True)     # the loop's alone; made once, not per record

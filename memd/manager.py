@@ -24,6 +24,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import attrgetter
 
 import structlog
 
@@ -41,7 +43,16 @@ from memd.eviction import Evictor
 from memd.invariants import violations
 from memd.page_effects import Fetch, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog
-from memd.sequences import PrefixHasher, RemoteLookups, SeqState, Sequence, SwapOut, blocks_for, token_bytes
+from memd.sequences import (
+    TOKEN_BYTES,
+    PrefixHasher,
+    RemoteLookups,
+    SeqState,
+    Sequence,
+    SwapOut,
+    blocks_for,
+    token_bytes,
+)
 from memd.step_ops import StepOps, _check_name
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
@@ -274,14 +285,19 @@ class KvManager(StepOps):
                 integrity.count(self.counters, integrity.Where.SWAP_IN)
             if b.index * b.seq.block_size < b.seq.num_committed:
                 self._distrust(outcome, b.seq, b.index)
-        for b in outcome.swapped_in:
-            seq = b.seq
-            if b.index < len(seq.block_ids) and seq.block_ids[b.index] == b.block and b.index < len(seq.hashes) \
-                    and self.seqs.get(seq.seq_id) is seq:
-                bs = seq.block_size
-                self._offer(b.block, seq.hashes[b.index], token_bytes(seq.token_ids[b.index * bs:(b.index + 1) * bs]))
-                self.pool.set_checksum(b.block, sums.get(b.block, 0))    # a full block: what it holds from now on
-                self._sum_set(seq, b.index)
+        for seq_id, run in groupby(outcome.swapped_in, key=attrgetter("seq.seq_id")):     # a sequence's together
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                continue
+            table, hashes, stride = seq.block_ids, seq.hashes, seq.block_size * TOKEN_BYTES
+            history, first = token_bytes(seq.token_ids[:len(hashes) * seq.block_size]), len(table)
+            for b in run:
+                if b.seq is seq and b.index < len(table) and table[b.index] == b.block and b.index < len(hashes):
+                    self._offer(b.block, hashes[b.index], history[b.index * stride:(b.index + 1) * stride])
+                    self.pool.set_checksum(b.block, sums.get(b.block, 0))    # a full block: what it holds from now on
+                    first = min(first, b.index)
+            if first < len(table):
+                self._sum_set(seq, first)
         self._filling -= outcome.filling
         self._note_all(outcome.filling)
 

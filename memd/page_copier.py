@@ -73,7 +73,7 @@ class PageCopier:
         """
         assert self.swap is not None
         swap = self.swap
-        if not self._busy.keys().isdisjoint(page for page, _ in pairs):
+        if self._busy and not self._busy.keys().isdisjoint(page for page, _ in pairs):
             await self.queued_effects_done()     # a swap-in or a fork's copy: copy what the pages will hold
 
         def copy() -> list[int]:

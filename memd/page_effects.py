@@ -5,6 +5,9 @@ changes imply come back as effects, in order: zero a reused page before its
 new tenant may read it, copy the partly written page a fork must not share,
 copy a swapped-out page back in. They are done before the worker hears back
 (`memd.page_copier` runs them off the event loop).
+
+A swap-in of a long session makes thousands at once, so they are values never
+changed once built, but not frozen dataclasses (as `shared.ops` explains).
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ if TYPE_CHECKING:
     from memd.swap import SwapMemory
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Zero:
     """A page handed out again: its last tenant's K/V must not be read as the new one's."""
 
     page: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Copy:
     """A fork's partly written last page: each side gets its own, since each will write it."""
 
@@ -32,7 +35,7 @@ class Copy:
     page: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SwapIn:
     """A swapped-out page back from its swap slot into a pool page, checked against `checksum` (0: unknown)."""
 
@@ -41,7 +44,7 @@ class SwapIn:
     checksum: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Fetch:
     """A page of a session another host published, fetched from the cluster store into a pool page and
     checked against the checksum its worker sent (memd.cluster)."""

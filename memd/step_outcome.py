@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from memd.eviction import Eviction
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SwappedInBlock:
     """A page copied back from swap: checked once the copy has landed; a full block then serves prefix hits."""
 

@@ -184,6 +184,23 @@ def test_a_run_of_removals_is_the_same_removals_one_by_one(order, count, data):
     assert list(run) == [b for b in range(NUM_BLOCKS) if b not in gone]
 
 
+@given(st.permutations(range(NUM_BLOCKS)), st.integers(0, NUM_BLOCKS - 1), st.integers(2, NUM_BLOCKS))
+def test_a_run_of_blocks_that_follow_one_another_in_the_queue_is_the_same_removals_one_by_one(order, start, count):
+    one, run = FreeQueue(NUM_BLOCKS), FreeQueue(NUM_BLOCKS)
+    for queue in (one, run):                         # the queue in another order: the run is the queue's, not ids'
+        queue.remove_n(list(range(NUM_BLOCKS)))
+        queue.put_back(order)
+    run.watches.append(watch := set())
+    blocks = order[start:start + count]
+    singles = [(block, *one.remove(block)) for block in blocks]
+    assert run.remove_n(blocks) == singles
+    assert list(run) == list(one) and len(run) == len(one)
+    assert watch == {node for triple in singles for node in triple}
+    for block, prev, nxt in reversed(singles):
+        run.relink(block, prev, nxt)
+    assert list(run) == order
+
+
 def test_a_run_of_removals_with_a_block_out_of_the_queue_changes_nothing():
     queue = FreeQueue(NUM_BLOCKS)
     queue.remove(5)
