@@ -166,6 +166,19 @@ def test_removals_undone_in_reverse_restore_the_queue(order, count):
     assert len(queue) == NUM_BLOCKS
 
 
+def assert_removed_as_one_by_one(run: FreeQueue, one: FreeQueue, blocks: list[int]) -> None:
+    """`run.remove_n(blocks)` does what `one.remove` of each in turn does, and is undone as that would be."""
+    before = list(run)
+    run.watches.append(watch := set())
+    singles = [(block, *one.remove(block)) for block in blocks]
+    assert run.remove_n(blocks) == singles
+    assert list(run) == list(one) and len(run) == len(one)
+    assert watch == {node for triple in singles for node in triple}
+    for block, prev, nxt in reversed(singles):
+        run.relink(block, prev, nxt)
+    assert list(run) == before
+
+
 @given(st.permutations(range(NUM_BLOCKS)), st.integers(0, NUM_BLOCKS), st.data())
 def test_a_run_of_removals_is_the_same_removals_one_by_one(order, count, data):
     one, run = FreeQueue(NUM_BLOCKS), FreeQueue(NUM_BLOCKS)
@@ -173,15 +186,7 @@ def test_a_run_of_removals_is_the_same_removals_one_by_one(order, count, data):
     for block in gone:
         one.remove(block)
     run.remove_n(gone)
-    run.watches.append(watch := set())
-    blocks = [b for b in order if b not in gone][:count]
-    singles = [(block, *one.remove(block)) for block in blocks]
-    assert run.remove_n(blocks) == singles
-    assert list(run) == list(one) and len(run) == len(one)
-    assert watch == {node for triple in singles for node in triple}
-    for block, prev, nxt in reversed(singles):
-        run.relink(block, prev, nxt)
-    assert list(run) == [b for b in range(NUM_BLOCKS) if b not in gone]
+    assert_removed_as_one_by_one(run, one, [b for b in order if b not in gone][:count])
 
 
 @given(st.permutations(range(NUM_BLOCKS)), st.integers(0, NUM_BLOCKS - 1), st.integers(2, NUM_BLOCKS))
@@ -190,15 +195,7 @@ def test_a_run_of_blocks_that_follow_one_another_in_the_queue_is_the_same_remova
     for queue in (one, run):                         # the queue in another order: the run is the queue's, not ids'
         queue.remove_n(list(range(NUM_BLOCKS)))
         queue.put_back(order)
-    run.watches.append(watch := set())
-    blocks = order[start:start + count]
-    singles = [(block, *one.remove(block)) for block in blocks]
-    assert run.remove_n(blocks) == singles
-    assert list(run) == list(one) and len(run) == len(one)
-    assert watch == {node for triple in singles for node in triple}
-    for block, prev, nxt in reversed(singles):
-        run.relink(block, prev, nxt)
-    assert list(run) == order
+    assert_removed_as_one_by_one(run, one, order[start:start + count])
 
 
 def test_a_run_of_removals_with_a_block_out_of_the_queue_changes_nothing():
