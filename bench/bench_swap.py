@@ -139,7 +139,7 @@ def bench_bandwidth_cuda(device: str, block_bytes: int, moved_bytes: int, repeat
 def swap_ins(pool: object, back: list[tuple[int, int]]) -> list[SwapIn]:
     """memd's swap-in effects for (slot, block) pairs, each checked against the page's checksum as it is now."""
     sums = pool.checksums([block for _, block in back])                           # type: ignore[attr-defined]
-    return [SwapIn(slot, block, checksum) for (slot, block), checksum in zip(back, sums, strict=True)]
+    return [SwapIn([slot for slot, _ in back], [block for _, block in back], sums)]
 
 
 def measure(pool: ShmMemory, swap: HostSwap, count: int, block_bytes: int, repeats: int) -> dict:

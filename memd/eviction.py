@@ -178,7 +178,7 @@ class Evictor:
         # A page that is not what its worker committed rotted while parked: the slot holds the rot too.
         # (Compared whole first: an 8,192-page session's pages, one by one, held memd's loop 2.7 ms.)
         committed = list(picked(m.pool.checksum, job.blocks))
-        rotten = [] if committed == job.checksums else [
+        rotten = [] if committed == job.checksums or not any(committed) else [
             i for i, (got, want) in enumerate(zip(job.checksums, committed, strict=False))
             if got and want and got != want]
         seq.slots = job.slots

@@ -24,8 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import groupby
-from operator import attrgetter
+from operator import itemgetter
 
 import structlog
 
@@ -41,8 +40,8 @@ from memd.errors import (
 )
 from memd.eviction import Evictor
 from memd.invariants import violations
-from memd.page_effects import Fetch, SwapIn
-from memd.pool import BlockPool, SwapSlots, UndoLog
+from memd.page_effects import Fetch, PageEffect, SwapIn
+from memd.pool import BlockPool, SwapSlots, UndoLog, picked
 from memd.sequences import (
     TOKEN_BYTES,
     PrefixHasher,
@@ -54,7 +53,7 @@ from memd.sequences import (
     token_bytes,
 )
 from memd.step_ops import StepOps, _check_name
-from memd.step_outcome import StepOutcome
+from memd.step_outcome import StepOutcome, SwappedIn
 from shared.geometry import PoolGeometry
 from shared.ops import Op
 
@@ -258,8 +257,19 @@ class KvManager(StepOps):
             self.swap.in_copy.update(out.read_slots)     # the sequence let go; the copy still reads them
         # A page this Step took and gave back needs no effect: it is free again, and
         # zeroed when next handed out. Late effects on a free page could hit its next tenant.
-        out.effects = [e for e in out.effects if self.pool.ref[e.page] > 0]
+        out.effects = [kept for e in out.effects if (kept := self._on_held_pages(e)) is not None]
         return out
+
+    def _on_held_pages(self, effect: PageEffect) -> PageEffect | None:
+        """`effect` on the pages still held after its Step (None: on none of them)."""
+        ref = self.pool.ref
+        if not isinstance(effect, SwapIn):
+            return effect if ref[effect.page] > 0 else None
+        if all(picked(ref, effect.pages)):
+            return effect
+        kept = [i for i, page in enumerate(effect.pages) if ref[page] > 0]
+        return SwapIn(list(picked(effect.slots, kept)), list(picked(effect.pages, kept)),
+                      list(picked(effect.checksums, kept))) if kept else None
 
     def effects_landed(self, outcome: StepOutcome, corrupt: list[int] | None = None) -> None:
         """A Step's page effects are done: its swapped-in blocks may serve prefix hits, its pages be journaled.
@@ -271,35 +281,50 @@ class KvManager(StepOps):
         its sequence still holds it: a drop in between may have handed the page on.
         """
         bad = set(corrupt or ())
-        sums = {e.page: e.checksum for e in outcome.effects if isinstance(e, SwapIn | Fetch) and e.checksum}
-        fetched = {e.page for e in outcome.effects if isinstance(e, Fetch)}
-        self.counters["pages_verified"] += len(sums)
+        sums: dict[int, int] = {}
+        fetched = set()
+        for e in outcome.effects:
+            if isinstance(e, SwapIn):
+                sums.update(zip(e.pages, e.checksums, strict=True))
+            elif isinstance(e, Fetch):
+                sums[e.page] = e.checksum
+                fetched.add(e.page)
+        self.counters["pages_verified"] += len(sums) - list(sums.values()).count(0)
         self.counters["cluster_hits"] += len(fetched - bad)
         self.counters["cluster_bytes_in"] += len(fetched - bad) * self.geometry.block_bytes
-        for b in sorted(outcome.swapped_in, key=lambda b: b.index):
-            if b.block not in bad:
-                continue
-            if b.block in fetched:            # gone from the store, or not what its worker committed
+        rotten = sorted(((index, block, run.seq) for run in outcome.swapped_in if bad
+                         for index, block in zip(run.indices, run.blocks, strict=True) if block in bad),
+                        key=itemgetter(0))
+        for index, block, seq in rotten:
+            if block in fetched:              # gone from the store, or not what its worker committed
                 self.counters["cluster_misses"] += 1
             else:
                 integrity.count(self.counters, integrity.Where.SWAP_IN)
-            if b.index * b.seq.block_size < b.seq.num_committed:
-                self._distrust(outcome, b.seq, b.index)
-        for seq_id, run in groupby(outcome.swapped_in, key=attrgetter("seq.seq_id")):     # a sequence's together
-            seq = self.seqs.get(seq_id)
-            if seq is None:
-                continue
-            table, hashes, stride = seq.block_ids, seq.hashes, seq.block_size * TOKEN_BYTES
-            history, first = token_bytes(seq.token_ids[:len(hashes) * seq.block_size]), len(table)
-            for b in run:
-                if b.seq is seq and b.index < len(table) and table[b.index] == b.block and b.index < len(hashes):
-                    self._offer(b.block, hashes[b.index], history[b.index * stride:(b.index + 1) * stride])
-                    self.pool.set_checksum(b.block, sums.get(b.block, 0))    # a full block: what it holds from now on
-                    first = min(first, b.index)
-            if first < len(table):
-                self._sum_set(seq, first)
+            if index * seq.block_size < seq.num_committed:
+                self._distrust(outcome, seq, index)
+        for run in outcome.swapped_in:
+            self._offer_swapped_in(run, sums)
         self._filling -= outcome.filling
         self._note_all(outcome.filling)
+
+    def _offer_swapped_in(self, run: SwappedIn, sums: dict[int, int]) -> None:
+        """Pages that landed sound, still their sequence's: full blocks join the prefix cache, with their
+        checksums (what they hold from now on)."""
+        seq = run.seq
+        if self.seqs.get(seq.seq_id) is not seq:
+            return
+        table, limit = seq.block_ids, min(len(seq.block_ids), len(seq.hashes))
+        kept = [(index, block) for index, block in zip(run.indices, run.blocks, strict=True)
+                if index < limit and table[index] == block]
+        if not kept:
+            return
+        indices, blocks = [index for index, _ in kept], [block for _, block in kept]
+        if self.prefix_cache:
+            history, stride = token_bytes(seq.token_ids[:limit * seq.block_size]), seq.block_size * TOKEN_BYTES
+            self.pool.register_n(blocks, picked(seq.hashes, indices),
+                                 [history[index * stride:(index + 1) * stride] for index in indices])
+        self.pool.set_checksums(blocks, [sums.get(block, 0) for block in blocks])
+        self._sum_set(seq, min(indices))
 
     def _distrust(self, outcome: StepOutcome, seq: Sequence, index: int) -> None:
         """Block `index` of a running sequence failed its check: its K/V from there on is recomputed.

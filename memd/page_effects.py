@@ -3,11 +3,13 @@
 A Step changes only bookkeeping (`memd.manager`); the page contents its
 changes imply come back as effects, in order: zero a reused page before its
 new tenant may read it, copy the partly written page a fork must not share,
-copy a swapped-out page back in. They are done before the worker hears back
-(`memd.page_copier` runs them off the event loop).
+copy a sequence's swapped-out pages back in. They are done before the worker
+hears back (`memd.page_copier` runs them off the event loop).
 
-A swap-in of a long session makes thousands at once, so they are values never
-changed once built, but not frozen dataclasses (as `shared.ops` explains).
+A long prompt's pages make thousands of Zero effects at once, so effects are
+values never changed once built but not frozen dataclasses (as `shared.ops`
+explains); and a swap-in is one effect for all of a sequence's pages: a 128k-token
+session's 8,192, one by one, cost memd's loop more than the rest of its Resume.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ class Copy:
 
 @dataclass(slots=True)
 class SwapIn:
-    """A swapped-out page back from its swap slot into a pool page, checked against `checksum` (0: unknown)."""
+    """Swapped-out pages back from their swap slots into pool pages, `pages[i]` from `slots[i]`, each checked
+    against `checksums[i]` (0: unknown)."""
 
-    slot: int
-    page: int
-    checksum: int = 0
+    slots: list[int]
+    pages: list[int]
+    checksums: list[int]
 
 
 @dataclass(slots=True)
@@ -62,8 +65,14 @@ class RemotePages(Protocol):
 
 
 def pages_touched(effects: list[PageEffect]) -> list[int]:
-    """Every pool page the effects read or write (a swap-in reads a slot, not a page)."""
-    return [page for e in effects for page in ((e.src, e.page) if isinstance(e, Copy) else (e.page,))]
+    """Every pool page the effects read or write (a swap-in reads slots, not pages)."""
+    pages: list[int] = []
+    for e in effects:
+        if isinstance(e, SwapIn):
+            pages += e.pages
+        else:
+            pages += (e.src, e.page) if isinstance(e, Copy) else (e.page,)
+    return pages
 
 
 def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageEffect],
@@ -81,13 +90,7 @@ def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageE
                 bad += _fetch(memory, remote, run)                              # type: ignore[arg-type]
             elif isinstance(run[0], SwapIn):
                 assert swap is not None
-                pairs = [(e.slot, e.page) for e in run]                         # type: ignore[union-attr]
-                if any(e.checksum for e in run):                                # type: ignore[union-attr]
-                    found = swap.copy_in_checked(pairs)
-                    bad += [e.page for e, got in zip(run, found, strict=True)   # type: ignore[union-attr]
-                            if e.checksum and got != e.checksum]                # type: ignore[union-attr]
-                else:
-                    swap.copy_in(pairs)
+                bad += _swap_in(swap, run)                                      # type: ignore[arg-type]
             else:
                 memory.apply(run)                                       # type: ignore[arg-type]
             start = i
@@ -97,6 +100,19 @@ def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageE
 def _kind(effect: PageEffect) -> type:
     """Effects run together: zeroing and copies on the pool, swap-ins, fetches."""
     return type(effect) if isinstance(effect, SwapIn | Fetch) else Zero
+
+
+def _swap_in(swap: SwapMemory, run: list[SwapIn]) -> list[int]:
+    """Consecutive swap-ins (sequences resumed in one Step) as one copy; returns the pages that came back wrong."""
+    slots = [slot for e in run for slot in e.slots] if len(run) > 1 else run[0].slots
+    pages = [page for e in run for page in e.pages] if len(run) > 1 else run[0].pages
+    sums = [value for e in run for value in e.checksums] if len(run) > 1 else run[0].checksums
+    pairs = list(zip(slots, pages, strict=True))
+    if not any(sums):
+        swap.copy_in(pairs)
+        return []
+    found = swap.copy_in_checked(pairs)
+    return [page for page, want, got in zip(pages, sums, found, strict=True) if want and got != want]
 
 
 def _fetch(memory: PoolMemory, remote: RemotePages | None, run: list[Fetch]) -> list[int]:

@@ -429,6 +429,25 @@ class BlockPool:
         if self.undo is not None:
             self.undo.record(self._undo_register, block, digest)
 
+    def register_n(self, blocks: list[int], digests: Iterable[bytes], tokens: Iterable[bytes]) -> None:
+        """`register` of each block in turn (a swapped-in sequence's full blocks), with one watch update."""
+        hash_of, tokens_of, by_hash = self.hash_of, self.tokens_of, self.by_hash
+        taken = []
+        for block, digest, chunk in zip(blocks, digests, tokens, strict=True):
+            if hash_of[block] is None and digest not in by_hash:
+                hash_of[block], tokens_of[block] = digest, chunk
+                by_hash[digest] = block
+                taken.append(block)
+        for watch in self.watches:
+            watch.update(taken)
+        if self.undo is not None and taken:
+            self.undo.record(self._undo_register_n, taken)
+
+    def _undo_register_n(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):
+            del self.by_hash[self.hash_of[block]]                # type: ignore[arg-type]
+            self.hash_of[block] = self.tokens_of[block] = None
+
     def _undo_register(self, block: int, digest: bytes) -> None:
         del self.by_hash[digest]
         self.hash_of[block] = self.tokens_of[block] = None
@@ -440,6 +459,20 @@ class BlockPool:
         self.checksum[block] = checksum
         for watch in self.watches:
             watch.add(block)
+
+    def set_checksums(self, blocks: list[int], checksums: list[int]) -> None:
+        """`set_checksum` of each block in turn, with one watch update and one undo record."""
+        if self.undo is not None:
+            self.undo.record(self._undo_set_checksums, blocks, picked(self.checksum, blocks))
+        checksum = self.checksum
+        for block, value in zip(blocks, checksums, strict=True):
+            checksum[block] = value
+        for watch in self.watches:
+            watch.update(blocks)
+
+    def _undo_set_checksums(self, blocks: list[int], old: tuple[int, ...]) -> None:
+        for block, value in zip(blocks, old, strict=True):      # all read before any was set
+            self.checksum[block] = value
 
     def unregister(self, block: int) -> None:
         """Take a block out of the prefix cache: its page failed a check."""

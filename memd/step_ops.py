@@ -19,8 +19,9 @@ from memd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, P
 from memd.eviction import Eviction, EvictionReason
 from memd.integrity import Where
 from memd.page_effects import Copy, Fetch, SwapIn, Zero
+from memd.pool import picked
 from memd.sequences import TOKEN_BYTES, RemotePrefix, RemoteSession, SeqState, Sequence, blocks_for, token_bytes
-from memd.step_outcome import SwappedInBlock
+from memd.step_outcome import SwappedIn
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
 if TYPE_CHECKING:
@@ -114,9 +115,8 @@ class StepOps:
         first, bs = len(seq.block_ids), seq.block_size
         blocks, _ = self.pool.allocate_n(len(keys))
         seq.block_ids += blocks
-        for index, (key, checksum, block) in enumerate(zip(keys, checksums, blocks, strict=True), first):
-            txn.outcome.effects.append(Fetch(key, block, checksum))
-            txn.outcome.swapped_in.append(SwappedInBlock(seq, index, block))
+        txn.outcome.effects += map(Fetch, keys, blocks, checksums)
+        txn.outcome.swapped_in.append(SwappedIn(seq, list(range(first, first + len(blocks))), blocks))
         parent = seq.hashes[-1] if seq.hashes else b""
         seq.hashes += [d for d, _ in self.hasher.chain(seq.model, seq.token_ids, bs, first, parent, len(seq.block_ids))]
         seq.num_committed = len(seq.block_ids) * bs
@@ -401,10 +401,10 @@ class StepOps:
             assert self.swap is not None
             fresh, _ = pool.allocate_n(len(copied))      # each page is overwritten whole: none needs zeroing
             for i, block in zip(copied, fresh, strict=True):
-                slot = seq.slots[i]
                 blocks[i] = block
-                txn.outcome.effects.append(SwapIn(slot, block, self.swap.checksum[slot]))
-                txn.outcome.swapped_in.append(SwappedInBlock(seq, i, block))
+            slots = list(picked(seq.slots, copied))
+            txn.outcome.effects.append(SwapIn(slots, fresh, list(picked(self.swap.checksum, slots))))
+            txn.outcome.swapped_in.append(SwappedIn(seq, copied, fresh))
             txn.outcome.filling.add(seq.seq_id)
         seq.block_ids += blocks
         txn.outcome.read_slots += seq.slots

@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class SwappedInBlock:
-    """A page copied back from swap: checked once the copy has landed; a full block then serves prefix hits."""
+class SwappedIn:
+    """Pages of `seq` copied back from swap or fetched, entry `indices[i]` of its table into `blocks[i]`:
+    checked once the copies have landed; full blocks then serve prefix hits."""
 
     seq: Sequence
-    index: int
-    block: int
+    indices: list[int]
+    blocks: list[int]
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ class StepOutcome:
     read_slots: list[int] = field(default_factory=list)
     # Parked by this Step and to be evicted before the reply (a preemption, an operator's revocation).
     evictions: list[Eviction] = field(default_factory=list)
-    swapped_in: list[SwappedInBlock] = field(default_factory=list)
+    swapped_in: list[SwappedIn] = field(default_factory=list)
     # Sequences whose pages the effects fill (swap-ins, a fork's copy).
     filling: set[int] = field(default_factory=set)
     # Sessions this Step freed (a reset, an error): the cluster tier takes their records back.

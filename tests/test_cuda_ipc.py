@@ -273,7 +273,7 @@ def test_gpu_page_checksums_are_the_hosts_and_catch_a_rotten_swap_slot():
     assert sums == word_sums(pool.pages.cpu(), pages) and all(sums)
     swap.copy_out([(page, slot) for slot, page in enumerate(pages)])
     swap.slots[2, 1000] ^= 0xFF                                      # the third slot rots
-    back = [SwapIn(slot, 50 + slot, checksum) for slot, checksum in enumerate(sums)]
+    back = [SwapIn([0, 1], [50, 51], sums[:2]), SwapIn([2, 3], [52, 53], sums[2:])]   # two sequences' runs
     assert run_effects(pool, swap, back) == [52]
     assert pool.checksums([50, 51, 53]) == [sums[0], sums[1], sums[3]]
 

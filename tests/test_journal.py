@@ -515,7 +515,8 @@ def test_a_table_swapped_out_and_in_is_written_whole_again(tmp_path):
     filler, = manager.step(worker, [Open(list(range(100, 100 + BLOCK_SIZE * manager.pool.num_free)))]).results
     manager.step(worker, [Free(filler.seq_id)])
     outcome = manager.step(worker, [Resume(session_id="s")])             # back into other pages
-    assert len(outcome.effects) == 3
+    swap_in, = outcome.effects
+    assert len(swap_in.pages) == 3
     wal.flush(manager)
     assert as_recovered(recovered(state)) == expected_after_restart(manager)
     manager.effects_landed(outcome)               # the pages copied back: their checksums are theirs again

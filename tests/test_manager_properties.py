@@ -254,15 +254,20 @@ class KvManagerMachine(RuleBasedStateMachine):
                        for op in ops)
         for effect in effects:
             assert isinstance(effect, Zero | Copy | SwapIn)
-            dst = effect.page
             if isinstance(effect, SwapIn):
-                assert effect.slot in self.manager.swap.in_copy   # read before anyone may reuse the slot
+                assert len(effect.slots) == len(effect.pages) == len(effect.checksums) > 0
+                # read before anyone may reuse the slots
+                assert self.manager.swap.in_copy.issuperset(effect.slots)
                 event("resume: swapped back in")
-            # A clean page is zeroed only if this Step took it, released it and takes it again.
-            assert before["dirty"][dst] or not isinstance(effect, Zero) or releases
-            # Only a page released by this very Step may be reused while it was referenced before.
-            assert before["ref"][dst] == 0 or releases
-            targets.add(dst)
+                dsts = effect.pages
+            else:
+                dsts = [effect.page]
+            for dst in dsts:
+                # A clean page is zeroed only if this Step took it, released it and takes it again.
+                assert before["dirty"][dst] or not isinstance(effect, Zero) or releases
+                # Only a page released by this very Step may be reused while it was referenced before.
+                assert before["ref"][dst] == 0 or releases
+                targets.add(dst)
         for block in range(NUM_BLOCKS):
             was_free_and_written = before["ref"][block] == 0 and before["dirty"][block]
             prefix_hit = before["hash_of"][block] is not None and pool.hash_of[block] == before["hash_of"][block]
@@ -631,6 +636,29 @@ def test_a_sequence_preempted_and_freed_in_one_step_is_not_swapped_out():
     assert outcome.evictions == [] and manager.swap_jobs == {}
     assert manager.counters["preemptions"] == 1
     free_everything(manager)
+
+
+@pytest.mark.parametrize("freed", [False, True])
+def test_a_swapped_session_comes_back_as_one_swap_in_and_none_once_freed_in_the_same_step(freed):
+    m = KvManager(GEOMETRY, hash_key=b"k" * 32, swap_slots=SWAP_SLOTS, prefix_cache=False)   # every page copied
+    worker = attach(m, "m")
+    chat = open_and_commit(m, worker, list(range(3 * BLOCK_SIZE + 1)), session_id="chat")
+    m.step(worker, [Park(chat)])
+    job, = m.evictions.evict(m.seqs[chat], "swap", EvictionReason.FORCED).jobs
+    job.checksums = [7, 8, 9, 10]
+    assert m.evictions.finish_swap_out(job)
+    slots = m.seqs[chat].slots
+    outcome = m.step(worker, [Resume(session_id="chat")] + ([Free(session_id="chat")] if freed else []))
+    if freed:                                      # its pages free again: nothing reads the slots into them
+        assert outcome.effects == [] and sorted(outcome.read_slots) == sorted(slots)
+    else:
+        swap_in, = outcome.effects
+        assert swap_in == SwapIn(slots, m.seqs[chat].block_ids, [7, 8, 9, 10])
+        m.effects_landed(outcome)
+        # What the full blocks hold from now on (the partly filled last one's is written to again).
+        assert [m.pool.checksum[b] for b in m.seqs[chat].block_ids] == [7, 8, 9, 0]
+    m.release_slots(outcome.read_slots)
+    assert m.violations() == []
 
 
 def test_a_turn_retried_after_its_worker_died_keeps_the_prefill_it_shares_and_nothing_else():

@@ -209,7 +209,7 @@ def test_a_failed_swap_in_gives_back_the_shared_pages_after_it_rather_than_let_t
     uncached = sum(1 for block in m.pool.free if m.pool.hash_of[block] is None)
     y = m.step(worker, [Open([99] * ((uncached + 2) * 4))]).results[0].seq_id
     out = m.step(worker, [Free(y), Resume(session_id="x", reserve=1)])
-    copied = [e.page for e in out.effects if isinstance(e, SwapIn)]
+    copied = [page for e in out.effects if isinstance(e, SwapIn) for page in e.pages]
     assert len(copied) == 2 and len(seq.block_ids) == 5
     m.effects_landed(out, [copied[1]])                # the second page came back rotten
     result, = [r for r in out.results if r.seq_id == x]

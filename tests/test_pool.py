@@ -419,7 +419,8 @@ def test_violations_report_a_queued_block_marked_as_out_of_the_queue():
 # An op is (name, k); k picks the target among the blocks the op is valid for,
 # so that an op list stays meaningful whatever state it meets.
 
-POOL_OP_NAMES = ("allocate", "incref", "decref", "register", "allocate_n", "release_n", "incref_n")
+POOL_OP_NAMES = ("allocate", "incref", "decref", "register", "allocate_n", "release_n", "incref_n", "register_n",
+                 "set_checksums")
 pool_ops = st.lists(st.tuples(st.sampled_from(POOL_OP_NAMES), st.integers(0, 50)), max_size=25)
 
 
@@ -441,6 +442,12 @@ def apply_op(pool: BlockPool, name: str, k: int) -> None:
     elif name == "incref_n":                 # free and held blocks alike, one of them twice
         run = list(range(k % pool.num_blocks, pool.num_blocks, 3))
         pool.incref_n(run + run[:1])
+    elif name == "register_n":               # some already cached, some digests taken
+        run = held[k % (len(held) + 1):]
+        pool.register_n(run, [digest((k + i) % 5) for i in range(len(run))], [toks(k + i) for i in range(len(run))])
+    elif name == "set_checksums":            # one of them twice
+        run = held[k % (len(held) + 1):]
+        pool.set_checksums(run + run[:1], [k + i for i in range(len(run) + len(run[:1]))])
 
 
 def undone_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -> tuple[tuple, tuple]:
@@ -565,6 +572,15 @@ def test_a_run_leaves_the_pool_as_the_same_blocks_one_by_one(setup, n, data):
     for block in hits:
         one.incref(block)
     run.incref_n(hits)
+    assert without_times(run) == without_times(one)
+    held = [b for b in range(NUM_BLOCKS) if one.ref[b]]
+    offered = data.draw(st.lists(st.sampled_from(held), unique=True) if held else st.just([]))
+    digests, chunks = [digest(b % 3) for b in offered], [toks(b % 3) for b in offered]     # digests repeat
+    for block, d, chunk in zip(offered, digests, chunks, strict=True):
+        one.register(block, d, chunk)
+        one.set_checksum(block, block + 1)
+    run.register_n(offered, digests, chunks)
+    run.set_checksums(offered, [block + 1 for block in offered])
     assert without_times(run) == without_times(one)
     assert run.violations() == []
 
