@@ -17,6 +17,11 @@
    out and back in without pause (forced evictions and resumes): three
    rounds of each, taking turns. p50 and p99 of the probe's Steps, and the
    ratio.
+3. One long session: a 128k-token chat (8,192 pages of 16 tokens, small pages:
+   the bookkeeping is measured, not the copy) swapped out and resumed, its
+   pages still cached or, every other time, reused by other requests in
+   between (each copied back). Each round trip, and the longest probe Step
+   that overlapped it: how long memd's loop is held from every other worker.
 
 Targets: swap >= 90% of the raw copy at every page size and in both
 directions, with the settings memd.service ships (`swap_min_ratio` in
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +58,7 @@ from shared.sizes import format_size, parse_size
 BLOCK_SIZE = 16
 STORM_SEQS, STORM_BLOCKS = 16, 64          # the storm's sequences, pages each
 PAGE_FOR_STEPS = "64KiB"
+LONG_TOKENS, PAGE_FOR_LONG = 128 * 1024, "1KiB"     # one long chat session, in small pages
 START_TIMEOUT_S = 120.0                    # the storm's process: its imports and sequences, or a pause
 SETTLE_S = 0.02                            # idle before each timed copy (best_times)
 
@@ -164,18 +171,22 @@ def measure(pool: ShmMemory, swap: HostSwap, count: int, block_bytes: int, repea
 
 # ---- 2. Step latency during a swap storm ---------------------------------------
 
-async def probe(address: str, seconds: float) -> list[float]:
-    """Small Steps back to back: each allocates one page and frees the previous one."""
+async def probe(address: str, seconds: float, until: Callable[[], bool] | None = None,
+                starts: list[float] | None = None) -> list[float]:
+    """Small Steps back to back, for `seconds` or `until` it says so: each allocates one page and frees the
+    previous one. `starts`: each Step's start (time.monotonic, the clock every process here reads) is added."""
     from shared.client import MemdClient
 
     client = await MemdClient.attach(address, name="probe", block_size=BLOCK_SIZE, map_memory=False)
     latencies, previous = [], None
-    deadline = time.perf_counter() + seconds
+    deadline = time.monotonic() + seconds
     try:
-        while (now := time.perf_counter()) < deadline:
+        while (now := time.monotonic()) < deadline and not (until and until()):
             ops = [Open([], reserve=BLOCK_SIZE)] + ([Free(previous)] if previous else [])
             opened = (await client.step(*ops))[0]
-            latencies.append(time.perf_counter() - now)
+            latencies.append(time.monotonic() - now)
+            if starts is not None:
+                starts.append(now)
             previous = opened.seq_id
         if previous:
             await client.step(Free(previous))
@@ -280,6 +291,80 @@ def bench_steps(seconds: float, device: str = "cpu", rounds: int = 3) -> dict:
                                  for a, b in zip(quiet, stormy, strict=True)]}
 
 
+# ---- 3. one long session ---------------------------------------------------------
+
+async def long_session(address: str, cycles: int) -> None:
+    """Its own process: a LONG_TOKENS session, parked; once told "go" on stdin, swapped out and resumed
+    `cycles` times, its pages reused by another request in between every other time. Prints each phase
+    as [what, start, end] (time.monotonic) in one JSON line."""
+    from shared.client import MemdAdmin, MemdClient
+
+    client = await MemdClient.attach(address, name="long", block_size=BLOCK_SIZE, map_memory=False)
+    opened, = await client.step(Open(list(range(LONG_TOKENS)), session_id="long"))
+    await client.step(Park(opened.seq_id, commit_to=LONG_TOKENS))
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    phases = []
+    async with MemdAdmin(address) as admin:
+        for cycle in range(cycles):
+            start = time.monotonic()
+            await admin.evict(session_id="long", mode="swap")
+            phases.append(["swap-out", start, time.monotonic()])
+            reused = cycle % 2 == 1
+            if reused:             # another request takes the free pages (the probe's aside): the cached copies go
+                free = (await admin.stats()).free_blocks
+                other, = await client.step(Open([1 << 30] * (BLOCK_SIZE * (free - 4))))
+                await client.step(Free(other.seq_id))
+            start = time.monotonic()
+            resumed, = await client.step(Resume(session_id="long"))
+            phases.append(["resume, pages reused" if reused else "resume, pages cached", start, time.monotonic()])
+            await client.step(Park(resumed.seq_id))
+    print(json.dumps(phases), flush=True)
+    await client.close()
+
+
+def bench_long_session(cycles: int, quiet_s: float, device: str = "cpu") -> dict:
+    """The round trips of `long_session`'s phases, and the longest probe Step that overlapped each."""
+    page, pages = parse_size(PAGE_FOR_LONG), LONG_TOKENS // BLOCK_SIZE
+    with tempfile.TemporaryDirectory(prefix="swap-bench-") as tmp:
+        address = f"unix:{tmp}/memd.sock"
+        memd = spawn_ready(["memd", "--device", device, "--pool-bytes", str(3 * pages * page), "--block-bytes",
+                            str(page), "--swap-ratio", "0.5", "--free-watermark", "0", "--listen", address,
+                            "--log-level", "warning"], Path(tmp))
+        session = None
+        try:
+            session = subprocess.Popen([sys.executable, __file__, "--long-session", address, "--cycles",
+                                        str(cycles)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert session.stdin is not None and session.stdout is not None
+            _storm_says(session, "ready")
+            quiet = uvloop.run(probe(address, quiet_s))
+            session.stdin.write("go\n")
+            session.stdin.flush()
+            starts: list[float] = []
+            during = uvloop.run(probe(address, float("inf"), until=lambda: session.poll() is not None,
+                                      starts=starts))
+            if session.wait() != 0:
+                raise RuntimeError(f"the long session's process exited ({session.returncode})")
+            phases = json.loads(session.stdout.read().splitlines()[-1])
+        finally:
+            if session is not None and session.poll() is None:
+                session.kill()
+                session.wait()
+            memd.terminate()
+            memd.wait()
+    out: dict = {"tokens": LONG_TOKENS, "pages": pages, "page_bytes": page, "cycles": cycles,
+                 "quiet": {"steps": len(quiet), "p50_ms": statistics.median(quiet) * 1e3,
+                           "max_ms": max(quiet) * 1e3}, "phases": {}}
+    for what in dict.fromkeys(name for name, _, _ in phases):
+        trips = [(start, end) for name, start, end in phases if name == what]
+        longest = [max((lat for s, lat in zip(starts, during, strict=True) if s < end and s + lat > start),
+                       default=0.0) for start, end in trips]
+        out["phases"][what] = {"round_trip_ms": statistics.median(end - start for start, end in trips) * 1e3,
+                               "probe_max_ms": statistics.median(longest) * 1e3, "count": len(trips)}
+    out["probe_max_ms"] = max(p["probe_max_ms"] for p in out["phases"].values())
+    return out
+
+
 async def swap_counters(address: str) -> dict:
     from shared.client import MemdAdmin
 
@@ -335,6 +420,13 @@ def report(res: dict) -> str:
              ["ratio", "", f"{s['p50_ratio']:.2f}x", f"{s['p99_ratio']:.2f}x"]]
     if len(s["rounds_p99_ratio"]) > 1:
         steps.append(["p99 ratio by round", "", "", ", ".join(f"{x:.2f}x" for x in s["rounds_p99_ratio"])])
+    long = res["long_session"]
+    phases = [[f"one session of {long['tokens']:,} tokens, {long['pages']:,} pages", "count", "round trip (median)",
+               "longest probe Step during it (median)"]]
+    phases += [[what, str(p["count"]), f"{p['round_trip_ms']:.1f} ms", f"{p['probe_max_ms']:.1f} ms"]
+               for what, p in long["phases"].items()]
+    phases.append(["probe Steps, quiet memd", str(long["quiet"]["steps"]), "",
+                   f"p50 {long['quiet']['p50_ms']:.2f} ms, max {long['quiet']['max_ms']:.2f} ms"])
     every = [b for table_rows in res["bandwidth"].values() for b in table_rows]
     moved = format_size(every[0]["moved_bytes"])
     locked = all(b["locked"] for b in every)
@@ -344,7 +436,9 @@ def report(res: dict) -> str:
             f"Step latency, {res['seconds']:g} s each in {s['rounds']} turns, pages of "
             f"{format_size(s['page_bytes'])}; the storm swapped "
             f"{s['storm_swaps']['swap_outs']} sequences out and {s['storm_swaps']['swap_ins']} in "
-            f"({format_size(s['storm_swaps']['swap_out_blocks'] * s['page_bytes'])} out)\n{table(steps)}")
+            f"({format_size(s['storm_swaps']['swap_out_blocks'] * s['page_bytes'])} out)\n{table(steps)}\n\n"
+            f"A long session swapped out and back ({format_size(long['page_bytes'])} pages, its pages reused by "
+            f"another request before every other resume): what it holds every other worker's Steps\n{table(phases)}")
 
 
 def main() -> None:
@@ -357,12 +451,17 @@ def main() -> None:
                    help="memd's pool: cpu (shared memory, host swap; the default) or cuda:N (GPU pool, pinned swap)")
     p.add_argument("--storm", metavar="ADDRESS", help=argparse.SUPPRESS)     # the storm's own process
     p.add_argument("--bandwidth-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--long-session", metavar="ADDRESS", help=argparse.SUPPRESS)   # the long session's process
+    p.add_argument("--cycles", type=int, default=10, help="long-session swap-outs and resumes (default: 10)")
     p.add_argument("--quick", action="store_true", help="a short smoke run: checks the bench still runs")
     args = p.parse_args()
     if args.quick:
-        args.seconds, args.moved, args.repeats = 0.5, "16MiB", 1
+        args.seconds, args.moved, args.repeats, args.cycles = 0.5, "16MiB", 1, 2
     if args.storm:
         uvloop.run(storm(args.storm))
+        return
+    if args.long_session:
+        uvloop.run(long_session(args.long_session, args.cycles))
         return
     if args.bandwidth_only and args.device != "cpu":
         print(json.dumps([bench_bandwidth_cuda(args.device, parse_size(page), parse_size(args.moved), args.repeats)
@@ -377,11 +476,13 @@ def main() -> None:
         res["device"] = args.device
     res["bandwidth"] = bandwidth_runs(parse_size(args.moved), args.repeats, args.device)
     res["steps"] = bench_steps(args.seconds, args.device, 1 if args.quick else 3)
+    res["long_session"] = bench_long_session(args.cycles, args.seconds / 5, args.device)
     # The figures the targets name: the lowest ratio with the settings memd.service ships (on a GPU, the only
     # run), over page sizes and directions; and Step p99 during the storm over quiet.
     shipped = res["bandwidth"].get("memd.service tunable") or next(iter(res["bandwidth"].values()))
     res["swap_min_ratio"] = min(min(b["out_ratio"], b["in_ratio"]) for b in shipped)
     res["storm_p99_ratio"] = res["steps"]["p99_ratio"]
+    res["long_session_probe_max_ms"] = res["long_session"]["probe_max_ms"]
     print(report(res))
     if args.json:
         print(json.dumps(res))

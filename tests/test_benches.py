@@ -71,6 +71,9 @@ def test_the_swap_bench_runs():
     report = quick("bench_swap.py")
     assert report["bandwidth"] and report["steps"]
     assert report["swap_min_ratio"] > 0 and report["storm_p99_ratio"] > 0
+    long = report["long_session"]          # both kinds of resume ran, and the probe saw each phase
+    assert set(long["phases"]) == {"swap-out", "resume, pages cached", "resume, pages reused"}
+    assert all(phase["probe_max_ms"] > 0 for phase in long["phases"].values())
 
 
 def test_the_served_inferd_bench_runs():
