@@ -82,7 +82,7 @@ class Lookups:
         tokens = op.token_ids
         limit = (len(tokens) - 1) // bs if tokens else 0
         local = 0
-        for digest, chunk in m.hasher.chain(worker.model, tokens, bs, 0, b"", limit):
+        for digest, chunk in m.hasher.walk(worker.model, tokens, bs, 0, b"", limit):
             if m.pool.lookup(digest, chunk) is None:
                 break
             local += 1

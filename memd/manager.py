@@ -321,8 +321,8 @@ class KvManager(StepOps):
         indices, blocks = [index for index, _ in kept], [block for _, block in kept]
         if self.prefix_cache:
             history, stride = token_bytes(seq.token_ids[:limit * seq.block_size]), seq.block_size * TOKEN_BYTES
-            self.pool.register_n(blocks, picked(seq.hashes, indices),
-                                 [history[index * stride:(index + 1) * stride] for index in indices])
+            self._offer(blocks, picked(seq.hashes, indices),
+                        [history[index * stride:(index + 1) * stride] for index in indices])
         self.pool.set_checksums(blocks, [sums.get(block, 0) for block in blocks])
         self._sum_set(seq, min(indices))
 
@@ -388,8 +388,8 @@ class KvManager(StepOps):
             chain = self.hasher.chain(seq.model, seq.token_ids, seq.block_size, 0, b"", seq.num_full_blocks)
             seq.hashes = [digest for digest, _ in chain]
             if seq.state is SeqState.PARKED:
-                for block, (digest, chunk) in zip(seq.block_ids, chain, strict=False):
-                    self._offer(block, digest, chunk)
+                held = min(len(seq.block_ids), len(chain))
+                self._offer(seq.block_ids[:held], seq.hashes[:held], [chunk for _, chunk in chain[:held]])
         for pid, blocks in (fences or {}).items():
             for block in blocks:
                 self.pool.incref(block)
@@ -509,10 +509,10 @@ class KvManager(StepOps):
         seq.state, seq.owner = SeqState.PARKED, None
         self._note(seq.seq_id)
 
-    def _offer(self, block: int, digest: bytes, tokens: bytes) -> None:
-        """A full, committed block joins the prefix cache (unless the cache is off)."""
+    def _offer(self, blocks: list[int], digests: Iterable[bytes], tokens: Iterable[bytes]) -> None:
+        """Full, committed blocks join the prefix cache (unless the cache is off)."""
         if self.prefix_cache:
-            self.pool.register(block, digest, tokens)
+            self.pool.register_n(blocks, digests, tokens)
 
     def release_blocks(self, blocks: list[int]) -> int:
         return self.pool.release_n(blocks)

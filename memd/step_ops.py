@@ -20,7 +20,7 @@ from memd.eviction import Eviction, EvictionReason
 from memd.integrity import Where
 from memd.page_effects import Copy, Fetch, SwapIn, Zero
 from memd.pool import picked
-from memd.sequences import TOKEN_BYTES, RemotePrefix, RemoteSession, SeqState, Sequence, blocks_for, token_bytes
+from memd.sequences import RemotePrefix, RemoteSession, SeqState, Sequence, blocks_for, token_bytes
 from memd.step_outcome import SwappedIn
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
@@ -316,17 +316,13 @@ class StepOps:
         """
         bs, tokens = seq.block_size, seq.token_ids
         limit = (len(tokens) - 1) // bs if tokens else 0
-        raw, stride = token_bytes(tokens[:limit * bs]), bs * TOKEN_BYTES
-        parent, hits = b"", []
-        for at in range(0, limit * stride, stride):
-            chunk = raw[at:at + stride]
-            digest = self.hasher.block_hash(parent, seq.model, chunk)
+        hits = []
+        for digest, chunk in self.hasher.walk(seq.model, tokens, bs, 0, b"", limit):
             block = self.pool.lookup(digest, chunk)
             if block is None:
                 break
             hits.append(block)
             seq.hashes.append(digest)
-            parent = digest
         self.pool.incref_n(hits)
         seq.block_ids += hits
         seq.num_committed = len(seq.block_ids) * bs
@@ -348,11 +344,11 @@ class StepOps:
         start, full = len(seq.hashes), seq.num_full_blocks
         if full == start:
             return                   # no page filled (most decode tokens)
-        parent = seq.hashes[-1] if seq.hashes else b""
-        for i, (digest, chunk) in enumerate(
-                self.hasher.chain(seq.model, seq.token_ids, seq.block_size, start, parent, full), start):
-            self._offer(seq.block_ids[i], digest, chunk)
-            seq.hashes.append(digest)
+        chain = self.hasher.chain(seq.model, seq.token_ids, seq.block_size, start,
+                                  seq.hashes[-1] if seq.hashes else b"", full)
+        digests = [digest for digest, _ in chain]
+        self._offer(seq.block_ids[start:full], digests, [chunk for _, chunk in chain])
+        seq.hashes += digests
 
     def _keep_sums(self, seq: Sequence, first: int, sums: list[int], *, partial: bool = False) -> None:
         """The worker's checksums of pages it committed: kept with the pages, for whoever checks them later.
