@@ -49,7 +49,7 @@ from bench_http_chat import QUESTIONS, chat_load_args, pct
 from tables import table
 
 from inferd.tiny import CORPUS, make_tiny_model
-from shared.launch import free_port, spawn_ready
+from shared.launch import free_port, free_ports, spawn_ready
 
 FULL = {"users": 8, "turns": 4, "think_s": 1.0, "max_tokens": 24, "corpus": 4, "fetch_mib": 64,
         "model": {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seed": 0}}
@@ -94,10 +94,10 @@ class Cluster:
 
     def start(self) -> None:
         if self.with_store:
-            rpc, meta = free_port(), free_port()
+            rpc, meta, metrics = free_ports(3)
             self.procs.append(subprocess.Popen(
                 [str(MASTER), f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
-                 f"-http_metadata_server_port={meta}", f"-metrics_port={free_port()}"],
+                 f"-http_metadata_server_port={meta}", f"-metrics_port={metrics}"],
                 stdout=subprocess.DEVNULL, stderr=self.log.fileno()))
             _await_port(rpc)
             _await_port(meta)

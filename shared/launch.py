@@ -6,6 +6,7 @@ systemd would give it, so "ready" means what it means in production.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -15,9 +16,19 @@ from pathlib import Path
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now, for a daemon's --http or --metrics-port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different free ports: each probe stays bound until all are picked, or the kernel may hand the
+    same port out twice (a Mooncake master given one port for its RPC and its metadata server failed so)."""
+    with contextlib.ExitStack() as probes:
+        ports = []
+        for _ in range(count):
+            probe = probes.enter_context(socket.socket())
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+        return ports
 
 
 class LaunchError(RuntimeError):

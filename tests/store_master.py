@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from shared.launch import free_port
+from shared.launch import free_ports
 
 MASTER = Path(sys.executable).parent / "mooncake_master"
 
@@ -22,7 +22,7 @@ class Store:
     """A mooncake_master with its HTTP metadata server, and a client of it for the test's own looks."""
 
     def __init__(self) -> None:
-        self.rpc, self.meta, self.admin = free_port(), free_port(), free_port()
+        self.rpc, self.meta, self.admin = free_ports(3)
         self.master, self.metadata = f"127.0.0.1:{self.rpc}", f"http://127.0.0.1:{self.meta}/metadata"
         self.proc: asyncio.subprocess.Process | None = None
         self._drain: asyncio.Task[None] | None = None

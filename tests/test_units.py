@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import msgpack
 import pytest
@@ -11,6 +12,7 @@ from memd.errors import PositionError
 from memd.page_effects import Copy
 from memd.sequences import SeqState, Sequence, locate
 from shared.geometry import GeometryError, ModelShape, plan_pool, read_model_shape
+from shared.launch import free_ports
 from shared.ops import Extend
 from shared.sizes import format_size, parse_size
 from shared.wire import WireError, decode_handle, encode_handle
@@ -149,3 +151,11 @@ def test_a_refused_step_that_parked_then_resumed_restores_the_block_table_in_ord
         manager.step(worker, [Park(seq.seq_id), Resume(seq_id=seq.seq_id, reserve=1), Free(999)])
     assert manager.seqs[seq.seq_id].block_ids == [0, 1]
     assert manager.violations() == []
+
+
+def test_free_ports_are_different_ports_nothing_listens_on():
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
+    for port in ports:                         # each can be bound now: nothing holds it
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
