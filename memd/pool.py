@@ -507,8 +507,11 @@ class BlockPool:
             return []
         found, tokens_of = list(map(self.by_hash.get, digests)), self.tokens_of
         stride = len(tokens) // len(digests)
-        if None not in found and b"".join(map(tokens_of.__getitem__, found)) == tokens:   # type: ignore[arg-type]
-            return found
+        if None not in found:
+            cached: list[bytes] = list(map(tokens_of.__getitem__, found))     # type: ignore[arg-type]
+            # One length for all (so each one's own share) and the same bytes: the run is the history.
+            if len(set(map(len, cached))) == 1 and b"".join(cached) == tokens:
+                return found
         return [block if block is not None and tokens_of[block] == tokens[i * stride:(i + 1) * stride] else None
                 for i, block in enumerate(found)]
 

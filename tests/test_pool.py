@@ -345,6 +345,15 @@ def test_a_run_of_lookups_of_all_cached_blocks_finds_them_all():
     assert pool.lookup_run([], b"") == []
 
 
+def test_a_run_of_lookups_never_takes_blocks_whose_tokens_only_add_up_to_the_history():
+    """Two hash hits whose tokens differ from the history's blocks, though joined they are the same bytes."""
+    pool = BlockPool(2)
+    a, b = hold(pool, 2)
+    pool.register(a, digest(0), toks(1))                # one token short of its block
+    pool.register(b, digest(1), toks(2, 3, 4))          # and the next one long
+    assert pool.lookup_run([digest(0), digest(1)], toks(1, 2, 3, 4)) == [None, None]
+
+
 def test_register_keeps_the_first_block_for_a_hash_and_the_first_hash_for_a_block():
     pool = BlockPool(3)
     a, b = hold(pool, 2)
