@@ -16,7 +16,9 @@
    one) to a real memd, quiet, and while another process swaps 16 sequences
    out and back in without pause (forced evictions and resumes): three
    rounds of each, taking turns. p50 and p99 of the probe's Steps, and the
-   ratio.
+   ratio. A third kind of round puts a busy worker beside the probe (the
+   same process sending plain Steps as fast as memd answers): storm over
+   busy is what swapping adds to a memd that is merely shared.
 3. One long session: a 128k-token chat (8,192 pages of 16 tokens, small pages:
    the bookkeeping is measured, not the copy) swapped out and resumed, its
    pages still cached or, every other time, reused by other requests in
@@ -25,7 +27,8 @@
 
 Targets: swap >= 90% of the raw copy at every page size and in both
 directions, with the settings memd.service ships (`swap_min_ratio` in
---json); Step p99 during swapping <= 1.5x quiet (`storm_p99_ratio`).
+--json); Step p99 during swapping <= 1.5x quiet (`storm_p99_ratio`;
+over busy: `storm_p99_ratio_vs_busy`).
 """
 
 from __future__ import annotations
@@ -198,8 +201,10 @@ async def probe(address: str, seconds: float, until: Callable[[], bool] | None =
 async def storm(address: str) -> None:
     """Swap STORM_SEQS sequences out and back in, round and round, until killed.
 
-    Told "pause" on stdin, it ends the sequence's turn it is in (no copy left in flight: an eviction's reply
-    waits for its swap-out, a Resume's for its swap-in) and says "paused"; "go" starts it again."""
+    Its stdin steers it, a line at a time: "go" swaps; "busy" sends plain Steps instead, as fast as memd
+    answers them (the probe's kind: a worker as busy as the storm, that never swaps); "pause" ends the
+    turn it is in (no copy left in flight: an eviction's reply waits for its swap-out, a Resume's for its
+    swap-in) and says "paused"."""
     from shared.client import MemdAdmin, MemdClient
 
     client = await MemdClient.attach(address, name="storm", block_size=BLOCK_SIZE, map_memory=False)
@@ -208,25 +213,34 @@ async def storm(address: str) -> None:
     for i, session in enumerate(sessions):
         opened, = await client.step(Open([(i << 20) + t for t in range(tokens)], session_id=session))
         await client.step(Park(opened.seq_id, commit_to=tokens))
-    going = asyncio.Event()
+    going, mode = asyncio.Event(), ["go"]
     going.set()
     # A daemon thread: should the storm fail, nothing waits for a read of stdin before the process exits.
-    threading.Thread(target=_storm_commands, args=(asyncio.get_running_loop(), going), daemon=True).start()
+    threading.Thread(target=_storm_commands, args=(asyncio.get_running_loop(), going, mode), daemon=True).start()
     print("storming", flush=True)
+    previous = None
     async with MemdAdmin(address) as admin:
         while True:
             for session in sessions:
                 if not going.is_set():
                     print("paused", flush=True)
                     await going.wait()
+                if mode[0] == "busy":               # as many Steps as a swap turn makes, none of them swapping
+                    for _ in range(3):
+                        ops = [Open([], reserve=BLOCK_SIZE)] + ([Free(previous)] if previous else [])
+                        previous = (await client.step(*ops))[0].seq_id
+                    continue
                 await admin.evict(session_id=session, mode="swap")
                 resumed, = await client.step(Resume(session_id=session))
                 await client.step(Park(resumed.seq_id))
 
 
-def _storm_commands(loop: asyncio.AbstractEventLoop, going: asyncio.Event) -> None:
+def _storm_commands(loop: asyncio.AbstractEventLoop, going: asyncio.Event, mode: list[str]) -> None:
     for line in sys.stdin:
-        loop.call_soon_threadsafe(going.set if line.strip() == "go" else going.clear)
+        command = line.strip()
+        if command in ("go", "busy"):
+            mode[0] = command
+        loop.call_soon_threadsafe(going.clear if command == "pause" else going.set)
 
 
 def _storm_says(storm: subprocess.Popen, expected: str, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -244,10 +258,17 @@ def percentiles(latencies: list[float]) -> dict:
     return {"steps": len(latencies), "p50_ms": qs[49] * 1e3, "p99_ms": qs[98] * 1e3}
 
 
+MODES = ("quiet", "busy", "storm")           # the probe's neighbour: none, a busy worker, the swap storm
+
+
 def bench_steps(seconds: float, device: str = "cpu", rounds: int = 3) -> dict:
-    """The probe's Steps on a quiet memd and during the storm, taking turns `rounds` times (which goes first
-    alternates), `seconds` each in all: what else the machine does meanwhile weighs on both alike. The
-    storm's process lives throughout; it is paused (its last turn finished) for the quiet rounds."""
+    """The probe's Steps on a quiet memd, next to a busy worker and during the storm, taking turns `rounds`
+    times (the order rotates), `seconds` each in all: what else the machine does meanwhile weighs on all
+    alike. The storm's process lives throughout and plays the busy worker too; it is paused (its last turn
+    finished) for the quiet rounds and between the others.
+
+    The busy worker sends the probe's kind of Step as fast as memd answers them: beside the storm-over-quiet
+    ratio (the target), the storm over busy says what swapping adds to a memd that is merely shared."""
     page = parse_size(PAGE_FOR_STEPS)
     pool = 4 * STORM_SEQS * STORM_BLOCKS * page                  # room for the storm and the probe
     with tempfile.TemporaryDirectory(prefix="swap-bench-") as tmp:
@@ -257,24 +278,26 @@ def bench_steps(seconds: float, device: str = "cpu", rounds: int = 3) -> dict:
                             "--swap-ratio", "0.5", "--free-watermark", "0", "--listen", address,
                             "--log-level", "warning"], Path(tmp))
         storm_proc = None
-        quiet: list[list[float]] = []
-        stormy: list[list[float]] = []
+        runs: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
         try:
             storm_proc = subprocess.Popen([sys.executable, __file__, "--storm", address], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True)
             assert storm_proc.stdin is not None
             _storm_says(storm_proc, "storming")                        # its sequences are in place
-            paused = False
+            now = "storm"
             for r in range(rounds):
-                for storming in ((False, True) if r % 2 == 0 else (True, False)):
-                    if storming == paused:                    # a change: told, and a pause waited for
-                        storm_proc.stdin.write("go\n" if storming else "pause\n")
-                        storm_proc.stdin.flush()
-                        if not storming:
+                for mode in MODES[r % 3:] + MODES[:r % 3]:
+                    if mode != now:                   # a change: the last mode paused (waited for), the next told
+                        if now != "quiet":
+                            storm_proc.stdin.write("pause\n")
+                            storm_proc.stdin.flush()
                             _storm_says(storm_proc, "paused")
-                        paused = not storming
+                        if mode != "quiet":
+                            storm_proc.stdin.write("go\n" if mode == "storm" else "busy\n")
+                            storm_proc.stdin.flush()
+                        now = mode
                     # On uvloop, as inferd runs its client of memd.
-                    (stormy if storming else quiet).append(uvloop.run(probe(address, seconds / rounds)))
+                    runs[mode].append(uvloop.run(probe(address, seconds / rounds)))
                     if storm_proc.poll() is not None:                  # a storm that died made a quiet round
                         raise RuntimeError(f"the storm process exited ({storm_proc.returncode})")
             swaps = asyncio.run(swap_counters(address))
@@ -284,11 +307,12 @@ def bench_steps(seconds: float, device: str = "cpu", rounds: int = 3) -> dict:
                 storm_proc.wait()
             memd.terminate()
             memd.wait()
-    q, s = percentiles([x for run in quiet for x in run]), percentiles([x for run in stormy for x in run])
-    return {"page_bytes": page, "quiet": q, "storm": s, "storm_swaps": swaps, "rounds": rounds,
+    q, busy, s = (percentiles([x for run in runs[mode] for x in run]) for mode in MODES)
+    return {"page_bytes": page, "quiet": q, "busy": busy, "storm": s, "storm_swaps": swaps, "rounds": rounds,
             "p50_ratio": s["p50_ms"] / q["p50_ms"], "p99_ratio": s["p99_ms"] / q["p99_ms"],
+            "busy_p99_ratio": busy["p99_ms"] / q["p99_ms"], "p99_ratio_vs_busy": s["p99_ms"] / busy["p99_ms"],
             "rounds_p99_ratio": [percentiles(b)["p99_ms"] / percentiles(a)["p99_ms"]
-                                 for a, b in zip(quiet, stormy, strict=True)]}
+                                 for a, b in zip(runs["quiet"], runs["storm"], strict=True)]}
 
 
 # ---- 3. one long session ---------------------------------------------------------
@@ -415,9 +439,13 @@ def report(res: dict) -> str:
     steps = [["probe Steps", "count", "p50", "p99"],
              ["quiet memd", str(s["quiet"]["steps"]), f"{s['quiet']['p50_ms']:.3f} ms",
               f"{s['quiet']['p99_ms']:.3f} ms"],
+             ["next to a busy worker (no swaps)", str(s["busy"]["steps"]), f"{s['busy']['p50_ms']:.3f} ms",
+              f"{s['busy']['p99_ms']:.3f} ms"],
              ["during a swap storm", str(s["storm"]["steps"]), f"{s['storm']['p50_ms']:.3f} ms",
               f"{s['storm']['p99_ms']:.3f} ms"],
-             ["ratio", "", f"{s['p50_ratio']:.2f}x", f"{s['p99_ratio']:.2f}x"]]
+             ["storm / quiet", "", f"{s['p50_ratio']:.2f}x", f"{s['p99_ratio']:.2f}x"],
+             ["busy / quiet, storm / busy", "", "",
+              f"{s['busy_p99_ratio']:.2f}x, {s['p99_ratio_vs_busy']:.2f}x"]]
     if len(s["rounds_p99_ratio"]) > 1:
         steps.append(["p99 ratio by round", "", "", ", ".join(f"{x:.2f}x" for x in s["rounds_p99_ratio"])])
     long = res["long_session"]
@@ -482,6 +510,7 @@ def main() -> None:
     shipped = res["bandwidth"].get("memd.service tunable") or next(iter(res["bandwidth"].values()))
     res["swap_min_ratio"] = min(min(b["out_ratio"], b["in_ratio"]) for b in shipped)
     res["storm_p99_ratio"] = res["steps"]["p99_ratio"]
+    res["storm_p99_ratio_vs_busy"] = res["steps"]["p99_ratio_vs_busy"]
     res["long_session_probe_max_ms"] = res["long_session"]["probe_max_ms"]
     print(report(res))
     if args.json:
