@@ -169,7 +169,7 @@ class Evictor:
         m, seq = self.m, job.seq
         assert m.swap is not None
         if m.swap_jobs.get(seq.seq_id) is not job:
-            m.swap.give(job.slots)
+            m.give_back(job)          # called off: free now, unless it never started and they already are
             return False
         del m.swap_jobs[seq.seq_id]
         m.swap.assign(job.slots)
@@ -199,10 +199,9 @@ class Evictor:
     def abort_swap_out(self, job: SwapOut) -> None:
         """The copy failed: the sequence stays parked with its pages."""
         m = self.m
-        assert m.swap is not None
         if m.swap_jobs.get(job.seq.seq_id) is job:
             del m.swap_jobs[job.seq.seq_id]
-        m.swap.give(job.slots)
+        m.give_back(job)
 
     def drop(self, seq: Sequence, reason: EvictionReason | None) -> Evicted:
         """Release a PARKED or SWAPPED sequence's pages and slots; its token ids stay for a recompute."""

@@ -91,9 +91,9 @@ def forget_page(manager: KvManager, block: int, where: Where) -> None:
         log.error("a page failed its check: its K/V is recomputed", where=where.value, block=block,
                   seq=seq.seq_id, session=seq.session_id, state=seq.state.value, index=index)
         if seq.state is SeqState.PARKED:
-            # A swap-out copying it now would copy the rot and the whole table: it no longer counts
-            # (the copy gives its slots back when done).
-            manager.swap_jobs.pop(seq.seq_id, None)
+            # A swap-out copying it now would copy the rot and the whole table: it no longer counts.
+            if (job := manager.swap_jobs.get(seq.seq_id)) is not None:
+                manager.call_off(job)
             cut(manager, seq, index)
     if not holders:
         log.error("a cached page failed its check: it left the prefix cache", where=where.value, block=block)

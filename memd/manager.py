@@ -118,6 +118,8 @@ class KvManager(StepOps):
         self.pool = BlockPool(geometry.num_blocks)
         self.swap = SwapSlots(swap_slots) if swap_slots else None
         self.swap_jobs: dict[int, SwapOut] = {}        # by sequence id: swap-outs being copied
+        # Swap-outs called off while copying: their slots come back when the copy stops (within a chunk).
+        self.stopping: set[SwapOut] = set()
         self.revoked: dict[int, str] = {}              # running sequences an operator evicted: mode
         self.seqs: dict[int, Sequence] = {}
         self.sessions: dict[str, int] = {}
@@ -255,6 +257,8 @@ class KvManager(StepOps):
         if out.read_slots:
             assert self.swap is not None
             self.swap.in_copy.update(out.read_slots)     # the sequence let go; the copy still reads them
+        for job in out.called_off:
+            self.call_off(job)
         # A page this Step took and gave back needs no effect: it is free again, and
         # zeroed when next handed out. Late effects on a free page could hit its next tenant.
         out.effects = [kept for e in out.effects if (kept := self._on_held_pages(e)) is not None]
@@ -523,7 +527,8 @@ class KvManager(StepOps):
         Its token ids stay; the caller says what the sequence becomes (DROPPED,
         or forgotten). Returns the blocks that became free.
         """
-        self.swap_jobs.pop(seq.seq_id, None)         # a copy in flight gives its slots back when done
+        if (job := self.swap_jobs.get(seq.seq_id)) is not None:
+            self.call_off(job)
         freed = self.release_blocks(seq.block_ids)
         if seq.slots:
             assert self.swap is not None
@@ -531,6 +536,27 @@ class KvManager(StepOps):
         seq.block_ids, seq.slots = [], []
         self._note(seq.seq_id)
         return freed
+
+    def call_off(self, job: SwapOut) -> None:
+        """A swap-out no longer counts (its sequence was resumed, freed or dropped): its copy is told to stop.
+
+        Its slots are free at once if the copy had not started; else they come
+        back when it stops (`give_back`), and until then the job is `stopping`.
+        """
+        if self.swap_jobs.get(job.seq.seq_id) is job:
+            del self.swap_jobs[job.seq.seq_id]
+        if job.ticket.call_off():
+            self.give_back(job)
+        elif not job.slots_back:
+            self.stopping.add(job)
+
+    def give_back(self, job: SwapOut) -> None:
+        """A swap-out's copy is over without its sequence taking the slots (called off, or failed): free them."""
+        self.stopping.discard(job)
+        if not job.slots_back:
+            job.slots_back = True
+            assert self.swap is not None
+            self.swap.give(job.slots)
 
     def evictable(self, seq: Sequence) -> bool:
         """PARKED, still this manager's, and not being swapped out already: eviction may take its pages."""

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from memd.background import give_way
 from memd.memory import PoolMemory
 from memd.page_effects import Fetch, PageEffect, RemotePages, SwapIn, pages_touched, run_effects
+from memd.sequences import CopyTicket
 from memd.swap import SwapMemory
 
 # Effects larger than this run off the event loop, so other workers' Steps
@@ -63,21 +64,25 @@ class PageCopier:
         """Returns once every effect queued so far has landed (the queue is FIFO: a no-op waits behind them)."""
         await asyncio.get_running_loop().run_in_executor(self._effects, lambda: None)
 
-    async def swap_out(self, pairs: list[tuple[int, int]]) -> list[int]:
+    async def swap_out(self, pairs: list[tuple[int, int]], ticket: CopyTicket | None = None) -> list[int] | None:
         """Copy (page, slot) pairs to the swap tier; returns the pages' checksums, taken once copied.
 
         The swap-in checks the page it brings back against them (the copy out,
         the slot while it waits and the copy in, all at once); memd checks them
         against what the worker sent when it committed the page (rot while parked).
-        Pages with effects queued are copied once those landed.
+        Pages with effects queued are copied once those landed. None: `ticket`
+        was called off, before the copy started or part way through it.
         """
         assert self.swap is not None
         swap = self.swap
         if self._busy and not self._busy.keys().isdisjoint(page for page, _ in pairs):
             await self.queued_effects_done()     # a swap-in or a fork's copy: copy what the pages will hold
 
-        def copy() -> list[int]:
-            swap.copy_out(pairs)
+        def copy() -> list[int] | None:
+            if ticket is not None and not ticket.begin():
+                return None
+            if not swap.copy_out(pairs, ticket.halt if ticket is not None else None):
+                return None
             return self.memory.checksums([page for page, _ in pairs])
         return await asyncio.get_running_loop().run_in_executor(self._swap_outs, copy)
 

@@ -8,13 +8,13 @@ it on the way in).
 
 from __future__ import annotations
 
-import time
+import threading
 
 import numpy
 import structlog
 
 from memd.memory import CudaMemory, PoolMemoryError, require_host_memory
-from memd.swap import SWAP_ADVICE, check_bounds, pair_index, spans
+from memd.swap import SWAP_ADVICE, check_bounds, latency_test_wait, pair_index, spans
 from shared.page_checksum import word_sums
 from shared.sizes import format_size
 
@@ -59,18 +59,22 @@ class PinnedSwap:
             except torch.cuda.OutOfMemoryError:
                 log.warning("no GPU memory left for swap staging buffers: small pages swap one DMA at a time")
 
-    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
+    def copy_out(self, pairs: list[tuple[int, int]], halt: threading.Event | None = None) -> bool:
+        """False if `halt` was set before the copy started: queued on the stream, a DMA runs to its end."""
+        if latency_test_wait(self.delay_s, halt):
+            return False
         self._copy(pairs, "out", self._out_stream)
+        return True
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        latency_test_wait(self.delay_s)
         self._copy(pairs, "in", self._in_stream)
 
     def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]:
         """Copy in, then sum the pages on the GPU, on the same stream (8 bytes per page come back)."""
         import torch
 
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        latency_test_wait(self.delay_s)
         with torch.cuda.stream(self._in_stream):
             self.move(pairs, "in")
             return word_sums(self.pages, [block for _, block in pairs])
@@ -78,8 +82,6 @@ class PinnedSwap:
     def _copy(self, pairs: list[tuple[int, int]], direction: str, stream: object) -> None:
         import torch
 
-        if self.delay_s:
-            time.sleep(self.delay_s)
         with torch.cuda.stream(stream):
             self.move(pairs, direction)
         stream.synchronize()                                           # type: ignore[attr-defined]

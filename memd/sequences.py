@@ -40,7 +40,7 @@ States, and what moves a sequence from one to another:
        memd parks what was RUNNING the same way (memd.recovery).
    [2] memd.eviction, under pressure, for a preempting Park or for
        `memctl evict`. The sequence is SWAPPED once the copy is done; a
-       Resume or Free before that cancels the swap-out.
+       Resume, Free or drop before that calls the swap-out off (`SwapOut`).
    [3] memd.eviction: an eviction that swap cannot take (swap off, or full
        of hotter sequences), the idle TTL, `memctl evict --drop`, or room in
        a full swap tier for a hotter swap-out. A restarted memd drops what it
@@ -50,6 +50,7 @@ States, and what moves a sequence from one to another:
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -104,13 +105,51 @@ class Sequence:
         return len(self.block_ids) * self.block_size
 
 
+class CopyTicket:
+    """Whether a queued copy may still start, and, once it has, the flag that asks it to stop.
+
+    The copy thread and memd's loop race for it under a lock: exactly one of
+    `begin` (the copy starts) and `call_off` before it (the copy never runs)
+    wins, so the loop knows whether a called-off copy's slots are its own again.
+    """
+
+    __slots__ = ("_lock", "_started", "halt")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False
+        self.halt = threading.Event()     # set: the copy stops at its next chunk (or skips its delay)
+
+    def begin(self) -> bool:
+        """On the copy's thread: False if the copy was called off before it could start."""
+        with self._lock:
+            if self.halt.is_set():
+                return False
+            self._started = True
+            return True
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def call_off(self) -> bool:
+        """On the loop: stop the copy; True if it never started (and now never will)."""
+        with self._lock:
+            self.halt.set()
+            return not self._started
+
+
 @dataclass(slots=True, eq=False)
 class SwapOut:
     """A swap-out in flight: the pages still belong to the (PARKED) sequence, the slots to the copy.
 
     Until the copy is done the pages stay referenced, so nobody is handed a
-    page that is still being read. A resume, free or drop meanwhile cancels
-    the job: the sequence keeps its pages and the copy's slots go back.
+    page that is still being read. A resume, free or drop meanwhile calls the
+    job off (`KvManager.call_off`): the sequence keeps its pages, and the
+    copy's slots go back at once if it had not started, else as soon as it
+    stops, which it does within one chunk; whatever called it off answers
+    only then (`StepRunner.settle`), so a client that reads `stats` after a
+    reset sees every slot back.
     """
 
     seq: Sequence
@@ -119,6 +158,8 @@ class SwapOut:
     reason: EvictionReason | None      # None for a worker's own preemption
     blocks_freed: int = 0              # set when the copy is done and the pages are released
     checksums: list[int] = field(default_factory=list)   # of the slots, once the copy is done
+    ticket: CopyTicket = field(default_factory=CopyTicket)
+    slots_back: bool = False           # the slots went back to the free stack (a copy called off, or failed)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -277,7 +277,7 @@ class StepOps:
             if op.distrusted:
                 self._distrusted(txn, owned, op.distrusted)
         # Not `release`: within a Step the swap-out's cancel is undoable, and the slots are
-        # given back only once the Step stands (and its copies are done).
+        # given back only once the Step stands (and its copies are done or called off).
         self._cancel_swap_out(txn, seq)
         self.release_blocks(seq.block_ids)
         txn.outcome.read_slots += seq.slots
@@ -411,10 +411,13 @@ class StepOps:
         return seq.num_committed
 
     def _cancel_swap_out(self, txn: _Txn, seq: Sequence) -> None:
-        """The sequence is wanted (resume) or gone (free): a swap-out in flight no longer counts."""
+        """The sequence is wanted (resume) or gone (free): a swap-out in flight no longer counts.
+
+        Out of the table now, undoably; its copy is called off once the Step stands (`KvManager.step`)."""
         job = self.swap_jobs.pop(seq.seq_id, None)
         if job is not None:
             txn.undo.record(self.swap_jobs.__setitem__, seq.seq_id, job)
+            txn.outcome.called_off.append(job)
 
     def _grow(self, txn: _Txn, seq: Sequence, num_tokens: int) -> None:
         needed = blocks_for(num_tokens, seq.block_size) - len(seq.block_ids)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from memd.page_effects import PageEffect
-from memd.sequences import Sequence
+from memd.sequences import Sequence, SwapOut
 from shared.ops import OpResult
 
 if TYPE_CHECKING:
@@ -50,3 +50,5 @@ class StepOutcome:
     filling: set[int] = field(default_factory=set)
     # Sessions this Step freed (a reset, an error): the cluster tier takes their records back.
     freed_sessions: list[str] = field(default_factory=list)
+    # Swap-outs in flight of sequences this Step resumed or freed: called off once the Step stands.
+    called_off: list[SwapOut] = field(default_factory=list)

@@ -41,7 +41,7 @@ PRESSURE_ROUNDS = 8
 class StepRunner:
     def __init__(self, manager: KvManager, copier: PageCopier, wal: WriteAheadLog | None = None) -> None:
         self.manager, self.copier, self.wal = manager, copier, wal
-        self._swap_tasks: set[asyncio.Task[bool]] = set()
+        self._swap_tasks: dict[SwapOut, asyncio.Task[bool]] = {}
         self._pressure = asyncio.Event()
         # Called whenever sequences changed state (a drain waits for that).
         self.on_change: Callable[[], None] = lambda: None
@@ -73,6 +73,8 @@ class StepRunner:
         else:
             # The Step is committed: what follows must finish even if the caller is cancelled.
             await asyncio.shield(asyncio.ensure_future(self._after_commit(outcome)))
+        if outcome.called_off:
+            await self.settle()          # a reset answers with its sequence's slots back, not a copy later
         self.on_change()
         wanted = min(wanted_blocks, m.pool.num_blocks) - m.pool.num_free
         if wanted > 0:
@@ -102,7 +104,7 @@ class StepRunner:
                 self.start(evicted)
                 self.manager.counters["steps_waited_for_room"] += 1
                 if self._swap_tasks:
-                    await asyncio.wait(set(self._swap_tasks), return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(set(self._swap_tasks.values()), return_when=asyncio.FIRST_COMPLETED)
                 elif not evicted.blocks_freed:
                     raise
         return self.manager.step(worker_id, ops, lease, remote)
@@ -176,18 +178,33 @@ class StepRunner:
         tasks = []
         for job in evicted.jobs:
             task = asyncio.ensure_future(self._swap_out(job))
-            self._swap_tasks.add(task)
-            task.add_done_callback(self._swap_tasks.discard)
+            self._swap_tasks[job] = task
+            task.add_done_callback(lambda _task, job=job: self._swap_tasks.pop(job, None))
             tasks.append(task)
         return tasks
 
+    async def settle(self) -> None:
+        """Until every swap-out called off has stopped copying and given its slots back (a chunk's copy at most).
+
+        What calls a swap-out off (a Free, a Resume, a drop) answers only then:
+        the slots it let go are free when its caller hears back.
+        """
+        m = self.manager
+        while pending := [self._swap_tasks[job] for job in m.stopping if job in self._swap_tasks]:
+            await asyncio.wait(pending)
+
     async def _swap_out(self, job: SwapOut) -> bool:
         try:
-            job.checksums = await self.copier.swap_out(list(zip(job.blocks, job.slots, strict=True)))
+            checksums = await self.copier.swap_out(list(zip(job.blocks, job.slots, strict=True)), job.ticket)
         except Exception:
             log.exception("swap-out failed; the sequence stays parked", seq=job.seq.seq_id)
             self.manager.evictions.abort_swap_out(job)
             return False
+        if checksums is None:                 # called off: the sequence was resumed, freed or dropped
+            self.manager.evictions.abort_swap_out(job)
+            self.persist()
+            return False
+        job.checksums = checksums
         done = self.manager.evictions.finish_swap_out(job)
         self.persist()
         if done:
@@ -199,6 +216,7 @@ class StepRunner:
         """An operator's eviction: wait for its swap-outs; returns the sequences actually swapped out."""
         tasks = self.start(evicted)
         done = await asyncio.shield(asyncio.gather(*tasks))
+        await self.settle()                   # a drop of a sequence being swapped out: its slots are back
         return [job.seq.seq_id for job, ok in zip(evicted.jobs, done, strict=True) if ok]
 
     async def police(self) -> None:
@@ -228,7 +246,7 @@ class StepRunner:
     async def close(self) -> None:
         """Wait for swap copies and queued page effects: the pool must outlive them."""
         if self._swap_tasks:
-            await asyncio.wait(set(self._swap_tasks))
+            await asyncio.wait(set(self._swap_tasks.values()))
         self.copier.close()
         self.persist()
 

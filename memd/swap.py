@@ -60,6 +60,9 @@ COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 # (systemd/memd.service sets it); memd says at start-up whether it is.
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 PARALLEL_BYTES = 4 << 20         # smaller copies are not worth a hand-off to the threads
+# A swap-out that can be called off checks between chunks of this size: a reset waits for at most one
+# (a few ms), and each chunk is still large enough to keep every copy thread busy.
+HALT_CHUNK_BYTES = 64 << 20
 LOCK_CHUNK_BYTES = 16 << 20      # the swap tier is locked (populated) this much at a time, after READY
 SWAP_ADVICE = " (lower --swap-ratio or use --disable-swap)"
 
@@ -68,7 +71,8 @@ class SwapMemory(Protocol):
     num_slots: int
     delay_s: float
 
-    def copy_out(self, pairs: list[tuple[int, int]]) -> None: ...    # (block, slot)
+    def copy_out(self, pairs: list[tuple[int, int]], halt: threading.Event | None = None) -> bool: ...
+    # (block, slot) pairs; False: `halt` was set before the copy was done (the slots hold a part of it)
     def copy_in(self, pairs: list[tuple[int, int]]) -> None: ...     # (slot, block)
     def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]: ...   # and the pages' checksums after
     def checksums(self, slots: list[int]) -> list[int]: ...          # of the slots' bytes now, as the pool's
@@ -85,6 +89,15 @@ def latency_test_delay() -> float:
     if delay < 0:
         raise PoolMemoryError(f"SWAP_LATENCY_TEST={raw!r} is negative")
     return delay
+
+
+def latency_test_wait(delay_s: float, halt: threading.Event | None = None) -> bool:
+    """Sleep `SWAP_LATENCY_TEST`'s delay before a copy; True if `halt` was set meanwhile (the copy is off)."""
+    if halt is not None:
+        return halt.wait(delay_s) if delay_s else halt.is_set()
+    if delay_s:
+        time.sleep(delay_s)
+    return False
 
 
 def allocate_swap(pool: PoolMemory, num_slots: int, block_bytes: int, path: Path | None = None) -> SwapMemory:
@@ -210,8 +223,8 @@ class HostSwap:
             log.info("swap tier populated and locked in RAM", swap=format_size(size),
                      seconds=round(time.monotonic() - started, 2))
 
-    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy(pairs, out=True)
+    def copy_out(self, pairs: list[tuple[int, int]], halt: threading.Event | None = None) -> bool:
+        return self._copy(pairs, out=True, halt=halt)
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(pairs, out=False)
@@ -224,8 +237,7 @@ class HostSwap:
         unchecked speed here; page by page it runs at 83%.
         """
         self.allocated()
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        latency_test_wait(self.delay_s)
         total = len(pairs) * self.block_bytes
         if self._threads is None or total < PARALLEL_BYTES:
             return self._copy_in_checked(pairs)
@@ -241,21 +253,29 @@ class HostSwap:
             out.append(xxh3_at(dst_base + block * size, size))
         return out
 
-    def _copy(self, pairs: list[tuple[int, int]], out: bool) -> None:
+    def _copy(self, pairs: list[tuple[int, int]], out: bool, halt: threading.Event | None = None) -> bool:
+        """False if `halt` was set before the copy was done (checked between chunks, and during the test delay)."""
         self.allocated()
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        if latency_test_wait(self.delay_s, halt):
+            return False
         if not pairs:
-            return
-        np = _numpy()
+            return True
         pool_rows, slot_rows = self._rows()
         src, dst = (pool_rows, slot_rows) if out else (slot_rows, pool_rows)
         index = pair_index(pairs)
         check_bounds(index, len(src), len(dst))               # take(mode="clip") would clamp, not refuse
-        if self._threads is None or len(pairs) * self.block_bytes < PARALLEL_BYTES:
+        chunk = max(1, HALT_CHUNK_BYTES // self.block_bytes) if halt is not None else len(index)
+        for start in range(0, len(index), chunk):
+            if halt is not None and halt.is_set():
+                return False
+            self._copy_rows(src, dst, index[start:start + chunk])
+        return True
+
+    def _copy_rows(self, src: Any, dst: Any, index: Any) -> None:
+        if self._threads is None or len(index) * self.block_bytes < PARALLEL_BYTES:
             copy_pages(src, dst, index)
         else:
-            shares = [share for share in np.array_split(index, COPY_THREADS) if len(share)]
+            shares = [share for share in _numpy().array_split(index, COPY_THREADS) if len(share)]
             list(self._threads.map(lambda share: copy_pages(src, dst, share), shares))
 
     def _rows(self) -> tuple[Any, Any]:

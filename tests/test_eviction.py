@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from shared.client import MemdClient
 from shared.ops import Extend, Free, Open, Park, Resume
 
@@ -171,6 +173,46 @@ async def test_the_loop_answers_while_a_slow_swap_copies(memd_factory):
         assert (await evicting).swapped == [seq]
         stats = await admin.stats()
         assert stats.used_blocks == 0 and stats.swapped_blocks == 3
+
+
+# Each swap copy waits this long first (SWAP_LATENCY_TEST): a copy that is not called off outlasts the test.
+SLOW_COPY = {"SWAP_LATENCY_TEST": "60"}
+
+
+async def test_a_reset_during_a_swap_out_answers_with_every_slot_back(memd_factory):
+    memd = await memd_factory(*SMALL, "--log-level", "debug", env=SLOW_COPY)
+    async with await MemdClient.attach(memd.address, block_size=BS) as client, memd.admin() as admin:
+        await park(client, "first")
+        await park(client, "second", start=100)
+        evicting = asyncio.create_task(admin.evict(idle_s=0))     # both: the second copy queues behind the first
+        await memd.log.wait_for("rpc", method="Evict")
+        await client.step(Free(session_id="second"))              # its copy never began: its slots are back
+        stats = await admin.stats()
+        assert stats.used_blocks == 3 and stats.swap_free_blocks == stats.swap_total_blocks - 3
+        assert not evicting.done()
+        await client.step(Free(session_id="first"))               # its copy is under way: called off, it stops
+        stats = await admin.stats()
+        assert stats.used_blocks == 0 and stats.swap_free_blocks == stats.swap_total_blocks
+        assert (await evicting).swapped == [] and sum(stats.sequences.values()) == 0
+        assert (await admin.check()).ok
+
+
+@pytest.mark.parametrize("by", ["resume", "drop"])
+async def test_a_resume_or_drop_during_a_swap_out_answers_with_every_slot_back(memd_factory, by):
+    memd = await memd_factory(*SMALL, "--log-level", "debug", env=SLOW_COPY)
+    async with await MemdClient.attach(memd.address, block_size=BS) as client, memd.admin() as admin:
+        seq = await park(client, "chat")
+        evicting = asyncio.create_task(admin.evict(session_id="chat"))
+        await memd.log.wait_for("rpc", method="Evict")
+        if by == "resume":
+            resumed, = await client.step(Resume(session_id="chat"))
+            assert resumed.num_committed == 40 and resumed.state == "running"
+        else:
+            assert (await admin.evict(session_id="chat", mode="drop")).seq_ids == [seq]
+        stats = await admin.stats()
+        assert stats.swap_free_blocks == stats.swap_total_blocks and stats.used_blocks == (3 if by == "resume" else 0)
+        assert (await evicting).swapped == []
+        assert (await admin.check()).ok
 
 
 async def wait_running(memd, seq_id: int) -> None:

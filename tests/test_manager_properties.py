@@ -351,11 +351,24 @@ class KvManagerMachine(RuleBasedStateMachine):
             assert (mode == "swap" and seq.seq_id in self.manager.swap_jobs) or seq.state is SeqState.SWAPPED
             event(f"evict {mode}: swapping")
 
+    @precondition(lambda self: any(not job.ticket.started for job in self.jobs))
+    @rule(data=st.data())
+    def a_swap_copy_starts(self, data: st.DataObject) -> None:
+        """The copy thread takes a queued swap-out: it starts unless it was called off before."""
+        job = data.draw(st.sampled_from([job for job in self.jobs if not job.ticket.started]))
+        assert job.ticket.begin() == (job in self.manager.swap_jobs.values())
+
     @precondition(lambda self: self.jobs)
-    @rule(data=st.data(), fails=st.booleans())
-    def a_swap_copy_finishes(self, data: st.DataObject, fails: bool) -> None:
+    @rule(data=st.data(), fails=st.booleans(), stops=st.booleans())
+    def a_swap_copy_finishes(self, data: st.DataObject, fails: bool, stops: bool) -> None:
+        """As memd.step_runner: a copy that failed, never ran, or stopped when called off is aborted."""
         job = self.jobs.pop(data.draw(st.integers(0, len(self.jobs) - 1)))
         current = self.manager.swap_jobs.get(job.seq.seq_id) is job
+        if not job.ticket.begin() or (stops and job.ticket.halt.is_set()):
+            assert not current
+            self.manager.evictions.abort_swap_out(job)
+            assert job not in self.manager.stopping
+            return
         if fails:
             self.manager.evictions.abort_swap_out(job)
             assert job.seq.state is not SeqState.SWAPPED or not current
@@ -443,6 +456,15 @@ class KvManagerMachine(RuleBasedStateMachine):
     @invariant()
     def no_violations(self) -> None:
         assert self.manager.violations() == []
+
+    @invariant()
+    def slots_in_copy_belong_to_a_copy_that_may_still_write_them(self) -> None:
+        """A swap-out called off gives its slots back at once if its copy never began, else once it stops."""
+        m = self.manager
+        assert m.swap is not None
+        owned = [slot for job in [*m.swap_jobs.values(), *m.stopping] for slot in job.slots]
+        assert sorted(m.swap.in_copy) == sorted(owned)
+        assert all(job.ticket.halt.is_set() and job.ticket.started and not job.slots_back for job in m.stopping)
 
     @invariant()
     def every_block_is_free_or_referenced(self) -> None:
@@ -636,6 +658,27 @@ def test_a_sequence_preempted_and_freed_in_one_step_is_not_swapped_out():
     assert outcome.evictions == [] and manager.swap_jobs == {}
     assert manager.counters["preemptions"] == 1
     free_everything(manager)
+
+
+@pytest.mark.parametrize("began", [False, True])
+def test_a_free_during_a_swap_out_gets_the_slots_back_at_once_or_when_the_copy_stops(began):
+    m = new_manager()
+    worker = attach(m, "m")
+    chat = open_and_commit(m, worker, list(range(3 * BLOCK_SIZE)), session_id="chat")
+    m.step(worker, [Park(chat)])
+    job, = m.evictions.evict(m.seqs[chat], "swap", EvictionReason.FORCED).jobs
+    if began:
+        assert job.ticket.begin()                   # the copy thread is on it
+    m.release_slots(m.step(worker, [Free(session_id="chat")]).read_slots)
+    assert job.ticket.halt.is_set() and m.swap_jobs == {}
+    if began:                                       # the slots are the copy's until it stops
+        assert m.stopping == {job} and m.swap.num_free == SWAP_SLOTS - 3
+        m.evictions.abort_swap_out(job)             # it stopped at its next chunk (memd.step_runner)
+    else:
+        assert not job.ticket.begin()               # it never will: its slots are free already
+        assert m.stopping == set() and m.swap.num_free == SWAP_SLOTS
+        assert not m.evictions.finish_swap_out(job)  # a late word from the copier gives nothing twice
+    assert m.swap.num_free == SWAP_SLOTS and m.swap.in_copy == set() and m.violations() == []
 
 
 @pytest.mark.parametrize("freed", [False, True])
