@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, settings
 
 from shared.client import MemdAdmin, MemdClient
 
-pytest_plugins = ["tests.store_master"]      # the `store` fixture: a real mooncake_master
+pytest_plugins = ["tests.store_master",     # the `store` fixture: a real mooncake_master
+                  "tests.required"]         # KVPOOL_REQUIRE=all: only a missing GPU may skip a test
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0

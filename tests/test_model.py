@@ -33,6 +33,17 @@ def checkpoint(request, tmp_path_factory) -> Path:
                            llama3_rope=request.param == "llama")
 
 
+def inapplicable(params: dict) -> bool:
+    """Flex decode reads pages alike for every architecture: the llama checkpoint covers it (tests/required.py)."""
+    return params.get("worker") == "flex" and params.get("checkpoint") != "llama"
+
+
+@pytest.fixture(scope="module")
+def flex_checkpoint(tmp_path_factory) -> Path:
+    """The llama checkpoint alone, for tests of flex decode itself."""
+    return make_tiny_model(tmp_path_factory.mktemp("flex"), arch="llama", seed=3, llama3_rope=True)
+
+
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
@@ -45,8 +56,6 @@ async def worker(request, memd_factory, checkpoint):
     # reading the pages through flex attention, as on a GPU (here compiled for the CPU).
     attention, fused = {"kernels": ("paged", True), "torch": ("gather", False), "flex": ("flex", False)}[request.param]
     config = read_config(checkpoint)
-    if attention == "flex" and config.arch != "llama":
-        pytest.skip("flex decode reads pages alike for every architecture: the llama checkpoint covers it")
     page = BS * config.bytes_per_token
     memd = await memd_factory("--device", "cpu", "--pool-bytes", str(512 * page), "--block-bytes", str(page))
     client = await MemdClient.attach(memd.address, model=checkpoint.name, block_size=BS,
@@ -279,13 +288,11 @@ def test_a_sliding_window_caps_the_positions_served(tmp_path):
 
 
 @pytest.mark.processes                         # torch's compiler builds the kernel in processes of its own
-def test_flex_decode_compiles_ahead_every_batch_size_a_step_pads_to(checkpoint):
+def test_flex_decode_compiles_ahead_every_batch_size_a_step_pads_to(flex_checkpoint):
     # inferd serve compiles them at attach: no request waits seconds for a compile on its first step.
     from torch._dynamo.utils import counters
-    config = read_config(checkpoint)
-    if config.arch != "llama":
-        pytest.skip("flex decode reads pages alike for every architecture: the llama checkpoint covers it")
-    model = PagedDecoder(config, load_weights(checkpoint, config.dtype), torch.zeros(16, *config.page_shape(BS)),
+    config = read_config(flex_checkpoint)
+    model = PagedDecoder(config, load_weights(flex_checkpoint, config.dtype), torch.zeros(16, *config.page_shape(BS)),
                          attention="flex")
     assert model.compile_ahead(3) == [1, 2, 4]
     compiled = counters["stats"]["unique_graphs"]
@@ -299,13 +306,11 @@ def test_flex_decode_compiles_ahead_every_batch_size_a_step_pads_to(checkpoint):
     assert [ref() for ref in gone] == [None, None, None]
 
 
-def test_a_flex_decoder_recomputing_into_other_pages_attends_over_a_copy_of_those(checkpoint):
+def test_a_flex_decoder_recomputing_into_other_pages_attends_over_a_copy_of_those(flex_checkpoint):
     # The reuse check recomputes a prefix into scratch pages (inferd.reuse_check): flex's views span the pool,
     # so a step on other pages, one token included, attends over a gathered copy of them, as the gather decoder.
-    config = read_config(checkpoint)
-    if config.arch != "llama":
-        pytest.skip("flex decode reads pages alike for every architecture: the llama checkpoint covers it")
-    weights = load_weights(checkpoint, config.dtype)
+    config = read_config(flex_checkpoint)
+    weights = load_weights(flex_checkpoint, config.dtype)
     flex = PagedDecoder(config, weights, torch.zeros(16, *config.page_shape(BS)), attention="flex")
     gather = PagedDecoder(config, weights, torch.zeros(16, *config.page_shape(BS)), attention="gather")
     scratch = [torch.zeros(3, *config.page_shape(BS)) for _ in range(2)]
