@@ -8,7 +8,10 @@ once), then a record of the session: its token ids, block keys and the
 blocks' checksums (the worker's, so a host that fetches them checks what it
 got). A session reset or freed removes its record; blocks age out by the
 store's own eviction. A store that is slow or down costs only the publish:
-the session stays here, and a line in the log says so.
+the session stays here, and a line in the log says so. A store that is
+down when memd starts is the same: memd serves without it, with
+`memctl stats` saying why it is unreachable, and joins it in the background
+(`join`, with back-off; one log line each time the reason changes).
 
 A Step that continues a session this memd does not hold (its host was lost,
 or a balancer sent the turn elsewhere) first looks its record up in the
@@ -30,6 +33,7 @@ import asyncio
 import contextlib
 import hashlib
 from array import array
+from collections.abc import Callable
 
 import msgpack
 import structlog
@@ -37,7 +41,7 @@ import structlog
 from memd.manager import KvManager
 from memd.sequences import RemoteSession, SeqState
 from memd.step_outcome import StepOutcome
-from shared.cluster_store import ClusterStore
+from shared.cluster_store import ClusterError, ClusterStore, StoreUnreachable
 
 log = structlog.get_logger("memd.cluster")
 
@@ -45,6 +49,7 @@ KEY_PREFIX = "kvpool/v1"
 RECORD_VERSION = 1
 HEALTH = {1: "the client is closed", 2: "mooncake_master does not answer"}
 LOOKUP_TIMEOUT_S = 2.0         # a Step's reads of the store before it runs (and memctl stats' health check)
+JOIN_RETRY_S = (1.0, 30.0)     # a store down at start-up: tried again after 1 s, doubling up to 30 s
 
 
 def block_keys(model: str, token_ids: list[int], block_size: int, count: int) -> list[str]:
@@ -96,9 +101,49 @@ class ClusterTier:
         self.block_bytes = manager.geometry.block_bytes
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()                 # parked again (or freed) while its last job ran
+        self.unreachable = ""                         # why the store could not be joined yet ("" once it was)
+        self._joining: asyncio.Task[None] | None = None
+
+    async def join(self) -> bool:
+        """Join the store now; False if it does not answer (then `join_later` keeps trying). ClusterError for
+        a store that cannot be used as configured (memd refuses to start)."""
+        try:
+            await self.store.start()
+        except StoreUnreachable as exc:
+            self._unreachable(str(exc))
+            return False
+        self.unreachable = ""
+        return True
+
+    def join_later(self, joined: Callable[[], None]) -> None:
+        """Keep trying, with back-off, until the store answers; then `joined()` (memd looks sessions up there)."""
+        self._joining = asyncio.create_task(self._join_later(joined), name="cluster-join")
+
+    async def _join_later(self, joined: Callable[[], None]) -> None:
+        delay, most = JOIN_RETRY_S
+        while True:
+            await asyncio.sleep(delay)           # back-off between tries: nothing signals that a store came up
+            try:
+                if await self.join():
+                    joined()
+                    return
+            except ClusterError as exc:          # it answered, but cannot take this memd: no use trying again
+                self._unreachable(str(exc))
+                log.error("the cluster store cannot be joined; memd serves this host's sessions alone",
+                          error=str(exc))
+                return
+            delay = min(2 * delay, most)
+
+    def _unreachable(self, why: str) -> None:
+        if why != self.unreachable:
+            log.warning("the cluster store is unreachable; memd serves this host's sessions alone and joins it "
+                        "when it answers", error=why)
+        self.unreachable = why
 
     async def status(self) -> str:
         """For `memctl stats`: whether the store answers now."""
+        if not self.store.joined:
+            return f"unreachable: {self.unreachable or 'not joined yet'}"
         try:
             code = await asyncio.wait_for(self.store.health(), LOOKUP_TIMEOUT_S)
         except TimeoutError:
@@ -179,7 +224,7 @@ class ClusterTier:
         log.info("removed a session from the cluster store", session=session)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = list(self._tasks.values()) + ([self._joining] if self._joining is not None else [])
         for task in tasks:
             task.cancel()
         for task in tasks:

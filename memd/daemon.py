@@ -132,7 +132,12 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
 
 async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Parts,
                        stack: contextlib.AsyncExitStack) -> None:
-    """--cluster-master: join the Mooncake store; parked sessions are published to it from now on."""
+    """--cluster-master: join the Mooncake store; parked sessions are published to it from now on.
+
+    A store that does not answer yet does not keep memd from serving: it is an
+    optional, remote tier, and one that dies later costs only a recompute too.
+    memd starts without it and joins it in the background (memd.cluster).
+    """
     if not args.cluster_metadata:
         raise StartupError("--cluster-master needs --cluster-metadata (the store's HTTP metadata server URL)")
     if not isinstance(memory, ShmMemory):
@@ -140,19 +145,26 @@ async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Part
     config = ClusterConfig(args.cluster_master, args.cluster_metadata, args.cluster_host, args.cluster_segment,
                            args.cluster_replicas)
     store = ClusterStore(config, memory.base, memory.size, parts.manager.geometry.block_bytes)
+    tier = ClusterTier(parts.manager, store)
     try:
-        await store.start()
+        joined = await tier.join()
     except ClusterError as exc:
         store.close()
         raise StartupError(str(exc)) from None
-    tier = ClusterTier(parts.manager, store)
-    parts.runner.after_step.append(tier.after_step)
-    parts.runner.lookups = Lookups(parts.manager, store)
-    parts.runner.copier.remote = store
-    parts.service.cluster_status = tier.status
     stack.push_async_callback(tier.close)
-    log.info("joined the cluster store", master=config.master, metadata=config.metadata,
-             segment=format_size(config.segment_bytes), replicas=config.replicas)
+    parts.runner.after_step.append(tier.after_step)      # before it is joined: each park counts an error
+    parts.service.cluster_status = tier.status
+
+    def looking_up() -> None:
+        parts.runner.lookups = Lookups(parts.manager, store)
+        parts.runner.copier.remote = store
+        log.info("joined the cluster store", master=config.master, metadata=config.metadata,
+                 segment=format_size(config.segment_bytes), replicas=config.replicas)
+
+    if joined:
+        looking_up()
+    else:
+        tier.join_later(looking_up)
 
 
 def check_reopened(scrubber: Scrubber) -> None:

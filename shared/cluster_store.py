@@ -39,6 +39,10 @@ class ClusterError(RuntimeError):
     """The store cannot be used as configured: the daemon refuses to start, in one line."""
 
 
+class StoreUnreachable(ClusterError):
+    """The store did not answer: it may be down for now. memd serves without it and joins it once it answers."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """The --cluster-* flags of memd and kvroute."""
@@ -82,8 +86,8 @@ class ClusterStore:
         rc = store.setup(c.host or socket.gethostname(), c.metadata, c.segment_bytes, 16 << 20, "tcp", "",
                          c.master)
         if rc != 0:
-            raise ClusterError(f"cannot join the Mooncake store at {c.master} (metadata {c.metadata}): "
-                               f"setup returned {rc}; is mooncake_master running there?")
+            raise StoreUnreachable(f"cannot join the Mooncake store at {c.master} (metadata {c.metadata}): "
+                                   f"setup returned {rc}; is mooncake_master running there?")
         base, size = self._pool
         if size and store.register_buffer(base, size) != 0:
             raise ClusterError("cannot register memd's pool with Mooncake's transfer engine")
@@ -94,6 +98,16 @@ class ClusterStore:
         replicate.soft_pin_action = SoftPinAction.ENABLE
         self._store, self._replicate = store, replicate
 
+    @property
+    def joined(self) -> bool:
+        return self._store is not None
+
+    def _client(self) -> Any:
+        """The joined client; a call before memd joined fails as one to a store that does not answer."""
+        if self._store is None:
+            raise ConnectionError("not joined to the Mooncake store yet")
+        return self._store
+
     @staticmethod
     async def _call(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -102,13 +116,13 @@ class ClusterStore:
         """One batched existence check; an error reads as absent."""
         if not keys:
             return []
-        found = await self._call(self._publishes, self._store.batch_is_exist, keys)
+        found = await self._call(self._publishes, self._client().batch_is_exist, keys)
         return [rc == 1 for rc in found]
 
     async def put_pages(self, keys: list[str], pages: list[int]) -> list[int]:
         """Put pool pages under `keys` straight from the pool; one return code per key (0: stored)."""
         base, size = self._pool[0], self._page_bytes
-        return await self._call(self._publishes, self._store.batch_put_from, keys,
+        return await self._call(self._publishes, self._client().batch_put_from, keys,
                                 [base + p * size for p in pages], [size] * len(pages), self._replicate)
 
     def get_pages(self, keys: list[str], pages: list[int]) -> list[bool]:
@@ -118,9 +132,9 @@ class ClusterStore:
         session is cut at its first page and computed here.
         """
         base, size = self._pool[0], self._page_bytes
-        job = self._fetches.submit(self._store.batch_get_into, keys, [base + p * size for p in pages],
-                                   [size] * len(pages))
         try:
+            job = self._fetches.submit(self._client().batch_get_into, keys, [base + p * size for p in pages],
+                                       [size] * len(pages))
             got = job.result(timeout=FETCH_TIMEOUT_S)
         except Exception as exc:
             log.warning("a fetch from the cluster store failed; those pages are computed here", pages=len(pages),
@@ -130,29 +144,29 @@ class ClusterStore:
 
     async def put(self, key: str, value: bytes) -> int:
         """A small object (a record), replacing what the key held."""
-        return await self._call(self._publishes, self._store.upsert, key, value, self._replicate)
+        return await self._call(self._publishes, self._client().upsert, key, value, self._replicate)
 
     async def put_many(self, keys: list[str], values: list[bytes]) -> int:
         """Small objects (block checksums); a key already there keeps its value. 0 when all went well."""
-        return await self._call(self._publishes, self._store.put_batch, keys, values, self._replicate) if keys else 0
+        return await self._call(self._publishes, self._client().put_batch, keys, values, self._replicate) if keys else 0
 
     async def get_many(self, keys: list[str]) -> list[bytes]:
         """Small objects; b"" for a key the store does not hold."""
         if not keys:
             return []
-        return [bytes(v) if v else b"" for v in await self._call(self._lookups, self._store.get_batch, keys)]
+        return [bytes(v) if v else b"" for v in await self._call(self._lookups, self._client().get_batch, keys)]
 
     async def get(self, key: str) -> bytes | None:
-        data = await self._call(self._lookups, self._store.get, key)
+        data = await self._call(self._lookups, self._client().get, key)
         return bytes(data) if data else None
 
     async def remove(self, key: str) -> int:
         """Gone now, whatever lease a reader holds on it (a reset session, a torn page)."""
-        return await self._call(self._publishes, self._store.remove, key, True)
+        return await self._call(self._publishes, self._client().remove, key, True)
 
     async def health(self) -> int:
         """Mooncake's health check: 0 healthy, 1 client closed, 2 master unreachable."""
-        return await self._call(self._lookups, self._store.health_check)
+        return await self._call(self._lookups, self._client().health_check)
 
     def close(self) -> None:
         """Once every call in flight returned (a put still reads the pool): leave the store."""
@@ -168,15 +182,19 @@ class ClusterStore:
 def _probe(master: str, metadata: str) -> None:
     """Fail in a second, in one line, where Mooncake's client would retry for a minute and a half."""
     host, _, port = master.rpartition(":")
+    if not port.isdigit():
+        raise ClusterError(f"--cluster-master {master!r} is not HOST:PORT")
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=PROBE_TIMEOUT_S).close()
-    except (OSError, ValueError) as exc:
-        raise ClusterError(f"cannot join the Mooncake store: no mooncake_master at {master} "
-                           f"({getattr(exc, 'strerror', None) or exc})") from None
+    except OSError as exc:
+        raise StoreUnreachable(f"cannot join the Mooncake store: no mooncake_master at {master} "
+                               f"({exc.strerror or exc})") from None
     try:
         urllib.request.urlopen(f"{metadata}?key=kvpool-probe", timeout=PROBE_TIMEOUT_S).close()
     except urllib.error.HTTPError:
         pass                              # it answered: a metadata server that has no such key
-    except (OSError, ValueError) as exc:
-        raise ClusterError(f"cannot join the Mooncake store: its metadata server {metadata} does not answer "
-                           f"({getattr(exc, 'reason', None) or exc})") from None
+    except ValueError as exc:
+        raise ClusterError(f"--cluster-metadata {metadata!r} is not a URL ({exc})") from None
+    except OSError as exc:
+        raise StoreUnreachable(f"cannot join the Mooncake store: its metadata server {metadata} does not answer "
+                               f"({getattr(exc, 'reason', None) or exc})") from None

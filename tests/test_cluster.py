@@ -14,6 +14,7 @@ import pytest
 
 from memd.cluster import block_keys, session_key
 from shared.launch import free_port
+from tests.store_master import Store
 from tests.test_inferd_service import inferctl, memctl
 from tests.test_memd_restart import memd_flags, turn
 
@@ -58,13 +59,44 @@ async def test_a_parked_session_is_published_once_per_block_and_a_reset_takes_it
     assert (await asyncio.to_thread(store.look, [], session_key("chat")))[1] is None
 
 
-async def test_memd_refuses_a_store_it_cannot_join_in_one_line(memd_factory, model_dir, tmp_path):
+async def test_memd_refuses_a_store_address_that_is_no_address_in_one_line(memd_factory, model_dir, tmp_path):
     from tests.conftest import start_memd
     with pytest.raises(Exception) as failed:
-        await start_memd(tmp_path, *memd_flags(model_dir), "--cluster-master", f"127.0.0.1:{free_port()}",
+        await start_memd(tmp_path, *memd_flags(model_dir), "--cluster-master", "127.0.0.1",
                          "--cluster-metadata", f"http://127.0.0.1:{free_port()}/metadata",
                          "--cluster-host", "127.0.0.1")
-    assert "cannot join the Mooncake store" in str(failed.value)
+    assert "--cluster-master '127.0.0.1' is not HOST:PORT" in str(failed.value)
+
+
+async def test_memd_serves_with_the_store_down_at_start_and_publishes_once_it_comes_up(
+        memd_factory, inferd_factory, model_dir, model_judge):
+    store = Store()                                  # its ports, with nothing listening on them yet
+    memd = await memd_factory(*memd_flags(model_dir), *store.flags())
+    down = await memd.log.wait_for("the cluster store is unreachable; memd serves this host's sessions alone and "
+                                   "joins it when it answers")
+    assert f"no mooncake_master at {store.master}" in down["error"]
+    rc, out, _ = await memctl(memd.address, "stats", "--json")
+    assert rc == 0 and json.loads(out)["cluster"] == f"unreachable: {down['error']}"
+    inferd = await inferd_factory(model_dir, memd.address)
+    first = await turn(inferd, "chat", PROMPT, 6)                   # a chat, served with the store down
+    model_judge.assert_greedy(model_judge.encode(PROMPT), first["token_ids"], 6, "with the store down at start")
+    await memd.log.wait_for("the cluster store did not take a change; the session stays on this host",
+                            session="chat")
+    try:
+        await store.start()
+        await memd.log.wait_for("joined the cluster store", timeout=60)      # its retries back off up to 30 s
+        await turn(inferd, "chat", "And then?", 6)
+        published = await memd.log.wait_for("published a session to the cluster store", session="chat")
+        _, record = await asyncio.to_thread(store.look, [], session_key("chat"))
+        assert record is not None and len(record["tokens"]) == published["tokens"]
+        async with memd.admin() as admin:
+            stats = await admin.stats()
+        assert stats.cluster == "reachable" and stats.counters["cluster_errors"] >= 1
+        assert stats.counters["cluster_puts"] == published["new_blocks"] > 0
+        assert memd.log.find("the cluster store is unreachable; memd serves this host's sessions alone and joins "
+                             "it when it answers", nth=2, error=down["error"]) is None    # a line per change
+    finally:
+        await store.kill()
 
 
 async def test_a_host_lost_after_a_turn_costs_no_recompute_on_another(
