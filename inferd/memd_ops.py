@@ -75,6 +75,7 @@ class Admit(PendingOp):
         request.seq_id = result.seq_id
         request.table = BlockTable(result.block_ids)
         scheduler.page_sums.admitted(request, result.num_committed)
+        request.num_committed = result.num_committed
         if resumed:
             request.tokens = list(result.token_ids) if result.token_ids else request.tokens
             request.num_computed = result.num_committed          # the rest is recomputed
@@ -144,6 +145,7 @@ class Grow(PendingOp):
                 "from this worker's; the turn is failed rather than answered from unknown K/V"))
             return
         request.table[result.first_block:] = result.block_ids
+        request.num_committed = result.num_committed
 
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
         self.request.num_known_to_memd -= len(self.op.append)    # memd did not take them
@@ -183,7 +185,7 @@ class ForkChild(PendingOp):
             scheduler.audit.forget(id(request))        # a new table: its positions are taken as found when it runs
         request.status = RequestStatus.RUNNING
         request.seq_id, request.table = result.seq_id, BlockTable(result.block_ids)
-        request.num_computed = request.num_known_to_memd = result.num_committed
+        request.num_computed = request.num_known_to_memd = request.num_committed = result.num_committed
         scheduler.page_sums.admitted(request, result.num_committed)
 
     def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:

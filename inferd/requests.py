@@ -65,6 +65,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)    # the whole history: memd's, the prompt, the generated
     num_computed: int = 0                              # tokens whose K/V are in the pool
     num_known_to_memd: int = 0                         # history length memd knows
+    num_committed: int = 0                             # history memd holds as computed (its prefix cache's)
     num_summed: int = 0                                # leading pages memd has (or had) a checksum for
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""

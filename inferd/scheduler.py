@@ -57,6 +57,7 @@ from inferd.memd_ops import (
 )
 from inferd.model import PagedDecoder, build_batch
 from inferd.page_sums import PageSums
+from inferd.prefix_wait import leading, waits_for
 from inferd.requests import Event, GenerationError, Request, RequestStatus, TokenLogprob
 from inferd.reuse_check import ReuseCheck
 from inferd.sampling import sample, token_logprobs
@@ -258,15 +259,20 @@ class Scheduler:
         ops += self._distrusts
         self._ending, self._resets, self._distrusts = [], [], []
         growing = 0                                         # running sequences first, then newcomers
+        bs = self.block_size
         for request in self.running:
             needed = len(request.tokens)                    # positions this pass writes up to
-            if needed > len(request.table) * self.block_size:
+            grows = needed > len(request.table) * bs
+            # A prompt's blocks are committed as its prefill computes them, not at its first growth: others
+            # opening the same prefix find them then (inferd.prefix_wait).
+            if grows or min(request.num_computed, request.num_prompt) // bs > request.num_committed // bs:
                 extend = Extend(request.seq_id, append=request.tokens[request.num_known_to_memd:],
-                                commit_to=request.num_computed, reserve=self._reserve(request),
+                                commit_to=request.num_computed, reserve=self._reserve(request) if grows else 0,
                                 **self.page_sums.commit(request))
                 ops.append(Grow(request, extend))
                 request.num_known_to_memd = len(request.tokens)   # undone in Grow.refused if memd says no
-                growing += math.ceil((needed + extend.reserve) / self.block_size) - len(request.table)
+                if grows:
+                    growing += math.ceil((needed + extend.reserve) / bs) - len(request.table)
         admitted = self._admit(ops, self.client.free_blocks - growing)
         stalled = await self._memd_step(ops, self._wanted)
         # A preempted request whose Resume memd refused is back at the head of the queue, still preempted
@@ -314,6 +320,7 @@ class Scheduler:
         """A new request again, in its place in the queue (memd freed its sequence)."""
         request.status, request.seq_id, request.table, request.tokens = RequestStatus.WAITING, 0, BlockTable(), []
         request.num_computed = request.num_cached = request.num_known_to_memd = request.num_summed = 0
+        request.num_committed = 0
         self._requeue(request)
 
     def _refork(self) -> int:
@@ -390,11 +397,18 @@ class Scheduler:
             self._end(request, reason=request.cancelled)
 
     def _admit(self, ops: list[PendingOp], budget: int) -> list[Request]:
+        """Open or resume waiting requests in arrival order while seats and pages last; a new prompt whose
+        leading blocks a running request is computing now waits for them, and those behind it go first."""
         admitted: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         self._wanted = 0
+        leaders = leading(self.running)
+        followers = []
         while self.waiting and self._seats(self.waiting[0]) <= seats:
             request = self.waiting[0]
+            if request.status is RequestStatus.WAITING and waits_for(request.prompt_ids, leaders, self.block_size):
+                followers.append(self.waiting.popleft())
+                continue
             need = math.ceil((len(request.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
             if need > budget:
                 # Wait for pages; memd evicts cold parked sequences to make them.
@@ -405,6 +419,9 @@ class Scheduler:
             self.waiting.popleft()
             admitted.append(request)
             ops.append(Admit(request, self._admission(request)))
+            if request.status is RequestStatus.WAITING:
+                leaders.append((request.prompt_ids, 0))     # opened in this Step: nothing committed yet
+        self.waiting.extendleft(reversed(followers))         # still first in the queue, in arrival order
         return admitted
 
     @staticmethod

@@ -139,3 +139,17 @@ def test_the_gpu_decode_bench_runs_on_the_cpu(tmp_path):
     assert report["kvpool_turn2_ttft_ms"] > 0 and report["hf_turn2_ttft_ms"] > 0
     read = report["page_read"]
     assert read["argmax_agree_4"] == 1.0 and read["max_logit_diff_4"] < 1e-3     # fp32: the same attention
+
+
+@pytest.mark.timeout(600)          # two vLLM starts (~50 s each on 2 cores) and two of kvpool
+def test_the_peer_bench_runs_both_servers_and_they_decode_the_same_tokens():
+    # vLLM comes from the venv `.ci/run` set up (bench/peer_engines.py), or is set up here on first use.
+    report = quick("bench_peer.py")
+    assert report["peer_greedy_agreement"] == 1.0          # same weights, both float32, both greedy
+    run = report["runs"][0]
+    for engine in ("kvpool", "vLLM"):
+        assert run[engine]["chat"]["cached_share_later"] > 0.5          # both found the conversation's prefix
+        assert run[engine]["pressure"]["output_tok_s"] > 0
+    keys = ("chat_ttft1", "chat_ttft2", "chat_wall", "pressure_ttft1", "pressure_ttft2", "pressure_ttft2_p99",
+            "decode_b1", "decode_b16", "pressure_itl_p99")
+    assert all(0 < report[f"peer_{key}_ratio"] < float("inf") for key in keys)

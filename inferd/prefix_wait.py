@@ -1,0 +1,59 @@
+"""A prompt whose leading blocks another request here is computing right now waits for them instead of
+computing them again.
+
+memd's prefix cache offers committed blocks only. Eight users who send the
+same 1,650-token system prompt at once would each be opened with no hit and
+compute it eight times, each prefill taking its share of every pass's token
+budget: every first token waits for all eight. Instead the first is admitted
+(the leader), and a later prompt that shares at least one full block with a
+leader's history beyond what the leader has committed stays in the queue,
+with the requests behind it admitted past it. The leader commits its full
+blocks after every prefill pass (the scheduler's early commits), and once it
+has committed the shared run the follower is opened and memd's prefix match
+hands it those blocks: it computes only its own tokens.
+
+A follower waits only on a leader that is RUNNING here and still short of the
+shared run: a leader that ends, is preempted or fails releases it at the next
+iteration. Across workers of one memd the early commits are what is shared: a
+prompt opened on another worker finds every block the leader has committed so
+far, and computes the rest itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from inferd.requests import Request
+
+
+def shared_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
+    """Leading full blocks `a` and `b` share, at most `limit`; slice comparisons, a binary search over blocks."""
+    low, high = 0, min(limit, len(a) // block_size, len(b) // block_size)
+    while low < high:
+        mid = (low + high + 1) // 2
+        end = mid * block_size
+        if a[:end] == b[:end]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def waits_for(prompt: list[int], leaders: Iterable[tuple[list[int], int]], block_size: int) -> bool:
+    """Whether a new prompt should wait: some leader (its history, its committed tokens) shares with it more
+    full blocks than it has committed. The prompt's last token is never matched (memd leaves it to compute:
+    its logits are the ones wanted)."""
+    limit = (len(prompt) - 1) // block_size
+    for history, committed in leaders:
+        if committed // block_size >= limit:
+            continue
+        if shared_blocks(prompt, history, block_size, limit) > committed // block_size:
+            return True
+    return False
+
+
+def leading(requests: Iterable[Request]) -> list[tuple[list[int], int]]:
+    """The requests others may wait on: those still computing their prompt, with what memd holds committed."""
+    return [(r.tokens, r.num_committed) for r in requests if r.num_computed < r.num_prompt]
