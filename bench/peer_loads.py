@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import openai
+from bench_http_chat import pct
 
 Filler = Callable[[int, str], str]     # (tokens, leading text) -> a text of that many tokens starting so
 QUESTIONS = ["What does the memory manager do?", "And what happens when a worker crashes?",
@@ -132,13 +133,6 @@ async def decode_load(url: str, model: str, prompts: list[list[int]], max_tokens
         runs = await asyncio.gather(*[one(p) for p in prompts])
     return Decoded(sum(count - 1 for _, _, count, _ in runs), max(r[1] for r in runs) - min(r[0] for r in runs),
                    [text for *_, text in runs])
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summary(seen: Observed) -> dict[str, float]:
