@@ -181,8 +181,10 @@ class Scheduler:
                 if not await self.iteration():
                     await self._idle()
             except MemdError as err:
-                self.carried += self.fail_all(GenerationError("UNAVAILABLE", f"memd failed: {err.message}"),
-                                              keep_unstarted=True)
+                # The same words as when the lease is seen lost first: which of the two notices a dead
+                # memd first is a race, and a client should not see two stories for one event.
+                gone = GenerationError("UNAVAILABLE", f"memd went away ({err.message}); the worker is reconnecting")
+                self.carried += self.fail_all(gone, keep_unstarted=True)
                 raise
             except Exception as err:
                 log.exception("scheduler failed")
