@@ -252,7 +252,11 @@ class MemdClient:
         try:
             if call is None:
                 call = self._steps = self._stub.Steps(metadata=self._metadata)
-            await call.write(request)
+            try:
+                await call.write(request)
+            except asyncio.InvalidStateError:       # the call ended before this Step (memd went away): say why
+                details = await call.details() if call.done() else ""
+                raise MemdError(grpc.StatusCode.UNAVAILABLE, f"the Steps call had ended: {details}") from None
             reply = await call.read()
             if reply is grpc.aio.EOF:
                 raise MemdError(grpc.StatusCode.UNAVAILABLE, "memd ended the Steps call")

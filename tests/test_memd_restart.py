@@ -7,12 +7,15 @@ the same socket reopens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import grpc
 import msgpack
 import pytest
 
+from shared.client import MemdClient, MemdError
+from shared.ops import Open
 from shared.rpc import inferd_pb2 as pb
 from shared.rpc import inferd_pb2_grpc as pb_grpc
 from tests.test_inferd_service import health, inferctl, memd_state
@@ -111,6 +114,25 @@ async def test_requests_running_when_memd_dies_fail_with_unavailable_and_queued_
         while (reply := await queued.read()) is not grpc.aio.EOF:
             tokens += reply.token_ids
         assert len(tokens) == 5                            # it never touched memd: it waited and ran
+
+
+async def test_a_step_after_memd_died_under_an_open_steps_call_fails_as_memd_gone(memd_factory, model_dir):
+    """The Steps stream may already be over when the next Step is written: that too is memd gone, never a
+    bare InvalidStateError (which a scheduler took for its own bug: INTERNAL to every client)."""
+    memd = await memd_factory(*memd_flags(model_dir))
+    client = await MemdClient.attach(memd.address, block_size=16, name="w", map_memory=False)
+    try:
+        await client.step(Open(list(range(20)), reserve=1))          # the Steps call is open
+        steps = client._steps
+        assert steps is not None
+        await memd.kill()
+        assert await steps.code() == grpc.StatusCode.UNAVAILABLE   # the call has ended, as memd's death ends it
+        with pytest.raises(MemdError) as failed:
+            await client.step(Open(list(range(20)), reserve=1))
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
 
 
 async def test_a_freed_sequences_id_is_never_handed_out_again_after_restarts(memd_factory, spawn_worker):
