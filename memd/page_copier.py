@@ -81,9 +81,7 @@ class PageCopier:
         def copy() -> list[int] | None:
             if ticket is not None and not ticket.begin():
                 return None
-            if not swap.copy_out(pairs, ticket.halt if ticket is not None else None):
-                return None
-            return self.memory.checksums([page for page, _ in pairs])
+            return swap.copy_out_checked(pairs, ticket.halt if ticket is not None else None)
         return await asyncio.get_running_loop().run_in_executor(self._swap_outs, copy)
 
     def _unbusy(self, pages: list[int]) -> None:

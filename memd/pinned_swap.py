@@ -45,6 +45,7 @@ class PinnedSwap:
             raise PoolMemoryError(f"cannot pin a swap tier of {format_size(num_slots * block_bytes)}: "
                                   f"{exc}") from None
         self.pages = pool.pages
+        self._pool = pool
         self.locked = True            # cudaHostAlloc memory is page-locked
         # One stream per direction: a swap-in (a Step waits for it) never queues behind a swap-out,
         # each with its own staging buffer (None where the GPU had no room left: one DMA per run then).
@@ -65,6 +66,13 @@ class PinnedSwap:
             return False
         self._copy(pairs, "out", self._out_stream)
         return True
+
+    def copy_out_checked(self, pairs: list[tuple[int, int]], halt: threading.Event | None = None) \
+            -> list[int] | None:
+        """Copy out, then sum the pages on the GPU (8 bytes per page come back); None: halted before the copy."""
+        if not self.copy_out(pairs, halt):
+            return None
+        return self._pool.checksums([block for block, _ in pairs])
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
         latency_test_wait(self.delay_s)

@@ -73,6 +73,8 @@ class SwapMemory(Protocol):
 
     def copy_out(self, pairs: list[tuple[int, int]], halt: threading.Event | None = None) -> bool: ...
     # (block, slot) pairs; False: `halt` was set before the copy was done (the slots hold a part of it)
+    def copy_out_checked(self, pairs: list[tuple[int, int]], halt: threading.Event | None = None) \
+        -> list[int] | None: ...          # and the pages' checksums, as the pool's; None: halted (as copy_out)
     def copy_in(self, pairs: list[tuple[int, int]]) -> None: ...     # (slot, block)
     def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]: ...   # and the pages' checksums after
     def checksums(self, slots: list[int]) -> list[int]: ...          # of the slots' bytes now, as the pool's
@@ -229,6 +231,25 @@ class HostSwap:
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(pairs, out=False)
 
+    def copy_out_checked(self, pairs: list[tuple[int, int]], halt: threading.Event | None = None) \
+            -> list[int] | None:
+        """Copy out and return each page's checksum, hashed right after its copy while it is still in cache.
+
+        What memd's swap-out needs (the swap-in checks the page it brings back
+        against it). A copy and then a hash of every page read the pool twice.
+        None: `halt` was set before the copy was done (checked between chunks).
+        """
+        self.allocated()
+        if latency_test_wait(self.delay_s, halt):
+            return None
+        chunk = max(1, HALT_CHUNK_BYTES // self.block_bytes) if halt is not None else max(1, len(pairs))
+        sums: list[int] = []
+        for start in range(0, len(pairs), chunk):
+            if halt is not None and halt.is_set():
+                return None
+            sums += self._checked(pairs[start:start + chunk], out=True)
+        return sums
+
     def copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]:
         """Copy in and return each page's checksum, taken right after its copy while it is still in cache.
 
@@ -238,20 +259,35 @@ class HostSwap:
         """
         self.allocated()
         latency_test_wait(self.delay_s)
-        total = len(pairs) * self.block_bytes
-        if self._threads is None or total < PARALLEL_BYTES:
-            return self._copy_in_checked(pairs)
+        return self._checked(pairs, out=False)
+
+    def _checked(self, pairs: list[tuple[int, int]], out: bool) -> list[int]:
+        """Page by page, copy and hash; shared among the copy threads where the copy is large enough."""
+        if not pairs:
+            return []
+        pool_rows, slot_rows = self._rows()
+        check_bounds(pair_index(pairs), *((len(pool_rows), len(slot_rows)) if out else
+                                          (len(slot_rows), len(pool_rows))))
+        if self._threads is None or len(pairs) * self.block_bytes < PARALLEL_BYTES:
+            return self._copy_checked(pairs, out)
         share = -(-len(pairs) // COPY_THREADS)
         parts = [pairs[i:i + share] for i in range(0, len(pairs), share)]
-        return [c for part in self._threads.map(self._copy_in_checked, parts) for c in part]
+        return [c for part in self._threads.map(lambda part: self._copy_checked(part, out), parts) for c in part]
 
-    def _copy_in_checked(self, pairs: list[tuple[int, int]]) -> list[int]:
-        size, src_base, dst_base = self.block_bytes, self._base, self._pool_base
-        out = []
-        for slot, block in pairs:
-            ctypes.memmove(dst_base + block * size, src_base + slot * size, size)
-            out.append(xxh3_at(dst_base + block * size, size))
-        return out
+    def _copy_checked(self, pairs: list[tuple[int, int]], out: bool) -> list[int]:
+        """The pool's page is hashed either way: going out, the copy has just read it (in cache, where a
+        non-temporal store left the slot's copy in memory only); coming in, it is what the check is about."""
+        size, swap_base, pool_base = self.block_bytes, self._base, self._pool_base
+        result = []
+        for a, b in pairs:
+            if out:
+                page = pool_base + a * size
+                ctypes.memmove(swap_base + b * size, page, size)
+            else:
+                page = pool_base + b * size
+                ctypes.memmove(page, swap_base + a * size, size)
+            result.append(xxh3_at(page, size))
+        return result
 
     def _copy(self, pairs: list[tuple[int, int]], out: bool, halt: threading.Event | None = None) -> bool:
         """False if `halt` was set before the copy was done (checked between chunks, and during the test delay)."""

@@ -71,6 +71,9 @@ def test_the_swap_bench_runs():
     report = quick("bench_swap.py")
     assert report["bandwidth"] and report["steps"]
     assert report["swap_min_ratio"] > 0 and report["storm_p99_ratio"] > 0 and report["storm_p99_ratio_vs_busy"] > 0
+    assert report["swap_checked_min_ratio"] > 0
+    # memd's real path moved every page to its place and back, each hash the pool's own
+    assert all(b["checked_round_trip_exact"] for rows in report["bandwidth"].values() for b in rows)
     assert all(report["steps"][mode]["steps"] > 0 for mode in ("quiet", "busy", "storm"))
     assert report["steps"]["storm_swaps"]["swap_outs"] > 0
     long = report["long_session"]          # both kinds of resume ran, and the probe saw each phase

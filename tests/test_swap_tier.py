@@ -158,6 +158,10 @@ def test_swapped_pages_land_byte_identical_in_their_slots_and_back(shape, thread
         swap.copy_out(pairs)
         for page, slot in pairs:
             assert swap.view()[slot * PAGE:(slot + 1) * PAGE] == before[page * PAGE:(page + 1) * PAGE]
+        swap.view()[:] = bytes(24 * PAGE)
+        assert swap.copy_out_checked(pairs) == pool.checksums([p for p, _ in pairs])     # memd's swap-out
+        for page, slot in pairs:
+            assert swap.view()[slot * PAGE:(slot + 1) * PAGE] == before[page * PAGE:(page + 1) * PAGE]
         pool.view()[:] = bytes(32 * PAGE)
         swap.copy_in([(slot, page) for page, slot in pairs])
         after = bytes(pool.view())
@@ -178,6 +182,10 @@ def test_a_swap_copy_naming_a_page_past_the_pool_is_refused():
             swap.copy_out([(4, 0)])
         with pytest.raises(IndexError):
             swap.copy_in([(0, 1), (5, 2)])
+        with pytest.raises(IndexError):                     # the checked copies too: a memmove per page
+            swap.copy_out_checked([(0, 0), (1, 4)])
+        with pytest.raises(IndexError):
+            swap.copy_in_checked([(0, 1), (0, -1)])
     finally:
         swap.close()
         pool.close()
