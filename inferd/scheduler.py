@@ -57,7 +57,7 @@ from inferd.memd_ops import (
 )
 from inferd.model import PagedDecoder, build_batch
 from inferd.page_sums import PageSums
-from inferd.prefix_wait import leading, waits_for
+from inferd.prefix_wait import held_blocks, leading, waits_for
 from inferd.requests import Event, GenerationError, Request, RequestStatus, TokenLogprob
 from inferd.reuse_check import ReuseCheck
 from inferd.sampling import sample, token_logprobs
@@ -75,11 +75,14 @@ DRAINING = "this worker is draining (memctl drain): send the request to another 
 
 class Scheduler:
     def __init__(self, client: MemdClient, model: PagedDecoder, tokenizer: Any, *, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 512, lookahead_blocks: int = 4, audit_kv: bool = False,
-                 verify_reuse: float = 0.0) -> None:
+                 max_batch_tokens: int = 2048, prefill_beside_decode: int = 512, lookahead_blocks: int = 4,
+                 audit_kv: bool = False, verify_reuse: float = 0.0) -> None:
         self.client, self.model, self.tokenizer = client, model, tokenizer
         self.block_size = client.geometry.block_size
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
+        # Prompt tokens a pass takes beside decode rows: a running stream's next token waits for at most
+        # that much prefill, while a pass of prompts alone (a burst of new users) takes the whole budget.
+        self.prefill_beside_decode = min(prefill_beside_decode, max_batch_tokens)
         # Pages asked for ahead of need: a sequence then calls memd once per this many
         # blocks instead of at every block boundary (never past its max_tokens).
         self.lookahead = lookahead_blocks * self.block_size
@@ -412,6 +415,8 @@ class Scheduler:
                 followers.append(self.waiting.popleft())
                 continue
             need = math.ceil((len(request.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
+            if request.status is RequestStatus.WAITING:
+                need -= held_blocks(request.prompt_ids, self.running, self.block_size)
             if need > budget:
                 # Wait for pages; memd evicts cold parked sequences to make them.
                 self._wanted = self.client.free_blocks + need - budget
@@ -510,7 +515,9 @@ class Scheduler:
         self._wake.set()
 
     async def _forward(self, ready: list[Request]) -> None:
-        budget = self.max_batch_tokens
+        decodes = sum(len(r.tokens) - r.num_computed == 1 for r in ready)
+        budget = min(self.max_batch_tokens, decodes + self.prefill_beside_decode) if decodes else \
+            self.max_batch_tokens
         chunks: list[tuple[Request, list[int]]] = []
         for request in sorted(ready, key=lambda r: len(r.tokens) - r.num_computed):   # decodes first
             pending = request.tokens[request.num_computed:]

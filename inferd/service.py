@@ -72,7 +72,8 @@ PERMANENT_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT}
 
 class MemdLink:
     def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 512, dtype: str | None = None, audit_kv: bool = False,
+                 max_batch_tokens: int = 2048, prefill_beside_decode: int = 512, dtype: str | None = None,
+                 audit_kv: bool = False,
                  verify_reuse: float = 0.0, attention: str = "auto") -> None:
         self.config = read_config(model_dir, dtype)
         self.attention = attention
@@ -88,6 +89,7 @@ class MemdLink:
         self.namespace = model_fingerprint(model_dir, self.config, block_size)
         self.memd_address = memd_address
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
+        self.prefill_beside_decode = prefill_beside_decode
         self.audit_kv, self.verify_reuse = audit_kv, verify_reuse
         self.scheduler: Scheduler | None = None
         self.attached = asyncio.Event()
@@ -143,7 +145,8 @@ class MemdLink:
         except paged_kernel.KernelUnavailable as exc:      # --attention paged or flex, on a pool it cannot read
             raise AttachRefused(f"--attention {self.attention}: {exc}") from None
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
-                              max_batch_tokens=self.max_batch_tokens, audit_kv=self.audit_kv,
+                              max_batch_tokens=self.max_batch_tokens,
+                              prefill_beside_decode=self.prefill_beside_decode, audit_kv=self.audit_kv,
                               verify_reuse=self.verify_reuse)
         scheduler.forward_thread.on_pass = self.on_pass
         if model.attention == "flex":                # on the thread that runs the passes, the loop free meanwhile
