@@ -197,6 +197,26 @@ class LayerStack:
             h = h + linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), down)
         return h
 
+    def chunk_attention(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """A prompt's new tokens after its cached ones ([1, heads, new, dim] over [1, kv heads, keys, dim]):
+        every cached key, unmasked, then the new keys causally, as two calls merged.
+
+        One call with a query-by-key mask computes every query against every
+        key, the half the mask hides included: a session's second turn (1,150
+        new tokens after 1,250 cached) spent 0.73 s in attention on the bench's
+        12-layer model, 0.59 s split. torch's CPU flash attention returns the
+        log-sum-exp the merge needs; it wants as many K/V heads as query heads.
+        """
+        c = self.config
+        new = queries.shape[2]
+        cached = keys.shape[2] - new
+        repeat = c.num_heads // c.num_kv_heads
+        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        past, past_lse = flash(queries, keys[:, :, :cached], values[:, :, :cached], 0.0, False)
+        own, own_lse = flash(queries, keys[:, :, cached:], values[:, :, cached:], 0.0, True)
+        return _merged(past, past_lse, own, own_lse)
+
     def attend(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                layout: AttentionLayout | SplitAttention) -> torch.Tensor:
         c = self.config
@@ -219,11 +239,22 @@ class LayerStack:
         if layout.key_len is not None:                      # one sequence: its new tokens are its queries
             keys, values = keys[:, :, :layout.key_len], values[:, :, :layout.key_len]
             queries = q[None].transpose(1, 2)               # [1, heads, new tokens, dim]
+            if layout.mask is not None and queries.device.type == "cpu":
+                return self.chunk_attention(queries, keys, values).transpose(1, 2).reshape(
+                    -1, c.num_heads * c.head_dim)
         else:                                               # one new token per sequence
             queries = q[:, None].transpose(1, 2)            # [B, heads, 1, dim]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask, is_causal=layout.causal,
                                              enable_gqa=True)
         return out.transpose(1, 2).reshape(-1, c.num_heads * c.head_dim)
+
+
+def _merged(past: torch.Tensor, past_lse: torch.Tensor, own: torch.Tensor, own_lse: torch.Tensor) -> torch.Tensor:
+    """Two attentions of the same queries over disjoint keys, as one: each weighted by its share of the
+    softmax's denominator (their log-sum-exps)."""
+    top = torch.maximum(past_lse, own_lse)
+    w_past, w_own = (past_lse - top).exp().unsqueeze(-1), (own_lse - top).exp().unsqueeze(-1)
+    return (past * w_past + own * w_own) / (w_past + w_own)
 
 
 class PassGraphs:

@@ -160,6 +160,12 @@ class MemdLink:
                 raise AttachRefused(f"--attention flex: flex attention could not be compiled for this model and "
                                     f"pool ({type(exc).__name__}: {exc})") from None
             log.info("flex decode compiled", batch_sizes=sizes, seconds=round(time.perf_counter() - started, 1))
+        started = time.perf_counter()
+        try:                                          # before requests are taken: none waits for a trace
+            traced = await scheduler.forward_thread.run(model.warm_up, tokens=0)
+            log.info("passes traced", kinds=traced, seconds=round(time.perf_counter() - started, 2))
+        except Exception as exc:                      # a pass that fails here fails its first request too
+            log.warning("passes could not be traced ahead", error=str(exc))
         scheduler.adopt(self._carried)
         self._carried = []
         self.scheduler = scheduler

@@ -190,6 +190,22 @@ async def test_one_sequences_prompts_and_chunks_run_as_traced_graphs_with_the_ea
     assert torch.equal(model.kv, eager.kv)
 
 
+def test_a_warmed_up_decoder_has_every_kind_traced_on_scratch_pages_with_the_eager_results(checkpoint):
+    # inferd warms up before it says it is ready: no request pays for a trace, and the pool is not written
+    config = read_config(checkpoint)
+    weights = load_weights(checkpoint, config.dtype)
+    pool = torch.randn(16, *config.page_shape(BS))
+    model = PagedDecoder(config, weights, pool.clone())
+    assert model.warm_up() == ["batch", "chunk", "prompt", "single"]
+    assert torch.equal(model.kv, pool)
+    eager = PagedDecoder(config, weights, pool.clone(), traced=False, attention=model.attention, fused=model.fused)
+    for seqs in ([([5, 6, 7], 0, [0])], [([8, 9], 3, [0, 1])], [([10], 5, [0, 1])],
+                 [([11], 6, [0, 1]), ([12], 2, [2])]):
+        batch = build_batch(seqs, BS)
+        assert torch.equal(model.forward(batch), eager.forward(batch))
+    assert torch.equal(model.kv, eager.kv)
+
+
 def test_a_decoder_with_traced_graphs_goes_with_its_last_reference(checkpoint):
     # torch keeps every traced function for the process's life: none may hold a decoder, its weights or pool.
     config = read_config(checkpoint)
