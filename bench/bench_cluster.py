@@ -5,22 +5,24 @@
 Two hosts (a memd + inferd each, `--threads 1`) on this machine, the CPU tiny
 model, N users chatting at once through the official `openai` client; every
 turn resends the conversation with its `X-Session-Id` and streams the reply.
-Three runs, each on fresh daemons:
+Four runs, each on fresh daemons:
 
 - **kvroute + store**: memd joins a Mooncake Store (`mooncake_master` from
   kvpool[cluster]), clients talk to one kvroute (session affinity, prefix and
   load placement);
 - **kvroute, no store**: the same routing, the directory in kvroute's memory,
   memd keeps KV on its own host;
-- **round-robin, no store**: what a plain balancer does: each turn goes to the
-  next host in turn, straight to its inferd.
+- **session hash, no store**: what a balancer with sticky sessions does: every
+  turn of a session goes to the host its `X-Session-Id` hashes to, straight
+  to its inferd;
+- **round robin, no store**: what a plain balancer does: each request goes to
+  the next host, counted over all requests in the order they are sent.
 
 Then the host that served the most sessions' last turns is killed (its memd
 and inferd, SIGKILL) and each of those sessions takes one more turn, one at a
 time, on the other host: with the
 store its KV is fetched from there; without, kvroute's sessions are computed
-again from scratch (round-robin's found the turn before last parked on host 1,
-which it served). Reported: turn >= 2 TTFT p50/p99 and the share of prompt
+again from scratch (so are the balancers'). Reported: turn >= 2 TTFT p50/p99 and the share of prompt
 tokens served from cache, per run; the after-the-kill turns' TTFT and cache
 share; and the store's fetch bandwidth (Mooncake's batch_get_into of objects
 held on memd's segments into a registered buffer, 64 KiB pages and 1 MiB
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +59,7 @@ FULL = {"users": 8, "turns": 4, "think_s": 1.0, "max_tokens": 24, "corpus": 4, "
         "model": {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seed": 0}}
 QUICK = {"users": 2, "turns": 2, "think_s": 0.0, "max_tokens": 4, "corpus": 1, "fetch_mib": 4,
          "model": {"arch": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512, "seed": 0}}
-MODES = ("kvroute + store", "kvroute, no store", "round-robin, no store")
+MODES = ("kvroute + store", "kvroute, no store", "session hash, no store", "round robin, no store")
 MASTER = Path(sys.executable).parent / "mooncake_master"
 MODEL = "tiny"
 
@@ -160,7 +164,7 @@ async def turn(clients: dict[str, openai.AsyncOpenAI], url: str, session: Sessio
     async with clients[url].chat.completions.with_streaming_response.create(
             model=MODEL, messages=session.messages, max_tokens=shape["max_tokens"], temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            extra_headers={"X-Session-Id": f"user-{session.number}"}) as response:
+            extra_headers={"X-Session-Id": session_header(session)}) as response:
         session.served_by = response.headers.get("x-kvroute-worker", url)
         async for chunk in await response.parse():
             if chunk.usage is not None:
@@ -174,7 +178,11 @@ async def turn(clients: dict[str, openai.AsyncOpenAI], url: str, session: Sessio
     return first, usage
 
 
-async def load(cluster: Cluster, run: Run, shape: dict[str, Any]) -> None:
+def session_header(session: Session) -> str:
+    return f"user-{session.number}"
+
+
+async def load(cluster: Cluster, run: Run, shape: dict[str, Any], balancer: str) -> None:
     urls = [cluster.router] if cluster.router else cluster.workers
     clients = {url: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) for url in urls}
     for url in cluster.workers:                       # torch's first pass on each worker is not a turn's cost
@@ -184,12 +192,20 @@ async def load(cluster: Cluster, run: Run, shape: dict[str, Any]) -> None:
     sessions = [Session(n, [{"role": "system", "content": f"You are assistant number {n}.\n" +
                              CORPUS * shape["corpus"]}]) for n in range(shape["users"])]
 
+    sent = itertools.count()
+
+    def host(session: Session) -> str:
+        """kvroute (one URL), or the balancer's pick: by the session's hash, or the next host over all requests."""
+        if balancer == "session hash":
+            return urls[zlib.crc32(session_header(session).encode()) % len(urls)]
+        return urls[next(sent) % len(urls)]
+
     async def user(session: Session) -> None:
         for number in range(shape["turns"]):
             if number and shape["think_s"]:
                 await asyncio.sleep(shape["think_s"])        # the user reads and types: think time, not a wait
             session.messages.append({"role": "user", "content": QUESTIONS[(session.number + number) % 6]})
-            url = urls[(session.number + number) % len(urls)]          # round-robin over the hosts, or kvroute
+            url = host(session)
             ttft, usage = await turn(clients, url, session, shape)
             if number:
                 run.ttft_later.append(ttft)
@@ -221,7 +237,7 @@ def run_mode(mode: str, model_dir: Path, work: Path, shape: dict[str, Any]) -> R
     run = Run(mode)
     try:
         cluster.start()
-        asyncio.run(load(cluster, run, shape))
+        asyncio.run(load(cluster, run, shape, mode.split(",")[0]))
     finally:
         cluster.stop()
     return run

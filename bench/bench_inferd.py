@@ -80,6 +80,7 @@ from inferd.sampling import SamplingParams
 from inferd.scheduler import Request, Scheduler
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
+from shared.full_collections import freeze_long_lived
 from shared.launch import LaunchError, spawn_ready
 from shared.logs import configure
 from shared.ops import Free, Open
@@ -330,10 +331,11 @@ class HfAnchor:
     """transformers in a process of its own: this script with --hf-anchor, serving generate() calls on its
     main thread over a pipe (a JSON line each way). monotonic clocks are the machine's, so its times compare."""
 
-    def __init__(self, model_dir: Path, threads: int, device: str = "cpu") -> None:
+    def __init__(self, model_dir: Path, threads: int, device: str = "cpu", cpus: set[int] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, __file__, "--hf-anchor", str(model_dir), "--threads",
                                       str(threads), "--device", device],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
     def generate(self, prompts: list[list[int]], n: int) -> list[Run]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -355,9 +357,14 @@ class HfAnchor:
 
 
 def serve_hf_anchor(model_dir: Path, threads: int, device: str) -> None:
-    """--hf-anchor: load the model and answer generate() calls on this, the main, thread."""
+    """--hf-anchor: load the model and answer generate() calls on this, the main, thread.
+
+    With inferd's own heap and collector policy (the same calls `inferd serve` makes before its first pass
+    and once its model is loaded): whatever either gains from them, both get."""
     torch.set_num_threads(threads)
+    keep_freed_memory()
     model = hf_load(model_dir, device)
+    freeze_long_lived()
     for line in sys.stdin:
         call = json.loads(line)
         runs = hf_generate(model, call["prompts"], call["n"])
@@ -658,7 +665,8 @@ def served_main(args: argparse.Namespace, sizes: Sizes, work: dict) -> None:
             memd.kill()
     res = {"cores": os.cpu_count(), "torch": torch.__version__, "quick": args.quick, "served": runs,
            "decode_b1_ratio_vs_hf": min(r["b1_ratio"] for r in runs),
-           "decode_b16_ratio_vs_hf_padded": min(r["b16_ratio"] for r in runs)}
+           "decode_b16_ratio_vs_hf_padded": min(r["b16_ratio"] for r in runs),
+           "agreement": min(r["agreement"] for r in runs)}
     rows = [["decode tok/s through inferd serve", "threads", "kvpool", "transformers", "ratio"]]
     for r in runs:
         rows.append(["1 request at a time", str(r["threads"]), f"{r['kvpool_b1_decode']:,.0f}",
@@ -668,6 +676,9 @@ def served_main(args: argparse.Namespace, sizes: Sizes, work: dict) -> None:
     print(f"inferd serve bench: {res['cores']} cores, torch {res['torch']}, {sizes.new_tokens} new tokens per "
           f"request, {len(work['singles'])} single requests and {len(work['batches'])} batches per thread count\n")
     print(table(rows))
+    print(f"\nboth held to the same cores (the first N for N threads), transformers with inferd's heap and "
+          f"collector policy; greedy completions agreeing with transformers' (or parting where kvpool picks "
+          f"</s>): {100 * res['agreement']:.0f}%")
     print("\ninferd's passes, as its metrics time them (mean ms each, with sampling): " + "; ".join(
         f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: " + ", ".join(
             f"{r[f'inferd_{kind}_passes']:.0f} {kind} {r[f'inferd_{kind}_pass_ms']:.2f}"

@@ -51,6 +51,7 @@ from typing import Any
 
 import openai
 import peer_engines
+from agreement import AGREE_CHARS, same_start
 from peer_engines import Budget
 from peer_loads import Chat, chat_load, decode_load, summary
 from scraped_metrics import scraped
@@ -67,7 +68,6 @@ QUICK = {"decode_b1": 16, "decode_b16": 8, "system_tokens": 120, "long_tokens": 
          "chat": (2, 2, 0.0), "groups": (4, 2, 0.0, 2), "pressure": (4, 2, 0.0), "long": (1, 2)}
 LOADS = ("decode_b1", "decode_b16", "long", "chat", "groups", "pressure")
 BLOCK_SIZE = 16
-AGREE_CHARS = 24
 PRESSURE_SHARE = 0.5          # KV memory over the pressure load's working set
 MAX_MODEL_LEN = 4096
 
@@ -194,14 +194,6 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
                                                        r["vLLM"]["decode_b16"]["texts"], strict=True)]
         out["peer_greedy_agreement"] = sum(same_start(a, b) for a, b in pairs) / len(pairs)
     return out
-
-
-def same_start(ours: str, theirs: str) -> bool:
-    """The first `AGREE_CHARS` characters agree. A completion that ends inside a UTF-8 character ends in
-    U+FFFD on kvpool (the tokenizer's own decode of every token) and without it on vLLM (it holds the
-    incomplete bytes back): the same tokens either way, so a trailing U+FFFD is not counted."""
-    ours, theirs = ours.rstrip("\ufffd"), theirs.rstrip("\ufffd")
-    return ours[:AGREE_CHARS] == theirs[:AGREE_CHARS]
 
 
 def main() -> int:

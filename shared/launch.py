@@ -36,14 +36,17 @@ class LaunchError(RuntimeError):
 
 
 def spawn_ready(argv: list[str], workdir: Path, *, timeout_s: float = 120.0,
-                stderr: int | None = None) -> subprocess.Popen[bytes]:
-    """`python -m argv...`; returns once it sent READY=1 on a notify socket in `workdir`."""
+                stderr: int | None = None, cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
+    """`python -m argv...`; returns once it sent READY=1 on a notify socket in `workdir`.
+
+    `cpus`: the only cores it and every thread it starts may run on (a bench gives two systems the same)."""
     notify_path = workdir / f"notify-{argv[0]}-{len(list(workdir.glob('notify-*')))}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
         ready.bind(str(notify_path))
         ready.settimeout(1.0)
         proc = subprocess.Popen([sys.executable, "-m", *argv], stderr=stderr,
-                                env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
+                                env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         waited = 0.0
         while True:
             try:
