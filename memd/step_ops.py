@@ -182,6 +182,8 @@ class StepOps:
             cached = self._match_prefix(txn, seq)
         elif seq.state is SeqState.SWAPPED:
             cached = self._swap_in(txn, seq)
+        elif whole_history:
+            cached = self._match_further(txn, seq)
         else:
             cached = seq.num_committed
         for block in seq.block_ids[seq.num_full_blocks:]:
@@ -328,6 +330,36 @@ class StepOps:
         seq.num_committed = len(seq.block_ids) * bs
         txn.counters["prefix_query_tokens"] += len(tokens)
         txn.counters["prefix_hit_tokens"] += seq.num_committed
+        return seq.num_committed
+
+    def _match_further(self, txn: _Txn, seq: Sequence) -> int:
+        """A resent conversation, past what it shares with the session's history: share cached blocks for
+        its next full blocks as an Open would (another session's system prompt, the same conversation
+        on another session); returns tokens reused.
+
+        A client that starts a new conversation under a session id it used
+        before (or edits its first message) would otherwise compute all of it
+        again, the prefix cache's copy of its system prompt unread. Only from
+        a whole block: a partly filled last block is never followed by shared ones.
+        """
+        bs = seq.block_size
+        start = len(seq.block_ids)
+        if seq.num_committed != start * bs or len(seq.hashes) != start:
+            return seq.num_committed
+        limit = (len(seq.token_ids) - 1) // bs
+        hits = []
+        for digest, chunk in self.hasher.walk(seq.model, seq.token_ids, bs, start,
+                                              seq.hashes[-1] if seq.hashes else b"", limit):
+            block = self.pool.lookup(digest, chunk)
+            if block is None:
+                break
+            hits.append(block)
+            seq.hashes.append(digest)
+        if hits:
+            self.pool.incref_n(hits)
+            seq.block_ids += hits
+            seq.num_committed = len(seq.block_ids) * bs
+            txn.counters["prefix_hit_tokens"] += len(hits) * bs
         return seq.num_committed
 
     def _commit(self, txn: _Txn, seq: Sequence, append: list[int], commit_to: int) -> None:

@@ -793,6 +793,23 @@ def test_a_resent_conversation_keeps_the_kv_of_what_it_shares_and_nothing_past_a
     assert m.seqs[chat].turn_start == 3 and m.violations() == []
 
 
+def test_a_session_resent_with_another_conversation_takes_what_the_prefix_cache_holds_of_it():
+    # A client reusing a session id for a new conversation (or editing its first message): the session's own
+    # K/V goes past the change, but another session's system prompt is read from the prefix cache, not computed.
+    m = new_manager()
+    worker = attach(m, "m")
+    system = list(range(100, 100 + 3 * BLOCK_SIZE))
+    other = open_and_commit(m, worker, [*system, 7])
+    chat = open_and_commit(m, worker, [1, 2, 3, 4, 5], session_id="chat")
+    m.step(worker, [Park(chat, commit_to=5)])
+    resent, = m.step(worker, [Open([*system, 8, 9], reserve=1, session_id="chat", continue_session=True,
+                                   whole_history=True)]).results
+    assert resent.seq_id == chat and list(resent.token_ids) == [*system, 8, 9]
+    assert resent.num_cached == resent.num_committed == 3 * BLOCK_SIZE
+    assert resent.block_ids[:3] == m.seqs[other].block_ids[:3]
+    assert m.violations() == []
+
+
 def test_a_conversation_resent_under_other_weights_keeps_none_of_its_own_kv_but_takes_prefix_hits():
     # Found by the state machine: its own history is of no use under the new weights, the new model's
     # prefix cache is (the K/V of the same tokens at the same positions, computed by these weights).
