@@ -104,10 +104,13 @@ def chats(shape: dict[str, Any], prompts: Prompts, repeat: int) -> dict[str, Cha
     system = lambda load, n: prompts.text(sys_tokens, f"[{load} {repeat}.{n}] You are a helpful assistant.")  # noqa: E731
     # a long turn's conversation is all its own: a short system prompt, then turns of long_tokens
     short = prompts.text(sys_tokens // 16, f"[long {repeat}] You are a helpful assistant.")
-    return {"long": Chat(shape["long"][0], shape["long"][1], 0.0, m, [short], question_tokens=shape["long_tokens"]),
-            "chat": Chat(c_users, c_turns, c_think, m, [system("chat", 0)]),
-            "groups": Chat(g_users, g_turns, g_think, m, [system("groups", g) for g in range(groups)]),
-            "pressure": Chat(p_users, p_turns, p_think, m, [system("pressure", 0)])}
+    # each load's sessions its own: a session id a load before used would be that conversation resent, edited
+    return {"long": Chat(shape["long"][0], shape["long"][1], 0.0, m, [short], question_tokens=shape["long_tokens"],
+                         name=f"long-{repeat}"),
+            "chat": Chat(c_users, c_turns, c_think, m, [system("chat", 0)], name=f"chat-{repeat}"),
+            "groups": Chat(g_users, g_turns, g_think, m, [system("groups", g) for g in range(groups)],
+                           name=f"groups-{repeat}"),
+            "pressure": Chat(p_users, p_turns, p_think, m, [system("pressure", 0)], name=f"pressure-{repeat}")}
 
 
 def working_tokens(chat: Chat, prompts: Prompts) -> int:

@@ -34,6 +34,7 @@ class Chat:
     max_tokens: int
     system: list[str]            # the system prompts, shared by groups of users
     question_tokens: int = 0     # each question padded to this many tokens (a long turn), 0 = as it is
+    name: str = ""               # the load's own: user i's session is "<name>-user-<i>", never another load's
 
 
 @dataclass
@@ -60,7 +61,7 @@ async def one_user(client: openai.AsyncOpenAI, model: str, chat: Chat, user: int
             await asyncio.sleep(chat.think_s)         # the user reads and types: think time, not a wait
         messages.append({"role": "user", "content": question(chat, user, turn, filler)})
         first, reply, usage = await streamed_chat(client, model, messages, chat.max_tokens, seen,
-                                                  {"X-Session-Id": f"user-{user}"})
+                                                  {"X-Session-Id": f"{chat.name}-user-{user}"})
         messages.append({"role": "assistant", "content": reply})
         (seen.ttft_later if turn else seen.ttft_first).append(first)
         seen.tokens += usage.completion_tokens
