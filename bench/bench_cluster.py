@@ -57,7 +57,7 @@ from shared.launch import free_port, free_ports, spawn_ready
 
 FULL = {"users": 8, "turns": 4, "think_s": 1.0, "max_tokens": 24, "corpus": 4, "fetch_mib": 64,
         "model": {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seed": 0}}
-QUICK = {"users": 2, "turns": 2, "think_s": 0.0, "max_tokens": 4, "corpus": 1, "fetch_mib": 4,
+QUICK = {"users": 3, "turns": 2, "think_s": 0.0, "max_tokens": 4, "corpus": 1, "fetch_mib": 4,
          "model": {"arch": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512, "seed": 0}}
 MODES = ("kvroute + store", "kvroute, no store", "session hash, no store", "round robin, no store")
 MASTER = Path(sys.executable).parent / "mooncake_master"
