@@ -66,6 +66,32 @@ class Run:
     wall_s: float = 0.0
 
 
+async def streamed_chat(client: openai.AsyncOpenAI, model: str, messages: list[dict], max_tokens: int,
+                        itl: list[float], headers: dict[str, str]) -> tuple[float, str, Any]:
+    """One greedy streamed chat turn (`ignore_eos`): its time to first text, its reply and its usage; the gaps
+    between text chunks after the first go to `itl`."""
+    started = time.perf_counter()
+    last, first, reply, usage = started, None, "", None
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers)
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        text = "".join(c.delta.content or "" for c in chunk.choices)
+        if not text:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first = now - started
+        else:
+            itl.append(now - last)
+        last, reply = now, reply + text
+    if first is None or usage is None:
+        raise RuntimeError("a streamed reply came without text or without usage")
+    return first, reply, usage
+
+
 async def user(client: openai.AsyncOpenAI, model: str, number: int, run: Run, shape: dict[str, Any]) -> None:
     headers = {"X-Session-Id": f"user-{number}"} if run.mode == "session" else {}
     messages = [{"role": "system", "content": f"You are assistant number {number}.\n" + CORPUS * shape["corpus"]}]
@@ -73,25 +99,8 @@ async def user(client: openai.AsyncOpenAI, model: str, number: int, run: Run, sh
         if turn and shape["think_s"]:
             await asyncio.sleep(shape["think_s"])        # the user reads and types: think time, not a wait
         messages.append({"role": "user", "content": QUESTIONS[(number + turn) % len(QUESTIONS)]})
-        started = time.perf_counter()
-        last, first, reply, usage = started, None, "", None
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=shape["max_tokens"], temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers)
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            text = "".join(c.delta.content or "" for c in chunk.choices)
-            if not text:
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now - started
-            else:
-                run.itl.append(now - last)
-            last, reply = now, reply + text
+        first, reply, usage = await streamed_chat(client, model, messages, shape["max_tokens"], run.itl, headers)
         messages.append({"role": "assistant", "content": reply})
-        assert first is not None and usage is not None
         (run.ttft_later if turn else run.ttft_first).append(first)
         run.tokens += usage.completion_tokens
         if turn:

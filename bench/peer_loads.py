@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import openai
-from bench_http_chat import pct
+from bench_http_chat import pct, streamed_chat
 
 Filler = Callable[[int, str], str]     # (tokens, leading text) -> a text of that many tokens starting so
 QUESTIONS = ["What does the memory manager do?", "And what happens when a worker crashes?",
@@ -60,7 +60,7 @@ async def one_user(client: openai.AsyncOpenAI, model: str, chat: Chat, user: int
         if turn and chat.think_s:
             await asyncio.sleep(chat.think_s)         # the user reads and types: think time, not a wait
         messages.append({"role": "user", "content": question(chat, user, turn, filler)})
-        first, reply, usage = await streamed_chat(client, model, messages, chat.max_tokens, seen,
+        first, reply, usage = await streamed_chat(client, model, messages, chat.max_tokens, seen.itl,
                                                   {"X-Session-Id": f"{chat.name}-user-{user}"})
         messages.append({"role": "assistant", "content": reply})
         (seen.ttft_later if turn else seen.ttft_first).append(first)
@@ -69,30 +69,6 @@ async def one_user(client: openai.AsyncOpenAI, model: str, chat: Chat, user: int
             seen.prompt_later += usage.prompt_tokens
             details = usage.prompt_tokens_details
             seen.cached_later += (details.cached_tokens or 0) if details is not None else 0
-
-
-async def streamed_chat(client: openai.AsyncOpenAI, model: str, messages: list[dict], max_tokens: int,
-                        seen: Observed, headers: dict[str, str]) -> tuple[float, str, object]:
-    started = time.perf_counter()
-    last, first, reply, usage = started, None, "", None
-    stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers)
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        text = "".join(c.delta.content or "" for c in chunk.choices)
-        if not text:
-            continue
-        now = time.perf_counter()
-        if first is None:
-            first = now - started
-        else:
-            seen.itl.append(now - last)
-        last, reply = now, reply + text
-    if first is None or usage is None:
-        raise RuntimeError("a streamed reply came without text or without usage")
-    return first, reply, usage
 
 
 async def chat_load(url: str, model: str, chat: Chat, filler: Filler) -> Observed:
