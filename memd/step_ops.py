@@ -316,26 +316,14 @@ class StepOps:
 
         The last token is always left to compute: its logits are what the worker needs.
         """
-        bs, tokens = seq.block_size, seq.token_ids
-        limit = (len(tokens) - 1) // bs if tokens else 0
-        hits = []
-        for digest, chunk in self.hasher.walk(seq.model, tokens, bs, 0, b"", limit):
-            block = self.pool.lookup(digest, chunk)
-            if block is None:
-                break
-            hits.append(block)
-            seq.hashes.append(digest)
-        self.pool.incref_n(hits)
-        seq.block_ids += hits
-        seq.num_committed = len(seq.block_ids) * bs
-        txn.counters["prefix_query_tokens"] += len(tokens)
-        txn.counters["prefix_hit_tokens"] += seq.num_committed
-        return seq.num_committed
+        txn.counters["prefix_query_tokens"] += len(seq.token_ids)
+        return self._match_further(txn, seq)
 
     def _match_further(self, txn: _Txn, seq: Sequence) -> int:
-        """A resent conversation, past what it shares with the session's history: share cached blocks for
-        its next full blocks as an Open would (another session's system prompt, the same conversation
-        on another session); returns tokens reused.
+        """Share cached blocks for the history's full blocks past those the sequence holds; returns tokens
+        committed. From nothing, that is an Open's prefix match; past the whole blocks a resent conversation
+        keeps of its session's history, it is the prefix cache's copy of the rest (another session's
+        system prompt, the same conversation on another session).
 
         A client that starts a new conversation under a session id it used
         before (or edits its first message) would otherwise compute all of it
@@ -346,7 +334,7 @@ class StepOps:
         start = len(seq.block_ids)
         if seq.num_committed != start * bs or len(seq.hashes) != start:
             return seq.num_committed
-        limit = (len(seq.token_ids) - 1) // bs
+        limit = (len(seq.token_ids) - 1) // bs if seq.token_ids else 0
         hits = []
         for digest, chunk in self.hasher.walk(seq.model, seq.token_ids, bs, start,
                                               seq.hashes[-1] if seq.hashes else b"", limit):
@@ -355,11 +343,10 @@ class StepOps:
                 break
             hits.append(block)
             seq.hashes.append(digest)
-        if hits:
-            self.pool.incref_n(hits)
-            seq.block_ids += hits
-            seq.num_committed = len(seq.block_ids) * bs
-            txn.counters["prefix_hit_tokens"] += len(hits) * bs
+        self.pool.incref_n(hits)
+        seq.block_ids += hits
+        seq.num_committed = len(seq.block_ids) * bs
+        txn.counters["prefix_hit_tokens"] += len(hits) * bs
         return seq.num_committed
 
     def _commit(self, txn: _Txn, seq: Sequence, append: list[int], commit_to: int) -> None:
