@@ -81,7 +81,7 @@ from inferd.scheduler import Request, Scheduler
 from inferd.tiny import make_tiny_model
 from shared.client import MemdClient
 from shared.full_collections import freeze_long_lived
-from shared.launch import LaunchError, spawn_ready
+from shared.launch import LaunchError, held_to, spawn_ready
 from shared.logs import configure
 from shared.ops import Free, Open
 
@@ -335,7 +335,7 @@ class HfAnchor:
         self.proc = subprocess.Popen([sys.executable, __file__, "--hf-anchor", str(model_dir), "--threads",
                                       str(threads), "--device", device],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                     preexec_fn=held_to(cpus))
 
     def generate(self, prompts: list[list[int]], n: int) -> list[Run]:
         assert self.proc.stdin is not None and self.proc.stdout is not None

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -35,6 +36,11 @@ class LaunchError(RuntimeError):
     """The daemon exited or stayed silent instead of becoming ready."""
 
 
+def held_to(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that holds a child and every thread it starts to `cpus` (None: no hold)."""
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
 def spawn_ready(argv: list[str], workdir: Path, *, timeout_s: float = 120.0,
                 stderr: int | None = None, cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
     """`python -m argv...`; returns once it sent READY=1 on a notify socket in `workdir`.
@@ -46,7 +52,7 @@ def spawn_ready(argv: list[str], workdir: Path, *, timeout_s: float = 120.0,
         ready.settimeout(1.0)
         proc = subprocess.Popen([sys.executable, "-m", *argv], stderr=stderr,
                                 env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
-                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                preexec_fn=held_to(cpus))
         waited = 0.0
         while True:
             try:
