@@ -101,6 +101,8 @@ class _Speculation:
     future: Future[Sampled | None]
     adopted: bool = False
     dropped: bool = False
+    # finished before it was taken: the pass after it, for `take_ahead` to queue (Ahead, Sampling, tokens)
+    following: tuple[Ahead, Sampling, list[int]] | None = None
 
 
 class ForwardThread:
@@ -141,8 +143,15 @@ class ForwardThread:
                 return False
             spec.adopted = True                     # the thread may run the one after it
             self._ahead = None
+            following, spec.following = spec.following, None
         self.ahead_taken += 1
         self._job = asyncio.wrap_future(spec.future)
+        if following is not None:
+            # The pass was done before the scheduler came for it (streaming took longer than a pass):
+            # queue the one after it now, or the thread idles while these tokens are streamed and the
+            # client sees them two at a time, one pass apart, instead of one at the loop's pace.
+            # Queued here, not from the thread, so that `drop_ahead` finds it before pages change.
+            self._run_ahead(*following)
         return True
 
     async def taken(self) -> Sampled | None:
@@ -244,6 +253,8 @@ class ForwardThread:
             return
         with self._lock:
             go_on = spec.adopted and not spec.dropped
+            if not go_on and not spec.dropped:        # `take_ahead` queues it if it takes this one
+                spec.following = (after, sampling, sampled.tokens)
         if go_on:                                     # taken already: the one after it is likely wanted too
             self._run_ahead(after, sampling, sampled.tokens)
         spec.future.set_result(sampled)

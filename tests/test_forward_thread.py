@@ -140,6 +140,28 @@ async def test_a_pass_run_ahead_is_the_pass_the_scheduler_would_run(model):
         await worker.close()
 
 
+async def test_a_pass_run_ahead_that_finished_before_it_was_taken_queues_the_next_when_taken(model):
+    """Streaming a step's tokens can take longer than a pass (a small model, many streams): the thread
+    must not idle while they are streamed, or the next token comes a whole pass later than the one after it."""
+    worker = ForwardThread(model)
+    owners = [object()]
+    table, position, batch = _one_decode(model)
+    ahead = Ahead(owners, [position], [table], BS, model.config.max_position)
+    greedy = SamplingParams(max_tokens=8)
+    try:
+        sampled = await worker.step(batch, Sampling([0], [greedy], [1], [None], model.config.eos_token_ids), ahead)
+        assert sampled is not None
+        worker._ahead.future.result(timeout=60)          # the pass run ahead is done before anyone takes it
+        assert worker.take_ahead(owners, [position], sampled.tokens)
+        second = await worker.taken()
+        assert second is not None
+        assert worker.take_ahead(owners, [position + 1], second.tokens)      # the third was queued on taking
+        assert (await worker.taken()) is not None
+        assert worker.ahead_taken == 2
+    finally:
+        await worker.close()
+
+
 def _one_decode(model: PagedDecoder):
     """One sequence's prompt in its pages, and the batch of its first decode step."""
     table = [0, 1, 2]
