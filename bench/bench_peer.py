@@ -235,8 +235,10 @@ def main() -> int:
                     run[engine] = run_engine(engine, model_dir, roomy, work, [x for x in loads if x != "pressure"],
                                              shape, load_chats, prompts, python)
                     if "pressure" in loads:
-                        run[engine] |= run_engine(engine, model_dir, squeezed, work, ["pressure"], shape,
+                        squeezed_run = run_engine(engine, model_dir, squeezed, work, ["pressure"], shape,
                                                   load_chats, prompts, python)
+                        account = run[engine].get("_account", {}) | squeezed_run.pop("_account", {})
+                        run[engine] |= squeezed_run | ({"_account": account} if account else {})
                 runs.append(run)
         except (RuntimeError, OSError, openai.OpenAIError) as exc:
             print(f"bench failed: {exc}", file=sys.stderr)

@@ -43,6 +43,8 @@ COUNTERS = (
     ("preemptions", "preemptions", "running sequences workers preempted for memory"),
     ("resumes", "resumes", "parked, swapped or dropped sequences resumed"),
     ("forks", "forks", "sequences forked"),
+    ("blocks_copied_on_write", "blocks_copied_on_write",
+     "full blocks a resent conversation diverged inside, copied to keep the K/V before the divergence"),
     ("reclaims", "reclaims", "workers whose lease ended and whose sequences memd took back"),
     ("pages_verified", "pages_verified", "pages checked against their checksum where K/V crossed a boundary"),
     ("cluster_puts", "cluster_puts", "blocks published to the cluster store"),

@@ -235,25 +235,26 @@ class StepOps:
         """
         same = _common_prefix(seq.token_ids, history)
         if same < len(seq.token_ids) or same == len(history):
-            self._rewind(txn, seq, same, more_follow=same < len(history))
+            self._rewind(txn, seq, same, more_follow=same < len(history), then=history)
         seq.turn_start, seq.interrupted = same, False
         txn.counters["history_tokens_kept"] += same
         return history[same:]
 
-    def _rewind(self, txn: _Txn, seq: Sequence, cut: int, *, more_follow: bool) -> None:
+    def _rewind(self, txn: _Txn, seq: Sequence, cut: int, *, more_follow: bool, then: list[int] | None = None) -> None:
         """Cut the history to its first `cut` tokens, and the committed K/V past what stays valid.
 
         Unless `more_follow` (tokens are appended after the cut), the last token
         kept is left to compute: its logits are the first the worker samples from.
+        `then`: the whole history that follows, when the prefix cache is matched past the cut.
         """
         txn.undo.record(_set_lists, seq, list(seq.token_ids), list(seq.block_ids), list(seq.hashes))
         del seq.token_ids[cut:]
         self._tokens_cut.add(seq.seq_id)
         limit = cut if more_follow else max(cut - 1, 0)
-        if limit % seq.block_size and limit // seq.block_size < seq.num_full_blocks:
-            # That block was full: maybe shared, and in the prefix cache. It is never written again:
-            # keep only whole blocks and recompute the few tokens past them.
-            limit -= limit % seq.block_size
+        index = limit // seq.block_size
+        if limit % seq.block_size and index < seq.num_full_blocks and \
+                (self._cached_block(seq, index, then) or not self._copy_on_write(txn, seq, index)):
+            limit -= limit % seq.block_size      # recompute the tokens past whole blocks, or take the cache's
         if seq.num_committed > limit:
             seq.num_committed = limit
             keep = blocks_for(limit, seq.block_size)
@@ -264,6 +265,36 @@ class StepOps:
                 self.release_blocks(seq.block_ids[keep:])
                 del seq.block_ids[keep:]
             del seq.hashes[seq.num_full_blocks:]
+
+    def _cached_block(self, seq: Sequence, index: int, history: list[int] | None) -> bool:
+        """Whether the prefix cache holds block `index` of `history` whole (then the prefix match past the
+        cut takes it, and maybe more after it, where a copy would keep only the part before the cut)."""
+        bs = seq.block_size
+        if history is None or (len(history) - 1) // bs <= index:
+            return False
+        chunk = token_bytes(history[index * bs:(index + 1) * bs])
+        digest = self.hasher.block_hash(seq.hashes[index - 1] if index else b"", seq.model, chunk)
+        return self.pool.lookup(digest, chunk) is not None
+
+    def _copy_on_write(self, txn: _Txn, seq: Sequence, index: int) -> bool:
+        """Give the sequence a copy of its full block `index`, which a cut falls inside; False if it cannot.
+
+        That block is never written again: it may be shared, and it is in the
+        prefix cache under its whole content. The copy keeps the K/V before the
+        cut (a resent conversation diverges mid-block wherever a reply's text
+        tokenizes otherwise than it was sampled: up to a block less to compute
+        per turn), and the worker writes the rest; the original stays cached.
+        """
+        if seq.state is SeqState.SWAPPED or index >= len(seq.block_ids) or not self.pool.num_free:
+            return False
+        src = seq.block_ids[index]
+        dst, _ = self.pool.allocate()              # every slot it is read at is copied or written first
+        txn.outcome.effects.append(Copy(src, dst))
+        txn.outcome.filling.add(seq.seq_id)
+        seq.block_ids[index] = dst
+        self.release_blocks([src])
+        txn.counters["blocks_copied_on_write"] += 1
+        return True
 
     def _free(self, txn: _Txn, op: Free) -> OpResult:
         seq = self.find(op.seq_id, op.session_id)

@@ -190,6 +190,7 @@ class KvManagerMachine(RuleBasedStateMachine):
         history = list(before.token_ids) if before is not None else []
         conversation = self.conversation(data, session)
         op = Open(conversation, reserve, session, continue_session=True, whole_history=True)
+        copies = self.manager.counters["blocks_copied_on_write"]
         if not self.run_step(slot, [op]):
             return                                              # refused: run_step checked it changed nothing
         result = self.manager.seqs[self.manager.sessions[session]]
@@ -198,6 +199,9 @@ class KvManagerMachine(RuleBasedStateMachine):
         same = next((i for i, (a, b) in enumerate(zip(history, conversation, strict=False)) if a != b),
                     min(len(history), len(conversation)))
         own = same if before is not None and before.model == result.model else 0    # other weights: none its own
+        if self.manager.counters["blocks_copied_on_write"] > copies:   # the cut fell inside a full block
+            assert result.num_committed == min(own, len(conversation) - 1) and result.num_committed % BLOCK_SIZE
+            event("conversation resent: the full block at the cut copied")
         if result.num_committed > own:                       # the rest of what is kept: prefix hits alone
             assert result.num_committed % BLOCK_SIZE == 0, "K/V kept past where the conversation changed"
             chain = self.manager.hasher.chain(result.model, conversation, BLOCK_SIZE, 0, b"",
@@ -746,8 +750,9 @@ def test_a_finished_turn_sent_again_with_its_turn_id_replaces_itself():
     again, = m.step(worker, [Open(prompt, reserve=4, session_id="chat", continue_session=True,
                                   turn_id="t2")]).results
     assert list(again.token_ids) == [1, 2, 3, 4, 5, *prompt]                 # the turn once, its answer gone
-    assert again.num_committed == again.num_cached == 8               # whole blocks; the rest is recomputed
-    assert m.counters["turns_retried"] == 1
+    # Up to the prompt's last token: the full block the answer began in is copied, not recomputed.
+    assert again.num_committed == again.num_cached == 10
+    assert m.counters["turns_retried"] == 1 and m.counters["blocks_copied_on_write"] == 1
     m.step(worker, [Park(chat, append=[42, 43], commit_to=12)])
     m.step(worker, [Open([50], session_id="chat", continue_session=True, turn_id="t3")])
     m.step(worker, [Park(chat, commit_to=13)])
@@ -765,8 +770,9 @@ def test_a_different_prompt_replaces_the_failed_turn_from_where_they_part():
     worker = attach(m, "m")
     retried, = m.step(worker, [Open([1, 2, 3, 4, 5, 0], session_id="chat", continue_session=True)]).results
     assert list(retried.token_ids) == [1, 2, 3, 4, 5, 0]
-    # Token 5 sat in a full block, which is never written again: only whole blocks are kept.
-    assert retried.num_committed == 4 and len(m.seqs[seq_id].block_ids) == 2
+    # Token 5 sat in a full block, which is never written again: the session gets a copy of it to write.
+    assert retried.num_committed == 5 and len(m.seqs[seq_id].block_ids) == 2
+    assert m.seqs[seq_id].block_ids[1] != 1 and m.counters["blocks_copied_on_write"] == 1
     assert m.violations() == []
 
 
@@ -789,7 +795,7 @@ def test_a_resent_conversation_keeps_the_kv_of_what_it_shares_and_nothing_past_a
     assert same.num_committed == 6                                     # the last token's logits are recomputed
     edited = resend([1, 2, 3, 9, 9])                                   # an earlier message changed
     assert list(edited.token_ids) == [1, 2, 3, 9, 9]
-    assert edited.num_committed == 0          # token 3 sat in a full block, never written again: recomputed
+    assert edited.num_committed == 3          # token 3 sat in a full block, never written again: copied
     assert m.seqs[chat].turn_start == 3 and m.violations() == []
 
 

@@ -292,6 +292,22 @@ async def test_a_resent_conversation_reuses_the_session_and_an_edit_answers_like
     await assert_clean(memd, parked=1)
 
 
+async def test_a_conversation_resent_with_a_reply_that_differs_mid_block_keeps_the_kv_before_it(served, judge):
+    """A client resends the reply as text, and text tokenizes otherwise than it was sampled more often than
+    not: the history differs from the session's inside a full block. The K/V before that point is kept (the
+    block is copied: it is in the prefix cache and never written again), not rounded down to whole blocks."""
+    memd, scheduler = served
+    prompt = [11, 21, 31, 41, 51, 61]
+    out1, _ = await turn(scheduler, prompt, session="mid", n=9)
+    cut = len(prompt) + 3                                        # a full block holds prompt[4:6] + out1[0:2]
+    assert cut % BS and cut // BS < (len(prompt) + len(out1) - 1) // BS
+    resent = prompt + out1[:3] + [(out1[3] + 1) % 256, 5, 6, 7]  # the reply "retokenized" from its 4th token
+    out2, usage = await turn(scheduler, resent, session="mid")
+    assert usage["cached_tokens"] == cut                         # was cut // BS * BS: 1 to BS-1 tokens again
+    judge.assert_greedy(resent, out2, 6)
+    await assert_clean(memd, parked=1)
+
+
 async def test_whole_history_needs_a_session(served):
     _, scheduler = served
     with pytest.raises(GenerationError, match="whole_history") as err:
