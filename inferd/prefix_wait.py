@@ -58,6 +58,12 @@ def waits_for(prompt: list[int], leaders: Iterable[tuple[list[int], int]], block
     return False
 
 
+def committed_blocks(request: Request, block_size: int) -> int:
+    """Full blocks of a running request memd holds committed once this iteration's Step is applied: its
+    prompt's computed full blocks are committed in that Step (by an op ahead of the Opens it carries)."""
+    return max(request.num_committed, min(request.num_computed, request.num_prompt)) // block_size
+
+
 def held_blocks(prompt: list[int], requests: Iterable[Request], block_size: int) -> int:
     """Leading full blocks of `prompt` that a running request here holds committed: memd's prefix match
     hands them to the prompt's Open, so its admission needs no free page for them (a shared system prompt
@@ -65,12 +71,14 @@ def held_blocks(prompt: list[int], requests: Iterable[Request], block_size: int)
     limit = (len(prompt) - 1) // block_size
     best = 0
     for request in requests:
-        reach = min(limit, request.num_committed // block_size)
+        reach = min(limit, committed_blocks(request, block_size))
         if reach > best:
             best = max(best, shared_blocks(prompt, request.tokens, block_size, reach))
     return best
 
 
-def leading(requests: Iterable[Request]) -> list[tuple[list[int], int]]:
-    """The requests others may wait on: those still computing their prompt, with what memd holds committed."""
-    return [(r.tokens, r.num_committed) for r in requests if r.num_computed < r.num_prompt]
+def leading(requests: Iterable[Request], block_size: int) -> list[tuple[list[int], int]]:
+    """The requests others may wait on: those still computing their prompt, with what memd holds committed
+    once this iteration's Step is applied."""
+    return [(r.tokens, committed_blocks(r, block_size) * block_size) for r in requests
+            if r.num_computed < r.num_prompt]

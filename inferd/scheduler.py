@@ -407,7 +407,7 @@ class Scheduler:
         admitted: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         self._wanted = 0
-        leaders = leading(self.running)
+        leaders = leading(self.running, self.block_size)
         followers = []
         while self.waiting and self._seats(self.waiting[0]) <= seats:
             request = self.waiting[0]
@@ -415,8 +415,9 @@ class Scheduler:
                 followers.append(self.waiting.popleft())
                 continue
             need = math.ceil((len(request.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
-            if request.status is RequestStatus.WAITING:
-                need -= held_blocks(request.prompt_ids, self.running, self.block_size)
+            held = held_blocks(request.prompt_ids, self.running, self.block_size) \
+                if request.status is RequestStatus.WAITING else 0
+            need -= held
             if need > budget:
                 # Wait for pages; memd evicts cold parked sequences to make them.
                 self._wanted = self.client.free_blocks + need - budget
@@ -427,7 +428,9 @@ class Scheduler:
             admitted.append(request)
             ops.append(Admit(request, self._admission(request)))
             if request.status is RequestStatus.WAITING:
-                leaders.append((request.prompt_ids, 0))     # opened in this Step: nothing committed yet
+                # Opened in this Step: what it will hold committed is what memd's prefix match hands it. A
+                # prompt behind it that shares no more than that (the same system prompt) does not wait.
+                leaders.append((request.prompt_ids, held * self.block_size))
         self.waiting.extendleft(reversed(followers))         # still first in the queue, in arrival order
         return admitted
 

@@ -23,6 +23,9 @@ def test_held_blocks_counts_what_a_running_request_has_committed_of_the_prompt()
     assert held_blocks(list(range(22)) + [7], [running], 4) == 5      # its last token is never matched
     running.num_committed = 13                                         # three whole blocks committed so far
     assert held_blocks(list(range(40)) + [7], [running], 4) == 3
+    running.num_prompt, running.num_computed = 40, 26     # this iteration's Step commits its computed prompt
+    assert held_blocks(list(range(40)) + [7], [running], 4) == 6
+    running.num_computed = 0
     assert held_blocks([9] + list(range(1, 40)), [running], 4) == 0
     assert held_blocks(list(range(40)), [], 4) == 0
 
