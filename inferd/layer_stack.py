@@ -211,10 +211,15 @@ class LayerStack:
         new = queries.shape[2]
         cached = keys.shape[2] - new
         repeat = c.num_heads // c.num_kv_heads
-        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        past, past_lse = flash(queries, keys[:, :, :cached], values[:, :, :cached], 0.0, False)
-        own, own_lse = flash(queries, keys[:, :, cached:], values[:, :, cached:], 0.0, True)
+        # The cached keys, unmasked: the query heads that share a K/V head go as one run of queries over it,
+        # so those keys are not copied once per query head (for 1,750 cached keys a copy of 11 MB a layer).
+        stacked = queries.reshape(1, c.num_kv_heads, repeat * new, c.head_dim)
+        past, past_lse = flash(stacked, keys[:, :, :cached], values[:, :, :cached], 0.0, False)
+        past, past_lse = past.reshape(1, c.num_heads, new, c.head_dim), past_lse.reshape(1, c.num_heads, new)
+        own_keys = keys[:, :, cached:].repeat_interleave(repeat, 1)
+        own_values = values[:, :, cached:].repeat_interleave(repeat, 1)
+        own, own_lse = flash(queries, own_keys, own_values, 0.0, True)
         return _merged(past, past_lse, own, own_lse)
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
