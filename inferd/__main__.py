@@ -37,7 +37,7 @@ from shared.notify import keep_watchdog, notify, watchdog_interval
 from shared.unix_socket import SocketPathError, claim
 
 if TYPE_CHECKING:
-    from inferd.service import MemdLink
+    from inferd.engine import WorkerEngine
 
 log = structlog.get_logger("inferd")
 
@@ -115,9 +115,10 @@ async def serve(args: argparse.Namespace) -> None:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
+    from inferd.engine import AttachRefused, WorkerEngine
     from inferd.heap_policy import keep_freed_memory
     from inferd.metrics import InferdMetrics
-    from inferd.service import AttachRefused, InferdService, MemdLink
+    from inferd.service import InferdService
     from shared.rpc import inferd_pb2
     from shared.rpc import inferd_pb2_grpc as pb_grpc
 
@@ -129,19 +130,19 @@ async def serve(args: argparse.Namespace) -> None:
     sock_path = addr.unix_path(target)
     if sock_path is not None:
         claim(sock_path, "inferd")          # before the model loads: a second inferd there is refused at once
-    link = MemdLink(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    engine = WorkerEngine(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                     max_batch_tokens=args.max_batch_tokens,
                     prefill_beside_decode=args.prefill_beside_decode, dtype=args.dtype, audit_kv=args.audit_kv,
                     verify_reuse=args.verify_reuse, attention=args.attention)
     metrics = None
     if args.metrics_port or args.http:
-        metrics = InferdMetrics(link, asyncio.get_running_loop())
+        metrics = InferdMetrics(engine, asyncio.get_running_loop())
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
-    http = HttpFrontDoor.listen(args, link, metrics) if args.http else None
+    http = HttpFrontDoor.listen(args, engine, metrics) if args.http else None
     # No SO_REUSEPORT: a second inferd on a TCP port in use must fail to bind, not share the port.
     server = grpc.aio.server(interceptors=[RequestDecoder()], options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_InferdServicer_to_server(InferdService(link, metrics), server)
+    pb_grpc.add_InferdServicer_to_server(InferdService(engine, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     inferd_service = inferd_pb2.DESCRIPTOR.services_by_name["Inferd"].full_name
@@ -152,7 +153,7 @@ async def serve(args: argparse.Namespace) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", inferd_service):
             await health_servicer.set(name, status)
-    link.on_serving = serving
+    engine.on_serving = serving
     try:
         port = server.add_insecure_port(target)
     except RuntimeError:
@@ -160,7 +161,7 @@ async def serve(args: argparse.Namespace) -> None:
     if sock_path is None and target.endswith(":0"):
         target = f"{target[:-2]}:{port}"
     try:
-        await _serve(args, link, server, health_servicer, http, target, sock_path)
+        await _serve(args, engine, server, health_servicer, http, target, sock_path)
     except AttachRefused as exc:
         raise StartupError(str(exc)) from None
     finally:
@@ -169,11 +170,11 @@ async def serve(args: argparse.Namespace) -> None:
                 sock_path.unlink()
 
 
-async def _serve(args: argparse.Namespace, link: MemdLink, server: grpc.aio.Server, health_servicer: Any,
+async def _serve(args: argparse.Namespace, engine: WorkerEngine, server: grpc.aio.Server, health_servicer: Any,
                  http: HttpFrontDoor | None, target: str, sock_path: Path | None) -> None:
     """Attach to memd, then serve until SIGTERM; a refusal memd will repeat ends inferd (AttachRefused)."""
-    linking = asyncio.create_task(link.run(), name="memd-link")
-    attached = asyncio.create_task(link.attached.wait())
+    linking = asyncio.create_task(engine.run(), name="worker-engine")
+    attached = asyncio.create_task(engine.attached.wait())
     await asyncio.wait({linking, attached}, return_when=asyncio.FIRST_COMPLETED)
     if linking.done():
         attached.cancel()
@@ -188,16 +189,16 @@ async def _serve(args: argparse.Namespace, link: MemdLink, server: grpc.aio.Serv
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("inferd ready", listen=target, model=link.namespace, arch=link.config.arch, pid=os.getpid(),
+    log.info("inferd ready", listen=target, model=engine.namespace, arch=engine.config.arch, pid=os.getpid(),
              http=http.address if http is not None else "off")
-    notify("READY=1", f"STATUS=serving {link.namespace} on {target}")
+    notify("READY=1", f"STATUS=serving {engine.namespace} on {target}")
     interval = watchdog_interval()
     watchdog = asyncio.create_task(keep_watchdog(interval)) if interval is not None else None
     await stop.wait()
     notify("STOPPING=1")
     if watchdog is not None:
         watchdog.cancel()
-    link.on_serving = None
+    engine.on_serving = None
     await health_servicer.enter_graceful_shutdown()
     await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http is not None else []))
     if linking.done() and not linking.cancelled():

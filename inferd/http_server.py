@@ -15,9 +15,9 @@ from collections.abc import Callable
 import structlog
 
 from inferd.chat_template import ChatTemplate, ChatTemplateError
+from inferd.engine import WorkerEngine
 from inferd.metrics import InferdMetrics
 from inferd.openai_api import OpenAIServer
-from inferd.service import MemdLink
 from shared.http_listener import EmbeddedServer, HttpListenError, address_of, bind_http
 
 log = structlog.get_logger("inferd.http")
@@ -36,15 +36,15 @@ class HttpFrontDoor:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def listen(cls, args: argparse.Namespace, link: MemdLink, metrics: InferdMetrics | None) -> HttpFrontDoor:
+    def listen(cls, args: argparse.Namespace, engine: WorkerEngine, metrics: InferdMetrics | None) -> HttpFrontDoor:
         try:
-            template = ChatTemplate.from_checkpoint(args.model, link.tokenizer, args.chat_template)
+            template = ChatTemplate.from_checkpoint(args.model, engine.tokenizer, args.chat_template)
         except ChatTemplateError as exc:
             raise HttpStartError(str(exc)) from None
         if template is None:
             log.warning("the checkpoint has no chat template: /v1/chat/completions answers 400 "
                         "(give --chat-template FILE)", model=str(args.model))
-        api = OpenAIServer(link, served_model_name=args.served_model_name or args.model.name,
+        api = OpenAIServer(engine, served_model_name=args.served_model_name or args.model.name,
                            api_key=args.api_key or None, template=template, metrics=metrics)
         try:
             sock = bind_http(args.http)

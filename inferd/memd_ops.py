@@ -7,26 +7,93 @@ Step of their own, first). memd applies a Step all or nothing: when it
 refuses one op it says which, and the scheduler takes that op out, lets it
 settle with its owner (`refused`), and sends the rest again. Once a Step is
 applied, each op hands its result to its owner (`applied`).
+
+An op changes only its own request's fields. What it asks of the scheduler
+(end the request, put it back in the queue, send an op in the next Step, ...)
+it returns as an `Outcome`, a value the scheduler applies
+(`Scheduler._apply`): no op reaches into the scheduler's lists.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from inferd.block_table import BlockTable
+from inferd.kv_audit import KvAudit
 from inferd.page_sums import PageSums
 from inferd.requests import Event, GenerationError, Request, RequestStatus
 from shared.client import MemdError
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume
 
-if TYPE_CHECKING:
-    from inferd.scheduler import Scheduler
-
 log = structlog.get_logger("inferd.scheduler")     # the scheduler's own log lines, split out for reading
+
+
+class OpContext(Protocol):
+    """What an op reads of the worker while it takes memd's answer (the scheduler is one)."""
+
+    @property
+    def audit(self) -> KvAudit | None: ...           # --audit-kv
+
+    @property
+    def page_sums(self) -> PageSums: ...
+
+    @property
+    def max_position(self) -> int: ...
+
+
+# ---- what an op asks of the scheduler ----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The request leaves the batch (`Scheduler._end`): with `error`, its sequence is freed unless `keep`."""
+
+    request: Request
+    error: GenerationError | None = None
+    keep: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Requeued:
+    """A preempted request waits again, ahead of every later arrival."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class StartedOver:
+    """memd freed the request's sequence: it is a new request again, in its place in the queue."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Unforked:
+    """n > 1: a child memd had no page for: its Fork goes again in the next Step, its parent waiting with it."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """An op for the next Step (a release, a distrust sent again)."""
+
+    op: End | Distrust
+
+
+Outcome = Ended | Requeued | StartedOver | Unforked | Queued
+
+
+def release(request: Request, final: Event) -> End | None:
+    """How a preempted request that ends before it runs again gives its sequence back: memd still holds
+    a sequence without a session (its Free releases `final`); a session's preempted turn stays parked, and
+    a request memd forgot holds nothing (None: `final` goes to the client now)."""
+    if request.status is RequestStatus.PREEMPTED and request.seq_id and request.session_id is None:
+        return End(request, final, Free(request.seq_id))
+    return None
 
 
 @dataclass(eq=False)
@@ -36,6 +103,7 @@ class StepAttempt:
     ops: list[PendingOp]              # shrinks as memd refuses ops; the scheduler's `_inflight` is this very list
     stalled: set[Request] = field(default_factory=set)       # running sequences memd had no page for
     requeued: list[Request] = field(default_factory=list)    # admissions to put back at the head of the queue
+    ended: list[Ended] = field(default_factory=list)         # forks whose parent's commit memd refused
 
 
 class PendingOp:
@@ -48,11 +116,11 @@ class PendingOp:
         """What to send in this op's place after memd refused it with `err`; None takes it out of the Step."""
         return None
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
-        pass
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
+        return None
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
-        pass
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
+        return None
 
 
 def _error(err: MemdError, prefix: str = "") -> GenerationError:
@@ -66,21 +134,21 @@ class Admit(PendingOp):
     request: Request
     op: Open | Resume
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         request = self.request
-        if scheduler.audit is not None:
-            scheduler.audit.forget(id(request))        # a new table: its positions are taken as found when it runs
+        if worker.audit is not None:
+            worker.audit.forget(id(request))           # a new table: its positions are taken as found when it runs
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.seq_id = result.seq_id
         request.table = BlockTable(result.block_ids)
-        scheduler.page_sums.admitted(request, result.num_committed)
+        worker.page_sums.admitted(request, result.num_committed)
         request.num_committed = result.num_committed
         if resumed:
             request.tokens = list(result.token_ids) if result.token_ids else request.tokens
             request.num_computed = result.num_committed          # the rest is recomputed
             request.num_known_to_memd = len(request.tokens)
-            return
+            return None
         # A session's history (memd's tokens then this turn's, or with whole_history the conversation as sent,
         # memd having kept only the prefix its history shared with it): usage counts all of it as prompt, and
         # what memd had committed as cached; computing resumes from there.
@@ -88,22 +156,23 @@ class Admit(PendingOp):
         request.num_computed = request.num_cached = result.num_committed
         request.num_known_to_memd = len(request.tokens)
         request.num_prompt = len(request.tokens)
-        limit = scheduler.model.config.max_position
+        limit = worker.max_position
         if request.whole_history and request.tokens != request.prompt_ids:
             # A memd without whole_history takes the conversation as a new turn, appended to the old one:
             # answering from that would answer a conversation the client never sent. Free it, and fail.
             log.error("memd's history is not the conversation sent", request=request.request_id,
                       session=request.session_id, sent=len(request.prompt_ids), memd=len(request.tokens))
-            scheduler._end(request, error=GenerationError(
+            return Ended(request, GenerationError(
                 "FAILED_PRECONDITION", f"session {request.session_id!r}: memd kept a history of "
                 f"{len(request.tokens)} tokens for a conversation of {len(request.prompt_ids)}; "
                 "does this memd take whole_history?"))
-        elif len(request.tokens) >= limit:               # a session's history can outgrow the model
-            scheduler._end(request, keep=True, error=GenerationError(
+        if len(request.tokens) >= limit:                 # a session's history can outgrow the model
+            return Ended(request, GenerationError(
                 "INVALID_ARGUMENT", f"session {request.session_id!r} holds {len(request.tokens)} tokens with "
-                f"this message; the model has {limit} positions: reset the session"))
+                f"this message; the model has {limit} positions: reset the session"), keep=True)
+        return None
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         request = self.request
         preempted = request.status is RequestStatus.PREEMPTED
         if err.code.name == "RESOURCE_EXHAUSTED":
@@ -112,12 +181,13 @@ class Admit(PendingOp):
             request.seq_id = 0                       # forgotten while it waited: recompute it all
             step.requeued.append(request)
         else:
-            request.status = RequestStatus.FINISHED
             final = Event([], "", usage=request.usage(), error=_error(err), index=request.index)
-            if preempted and request.seq_id and request.session_id is None:
-                scheduler._ending.append(End(request, final, Free(request.seq_id)))    # memd still holds it
-            else:
-                request.events.put_nowait(final)
+            end = release(request, final)
+            request.status = RequestStatus.FINISHED
+            if end is not None:
+                return Queued(end)
+            request.events.put_nowait(final)
+        return None
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -132,7 +202,7 @@ class Grow(PendingOp):
             return Grow(self.request, replace(self.op, reserve=1))    # the lookahead can wait
         return None
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         request = self.request
         if result.first_block != len(request.table) or result.num_committed != request.num_computed:
             # memd's table or committed length is not the one this worker computed against: the K/V
@@ -140,20 +210,20 @@ class Grow(PendingOp):
             log.error("memd and this worker disagree about a sequence", request=request.request_id,
                       seq=request.seq_id, blocks=len(request.table), memd_first_block=result.first_block,
                       computed=request.num_computed, memd_committed=result.num_committed)
-            scheduler._end(request, error=GenerationError(
+            return Ended(request, GenerationError(
                 "INTERNAL", f"sequence {request.seq_id}: memd's block table or committed length differs "
                 "from this worker's; the turn is failed rather than answered from unknown K/V"))
-            return
         request.table[result.first_block:] = result.block_ids
         request.num_committed = result.num_committed
+        return None
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         self.request.num_known_to_memd -= len(self.op.append)    # memd did not take them
         PageSums.unsent(self.request, self.op.sums_from, self.op.page_sums)
         if err.code.name == "RESOURCE_EXHAUSTED":
             step.stalled.add(self.request)
-        else:
-            scheduler._end(self.request, error=_error(err))
+            return None
+        return Ended(self.request, _error(err))
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -163,13 +233,13 @@ class CommitForFork(PendingOp):
     parent: Request
     op: Extend
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         """No prompt to fork from: its children's Forks leave the Step and the children fail."""
         PageSums.unsent(self.parent, self.op.sums_from, self.op.page_sums)
         dropped = [p for p in step.ops if isinstance(p, ForkChild) and p.request in self.parent.children]
         step.ops[:] = [p for p in step.ops if p not in dropped]
-        for fork in dropped:
-            scheduler._end(fork.request, error=_error(err))
+        step.ended += [Ended(fork.request, _error(err)) for fork in dropped]
+        return None
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -179,20 +249,20 @@ class ForkChild(PendingOp):
     request: Request
     op: Fork
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         request = self.request
-        if scheduler.audit is not None:
-            scheduler.audit.forget(id(request))        # a new table: its positions are taken as found when it runs
+        if worker.audit is not None:
+            worker.audit.forget(id(request))           # a new table: its positions are taken as found when it runs
         request.status = RequestStatus.RUNNING
         request.seq_id, request.table = result.seq_id, BlockTable(result.block_ids)
         request.num_computed = request.num_known_to_memd = request.num_committed = result.num_committed
-        scheduler.page_sums.admitted(request, result.num_committed)
+        worker.page_sums.admitted(request, result.num_committed)
+        return None
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         if err.code.name == "RESOURCE_EXHAUSTED":
-            scheduler._unforked.append(self.request)   # no page for its copy yet: the parent waits with it
-        else:
-            scheduler._end(self.request, error=_error(err))
+            return Unforked(self.request)              # no page for its copy yet: the parent waits with it
+        return Ended(self.request, _error(err))
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -209,12 +279,14 @@ class End(PendingOp):
             return End(self.request, self.final, Free(self.op.seq_id, self.op.session_id))
         return None
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         self.request.events.put_nowait(self.final)
+        return None
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         log.warning("memd refused to release a sequence", error=str(err))
         self.request.events.put_nowait(self.final)
+        return None
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -224,13 +296,15 @@ class ResetSession(PendingOp):
     done: asyncio.Future[None]
     op: Free
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         if not self.done.done():                     # its caller may have gone away
             self.done.set_result(None)
+        return None
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         if not self.done.done():
             self.done.set_exception(_error(err))
+        return None
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -240,14 +314,14 @@ class Preempt(PendingOp):
     request: Request
     op: Park
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
-        if scheduler.audit is not None:
-            scheduler.audit.forget(id(self.request))   # a new table: its positions are taken as found when it runs
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
+        if worker.audit is not None:
+            worker.audit.forget(id(self.request))      # a new table: its positions are taken as found when it runs
         self.request.table = BlockTable()
-        scheduler._requeue(self.request)
+        return Requeued(self.request)
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
-        scheduler._end(self.request, error=_error(err, "preemption failed: "))
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
+        return Ended(self.request, _error(err, "preemption failed: "))
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -258,13 +332,12 @@ class Distrust(PendingOp):
     request: Request
     op: Free
 
-    def applied(self, scheduler: Scheduler, result: OpResult) -> None:
-        scheduler._start_over(self.request)
+    def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
+        return StartedOver(self.request)
 
-    def refused(self, scheduler: Scheduler, err: MemdError, step: StepAttempt) -> None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         log.warning("memd refused to take distrusted blocks out of its prefix cache", error=str(err),
                     request=self.request.request_id)
         if self.op.distrusted:               # free the sequence all the same, then start over
-            scheduler._distrusts.append(Distrust(self.request, Free(self.op.seq_id)))
-        else:                                # memd holds no such sequence (anymore)
-            scheduler._start_over(self.request)
+            return Queued(Distrust(self.request, Free(self.op.seq_id)))
+        return StartedOver(self.request)     # memd holds no such sequence (anymore)

@@ -18,8 +18,8 @@ from shared.full_collections import metric_families
 from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
+    from inferd.engine import WorkerEngine
     from inferd.scheduler import Event
-    from inferd.service import MemdLink
 
 SCRAPE_TIMEOUT_S = 5.0
 PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -27,8 +27,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class InferdMetrics(Collector):
-    def __init__(self, link: MemdLink, loop: asyncio.AbstractEventLoop) -> None:
-        self.link, self.loop = link, loop
+    def __init__(self, engine: WorkerEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self.loop = engine, loop
         self.registry = CollectorRegistry()
         self.requests = Counter("kvpool_inferd_requests", "completions finished, by how they ended",
                                 ["finish_reason"], registry=self.registry)
@@ -49,7 +49,7 @@ class InferdMetrics(Collector):
                            "forward passes and their sampling: decode steps, prompts, or prompts joining decode",
                            ["kind"], buckets=PASS_BUCKETS, registry=self.registry)
         self.passes = {kind: passes.labels(kind) for kind in ("decode", "prefill", "mixed")}
-        link.on_pass = self.forward_pass
+        engine.on_pass = self.forward_pass
         self.registry.register(self)
 
     def forward_pass(self, kind: str, seconds: float) -> None:
@@ -72,17 +72,17 @@ class InferdMetrics(Collector):
             self.tpot.observe(usage["tpot_ms"] / 1000)
 
     async def reading(self) -> dict[str, Any]:
-        scheduler = self.link.scheduler
+        scheduler = self.engine.scheduler
         check = scheduler.reuse_check if scheduler else None
         return {
-            "attached": self.link.attached.is_set(),
+            "attached": self.engine.attached.is_set(),
             "running": len(scheduler.running) if scheduler else 0,
             "waiting": len(scheduler.waiting) if scheduler else 0,
-            "preemptions": self.link.preemptions + (scheduler.preemptions if scheduler else 0),
-            "reuse_checks": self.link.reuse_checks + (check.checks if check else 0),
-            "reuse_mismatches": self.link.reuse_mismatches + (check.mismatches if check else 0),
-            "ahead_taken": self.link.ahead_taken + (scheduler.forward_thread.ahead_taken if scheduler else 0),
-            "ahead_dropped": self.link.ahead_dropped + (scheduler.forward_thread.ahead_dropped if scheduler else 0),
+            "preemptions": self.engine.preemptions + (scheduler.preemptions if scheduler else 0),
+            "reuse_checks": self.engine.reuse_checks + (check.checks if check else 0),
+            "reuse_mismatches": self.engine.reuse_mismatches + (check.mismatches if check else 0),
+            "ahead_taken": self.engine.ahead_taken + (scheduler.forward_thread.ahead_taken if scheduler else 0),
+            "ahead_dropped": self.engine.ahead_dropped + (scheduler.forward_thread.ahead_dropped if scheduler else 0),
         }
 
     def collect(self) -> Iterator[Any]:

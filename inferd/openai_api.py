@@ -32,6 +32,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from inferd.chat_template import ChatTemplate, ChatTemplateError
+from inferd.completions import Completions
+from inferd.engine import WorkerEngine
 from inferd.metrics import InferdMetrics
 from inferd.openai_schema import (
     ApiError,
@@ -43,7 +45,7 @@ from inferd.openai_schema import (
 )
 from inferd.requests import Event, GenerationError, Request, TokenLogprob
 from inferd.sampling import BadParams, SamplingParams
-from inferd.service import MemdLink, checked_request_id
+from inferd.service import checked_request_id
 from shared.http_exchange import ClientGone, check_api_key, or_disconnect, stream_body
 
 log = structlog.get_logger("inferd.http")
@@ -62,70 +64,23 @@ def _api_error(err: GenerationError) -> ApiError:
     return ApiError(status, err.message, code="session_busy" if busy else None)
 
 
+async def _next(reader: Completions) -> Event | None:
+    """The request's next event; its error as the HTTP status that says it."""
+    try:
+        return await reader.next()
+    except GenerationError as err:
+        raise _api_error(err) from None
+
+
 def _finish_reason(reason: str) -> str:
     """OpenAI's names: a request ended by its client or a session reset is "abort", as vLLM says."""
     return "abort" if reason in ("cancelled", "reset") else reason
 
 
-@dataclass(eq=False)
-class Completions:
-    """The events of one request (n completions), read until each has ended; an error event raises ApiError."""
-
-    request: Request
-    cancel: Callable[[Request], None]
-    metrics: InferdMetrics | None
-    remaining: int = 0
-    finals: dict[int, Event] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.remaining = self.request.params.n
-
-    async def next(self) -> Event | None:
-        if not self.remaining:
-            return None
-        event = await self.request.events.get()
-        if self.metrics is not None and (event.error is not None or event.finish_reason is not None):
-            self.metrics.finished(event)
-        if event.error is not None:
-            self.remaining = 0
-            self.cancel(self.request)                  # n > 1: the other completions stop too
-            log.info("request failed", request=self.request.request_id, session=self.request.session_id,
-                     code=event.error.code, error=event.error.message)
-            raise _api_error(event.error)
-        if event.finish_reason is not None:
-            self.remaining -= 1
-            self.finals[event.index] = event
-            log.info("request finished", request=self.request.request_id, session=self.request.session_id,
-                     seq=self.request.seq_id, index=event.index, finish_reason=event.finish_reason,
-                     **(event.usage or {}))
-        return event
-
-    def stop(self) -> None:
-        """End the request early; its completions still end as usual (finish reason "abort")."""
-        if self.remaining:
-            self.cancel(self.request)
-
-    def abandon(self) -> None:
-        """The client went away: the sequences park or free."""
-        if self.remaining:
-            self.remaining = 0
-            log.info("request cancelled by its client", request=self.request.request_id,
-                     session=self.request.session_id)
-            self.cancel(self.request)
-
-    def usage(self) -> dict[str, Any]:
-        finals = [e.usage or {} for e in self.finals.values()]
-        prompt = int(finals[0].get("prompt_tokens", 0)) if finals else 0
-        completion = sum(int(u.get("completion_tokens", 0)) for u in finals)
-        cached = int(finals[0].get("cached_tokens", 0)) if finals else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 class OpenAIServer:
-    def __init__(self, link: MemdLink, *, served_model_name: str, api_key: str | None,
+    def __init__(self, engine: WorkerEngine, *, served_model_name: str, api_key: str | None,
                  template: ChatTemplate | None, metrics: InferdMetrics | None) -> None:
-        self.link, self.model_name, self.api_key = link, served_model_name, api_key
+        self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
         self.template, self.metrics = template, metrics
         self.created = int(time.time())
         self.active: set[Completions] = set()       # requests with an exchange in flight
@@ -194,12 +149,12 @@ class OpenAIServer:
         self._check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, str):
-            prompt_ids = self.link.tokenizer.encode(prompt).ids
+            prompt_ids = self.engine.tokenizer.encode(prompt).ids
         elif prompt and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)                               # type: ignore[arg-type]
         elif isinstance(prompt, list) and len(prompt) == 1:
             only = prompt[0]
-            prompt_ids = self.link.tokenizer.encode(only).ids if isinstance(only, str) else list(only)
+            prompt_ids = self.engine.tokenizer.encode(only).ids if isinstance(only, str) else list(only)
         else:
             raise ApiError(400, "one prompt per request (a batch of prompts is not supported)", param="prompt")
         return await self._generate(http, request_id, body, prompt_ids, chat=False)
@@ -215,7 +170,7 @@ class OpenAIServer:
             raise ApiError(400, str(err), param="messages") from None
 
     def _params(self, body: ChatBody | CompletionBody, prompt_len: int) -> SamplingParams:
-        limit = self.link.config.max_position
+        limit = self.engine.config.max_position
         budget = body.token_budget()
         if budget is None:
             budget = limit - prompt_len                 # as vLLM: up to the model's positions
@@ -228,14 +183,14 @@ class OpenAIServer:
                               logprobs=body.logprob_count(), min_tokens=body.min_tokens)
 
     def _scheduler(self) -> Any:
-        scheduler = self.link.scheduler
+        scheduler = self.engine.scheduler
         if scheduler is None:
             raise ApiError(503, "not attached to memd (it is down or restarting); retry shortly")
         return scheduler
 
     async def _generate(self, http: HttpRequest, request_id: str, body: ChatBody | CompletionBody,
                         prompt_ids: list[int], *, chat: bool) -> Response:
-        vocab = self.link.config.vocab_size
+        vocab = self.engine.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
         scheduler = self._scheduler()
@@ -251,17 +206,17 @@ class OpenAIServer:
             raise _api_error(err) from None
         reader = Completions(request, scheduler.cancel, self.metrics)
         self.active.add(reader)
-        shape = _Shape(chat, self.model_name, request_id, self.link.tokenizer, params.n,
+        shape = _Shape(chat, self.model_name, request_id, self.engine.tokenizer, params.n,
                        body.return_tokens_as_token_ids)
         streaming = False
         try:
-            first = await or_disconnect(http.receive, reader.next())     # a refusal is an error status, not a stream
+            first = await or_disconnect(http.receive, _next(reader))     # a refusal is an error status, not a stream
             if body.stream:
                 usage = body.stream_options is not None and body.stream_options.include_usage
                 streaming = True
                 return _Stream(self, reader, self._stream(reader, shape, first, usage))
             events = [first]
-            while (event := await or_disconnect(http.receive, reader.next())) is not None:
+            while (event := await or_disconnect(http.receive, _next(reader))) is not None:
                 events.append(event)
             return JSONResponse(shape.whole(events, reader.usage()))
         finally:
@@ -294,7 +249,7 @@ class OpenAIServer:
                     chunk = shape.chunk(event.index, {} if shape.chat else "")
                     chunk["choices"][0]["finish_reason"] = _finish_reason(event.finish_reason)
                     yield shape.chunk_json(chunk, include_usage)
-                event = await reader.next()
+                event = await _next(reader)
             if include_usage:
                 yield json.dumps(shape.envelope([], usage=reader.usage()))
         except ApiError as err:                        # an error mid-stream: said in the stream, as vLLM does
@@ -308,7 +263,7 @@ class OpenAIServer:
     async def models(self, http: HttpRequest, request_id: str) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvpool",
-            "root": self.link.namespace, "max_model_len": self.link.config.max_position}]})
+            "root": self.engine.namespace, "max_model_len": self.engine.config.max_position}]})
 
     async def tokenize(self, http: HttpRequest, request_id: str) -> Response:
         body = parse(TokenizeBody, await self._body(http))
@@ -318,21 +273,21 @@ class OpenAIServer:
         if body.messages is not None:
             tokens = self._chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
         else:
-            tokens = self.link.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
-        return JSONResponse({"count": len(tokens), "max_model_len": self.link.config.max_position,
+            tokens = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+        return JSONResponse({"count": len(tokens), "max_model_len": self.engine.config.max_position,
                              "tokens": tokens})
 
     async def detokenize(self, http: HttpRequest, request_id: str) -> Response:
         body = parse(DetokenizeBody, await self._body(http))
         self._check_model(body.model)
-        vocab = self.link.config.vocab_size
+        vocab = self.engine.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": self.link.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     async def health(self, http: HttpRequest) -> Response:
         """200 while requests can be served: attached to memd and not draining (a balancer's check)."""
-        scheduler = self.link.scheduler
+        scheduler = self.engine.scheduler
         if scheduler is None:
             return JSONResponse({"status": "not attached to memd"}, status_code=503)
         if scheduler.draining:

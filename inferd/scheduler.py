@@ -40,6 +40,7 @@ import structlog
 import torch
 from tokenizers.decoders import DecodeStream
 
+from inferd.backlog import Backlog
 from inferd.block_table import BlockTable
 from inferd.forward_thread import Ahead, ForwardThread, Sampling
 from inferd.kv_audit import KvAudit
@@ -48,12 +49,19 @@ from inferd.memd_ops import (
     CommitForFork,
     Distrust,
     End,
+    Ended,
     ForkChild,
     Grow,
+    Outcome,
     PendingOp,
     Preempt,
+    Queued,
+    Requeued,
     ResetSession,
+    StartedOver,
     StepAttempt,
+    Unforked,
+    release,
 )
 from inferd.model import PagedDecoder, build_batch
 from inferd.page_sums import PageSums
@@ -88,16 +96,10 @@ class Scheduler:
         self.lookahead = lookahead_blocks * self.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Park/Free of ended requests, each with the final event it releases once memd has applied it.
-        self._ending: list[End] = []
-        self._forks: list[tuple[Request, Extend, list[Request]]] = []     # parent, its commit, children to fork
-        self._resets: list[ResetSession] = []
+        self._backlog = Backlog()                        # page operations owed to memd's next Step
         # The Step memd is applying now: its requests are in no other list meanwhile.
         self._inflight: list[PendingOp] = []
         self._wake = asyncio.Event()
-        self._preempting: list[Preempt] = []
-        self._unforked: list[Request] = []               # children whose Fork found no page: forked next step
-        self._revoked: set[int] = set()                  # seq ids memd revoked, not yet preempted
         self._wanted = 0                                 # free blocks the head of the queue waits for
         self.preemptions = 0
         self.draining = False                            # an operator's drain: admit nothing new
@@ -107,7 +109,6 @@ class Scheduler:
         self.page_sums = PageSums(client.pool.pages if client.pool is not None else None, self.block_size)
         self.reuse_check = ReuseCheck(model, verify_reuse, chunk_tokens=max_batch_tokens) \
             if verify_reuse else None                                                     # --verify-reuse
-        self._distrusts: list[Distrust] = []
         self.forward_thread = ForwardThread(model)
 
     # ---- the outside ---------------------------------------------------
@@ -156,12 +157,12 @@ class Scheduler:
 
         Raises GenerationError NOT_FOUND when memd has no such session.
         """
-        preempting = [p.request for p in self._preempting]
+        preempting = [p.request for p in self._backlog.preempting]
         for request in [*self.waiting, *self.running, *self._inflight_requests(), *preempting]:
             if request.session_id == session_id:
                 request.cancel("reset")
         done = asyncio.get_running_loop().create_future()
-        self._resets.append(ResetSession(done, Free(session_id=session_id)))
+        self._backlog.resets.append(ResetSession(done, Free(session_id=session_id)))
         self._wake.set()
         await done
 
@@ -170,14 +171,13 @@ class Scheduler:
         return taking + [p.request for p in self._inflight if isinstance(p, End)]
 
     def _on_revoke(self, seq_id: int, reason: str) -> None:
-        self._revoked.add(seq_id)
+        self._backlog.revoked.add(seq_id)
         self._wake.set()
 
     async def run(self) -> None:
         """Serve until memd fails as a whole (not one op), or a bug: every request fails, the error rises."""
         while True:
-            if not (self.waiting or self.running or self._ending or self._resets or self._preempting
-                    or self._forks or self._revoked or self._distrusts):
+            if not (self.waiting or self.running or self._backlog):
                 self._wake.clear()
                 await self._wake.wait()
             try:
@@ -212,27 +212,19 @@ class Scheduler:
                 and not r.cancelled and r.fork_of is None] if keep_unstarted else []
         for request in kept:
             self.waiting.remove(request)
-        pending = [end.request for end in self._ending] + self._inflight_requests()
-        pending += [child for _, _, group in self._forks for child in group] + self._unforked
-        pending += [p.request for p in self._preempting] + [d.request for d in self._distrusts]
+        pending = self._backlog.requests() + self._inflight_requests()
         failed: set[int] = set()
         for request in [*self.waiting, *self.running, *pending]:
             if id(request) not in failed:
                 failed.add(id(request))
                 request.fail(error)
-        resets = [*self._resets, *(p for p in self._inflight if isinstance(p, ResetSession))]
+        resets = [*self._backlog.resets, *(p for p in self._inflight if isinstance(p, ResetSession))]
         for reset in resets:
             if not reset.done.done():
                 reset.done.set_exception(error)
         self.waiting.clear()
         self.running.clear()
-        self._ending.clear()
-        self._resets.clear()
-        self._forks.clear()
-        self._unforked.clear()
-        self._preempting.clear()
-        self._distrusts.clear()
-        self._revoked.clear()
+        self._backlog.clear()
         self._wanted = 0
         self._inflight = []
         return kept
@@ -253,16 +245,16 @@ class Scheduler:
         """One scheduler step; False when it could do nothing at all (no memd op, no forward pass)."""
         self._retire_cancelled()
         self._take_revocations()
-        preempted = bool(self._preempting)
+        preempted = bool(self._backlog.preempting)
         if preempted:
-            await self._memd_step(list(self._preempting))
-            self._preempting = []
+            await self._memd_step(list(self._backlog.preempting))
+            self._backlog.preempting = []
             self._retire_cancelled()          # a reset or cancel that came while memd swapped them out
         ops, forks = self._fork_ops()
-        ops += self._ending
-        ops += self._resets
-        ops += self._distrusts
-        self._ending, self._resets, self._distrusts = [], [], []
+        ops += self._backlog.ending
+        ops += self._backlog.resets
+        ops += self._backlog.distrusts
+        self._backlog.ending, self._backlog.resets, self._backlog.distrusts = [], [], []
         growing = 0                                         # running sequences first, then newcomers
         bs = self.block_size
         for request in self.running:
@@ -286,7 +278,7 @@ class Scheduler:
         if self.reuse_check is not None:
             await self._check_reuse(admitted)
         unforked = self._refork()
-        holding = {id(parent) for parent, _, _ in self._forks}      # a parent decodes once its children forked
+        holding = {id(parent) for parent, _, _ in self._backlog.forks}      # a parent decodes once its children forked
         ready = [r for r in self.running if r not in stalled and id(r) not in holding
                  and len(r.tokens) <= len(r.table) * self.block_size]
         if ready:
@@ -295,7 +287,7 @@ class Scheduler:
             await self.forward_thread.drop_ahead()
         if stalled or unforked:
             self._preempt_for([r for r in stalled if r in self.running], extra=unforked)
-        return bool(ops or ready or preempted or self._preempting)      # ops: those memd applied
+        return bool(ops or ready or preempted or self._backlog.preempting)      # ops: those memd applied
 
     async def _check_reuse(self, admitted: list[Request]) -> None:
         """--verify-reuse: recompute the cached prefix of a chosen few new requests and compare it."""
@@ -319,7 +311,7 @@ class Scheduler:
                       "over", request=request.request_id, seq=request.seq_id,
                       blocks=[request.table[i] for i in blocks])
             self.running.remove(request)
-            self._distrusts.append(Distrust(request, Free(request.seq_id, distrusted=blocks)))
+            self._backlog.distrusts.append(Distrust(request, Free(request.seq_id, distrusted=blocks)))
 
     def _start_over(self, request: Request) -> None:
         """A new request again, in its place in the queue (memd freed its sequence)."""
@@ -331,11 +323,11 @@ class Scheduler:
     def _refork(self) -> int:
         """Children memd could not give a page: their Fork goes again in the next Step."""
         groups: dict[int, tuple[Request, list[Request]]] = {}
-        for child in self._unforked:
+        for child in self._backlog.unforked:
             if child.fork_of is not None and child.status is not RequestStatus.FINISHED:
                 groups.setdefault(id(child.fork_of), (child.fork_of, []))[1].append(child)
-        self._forks += [(parent, Extend(parent.seq_id), group) for parent, group in groups.values()]
-        count, self._unforked = len(self._unforked), []
+        self._backlog.forks += [(parent, Extend(parent.seq_id), group) for parent, group in groups.values()]
+        count, self._backlog.unforked = len(self._backlog.unforked), []
         return count
 
     def _preempt_for(self, stalled: list[Request], extra: int = 0) -> None:
@@ -343,7 +335,7 @@ class Scheduler:
         bs = self.block_size
         need = {id(r): math.ceil((len(r.tokens) + 1) / bs) - len(r.table) for r in stalled}
         short = sum(need.values()) + extra - self.client.free_blocks
-        forking = {id(parent) for parent, _, _ in self._forks}
+        forking = {id(parent) for parent, _, _ in self._backlog.forks}
         for victim in sorted(self.running, key=lambda r: r.arrived, reverse=True):
             if short <= 0:
                 break
@@ -359,25 +351,25 @@ class Scheduler:
         self.preemptions += 1
         park = Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
                     commit_to=request.num_computed, preempt=True)          # its page sums: `_summed`
-        self._preempting.append(Preempt(request, park))
+        self._backlog.preempting.append(Preempt(request, park))
         request.num_known_to_memd = len(request.tokens)
         log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq_id,
                  tokens=len(request.tokens), computed=request.num_computed)
 
     def _take_revocations(self) -> None:
         """memd revoked sequences (an operator evicted them): preempt those running here."""
-        if not self._revoked:
+        if not self._backlog.revoked:
             return
-        forking = {parent.seq_id for parent, _, _ in self._forks}     # its children fork from it first
-        for request in [r for r in self.running if r.seq_id in self._revoked and r.seq_id not in forking]:
+        forking = {parent.seq_id for parent, _, _ in self._backlog.forks}     # its children fork from it first
+        for request in [r for r in self.running if r.seq_id in self._backlog.revoked and r.seq_id not in forking]:
             self._preempt(request)
-        self._revoked &= forking           # preempted once forked; the others ended already
+        self._backlog.revoked &= forking           # preempted once forked; the others ended already
 
     def _fork_ops(self) -> tuple[list[PendingOp], list[Request]]:
         """Forks of n > 1 requests go first in the Step, before anything frees their parent."""
         ops: list[PendingOp] = []
         children: list[Request] = []
-        for parent, commit, group in self._forks:
+        for parent, commit, group in self._backlog.forks:
             for child in group:
                 if child.cancelled and child.status is not RequestStatus.FINISHED:
                     self._end(child, reason=child.cancelled)
@@ -386,17 +378,17 @@ class Scheduler:
                 ops.append(CommitForFork(parent, commit))
                 ops += [ForkChild(child, Fork(parent.seq_id)) for child in live]
                 children += live
-        self._forks = []
+        self._backlog.forks = []
         return ops, children
 
     def _retire_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             final = Event([], "", finish_reason=request.cancelled, usage=request.usage(), index=request.index)
-            if request.status is RequestStatus.PREEMPTED and request.seq_id and request.session_id is None:
-                self._ending.append(End(request, final, Free(request.seq_id)))   # memd still holds it
+            if (end := release(request, final)) is not None:
+                self._backlog.ending.append(end)
             else:
-                request.events.put_nowait(final)        # a session's preempted turn stays parked
+                request.events.put_nowait(final)
             request.status = RequestStatus.FINISHED
         for request in [r for r in self.running if r.cancelled]:
             self._end(request, reason=request.cancelled)
@@ -503,11 +495,37 @@ class Scheduler:
                     ops[err.op_index] = retry
                     continue
                 ops.pop(err.op_index)
-                rejected.refused(self, err, step)
+                self._apply(rejected.refused(err, step))
+                for ended in step.ended:
+                    self._apply(ended)
+                step.ended.clear()
                 continue
             for pending, result in zip(ops, results, strict=True):
-                pending.applied(self, result)
+                self._apply(pending.applied(self, result))
             break
+
+    def _apply(self, outcome: Outcome | None) -> None:
+        """What an op of a Step asks of the scheduler once memd has answered it (`inferd.memd_ops`)."""
+        match outcome:
+            case None:
+                pass
+            case Ended(request, error, keep):
+                self._end(request, error=error, keep=keep)
+            case Requeued(request):
+                self._requeue(request)
+            case StartedOver(request):
+                self._start_over(request)
+            case Unforked(request):
+                self._backlog.unforked.append(request)
+            case Queued(End() as end):
+                self._backlog.ending.append(end)
+            case Queued(Distrust() as distrust):
+                self._backlog.distrusts.append(distrust)
+
+    @property
+    def max_position(self) -> int:
+        """Positions the model has: a history at or past it cannot take another token."""
+        return self.model.config.max_position
 
     def _requeue(self, request: Request) -> None:
         """A preempted request waits ahead of every later arrival (a cancel meanwhile is retired from there)."""
@@ -572,8 +590,7 @@ class Scheduler:
         if self.audit is not None or len(sampling) != len(chunks) or (self.waiting and len(self.running) <
                                                                       self.max_num_seqs):
             return None
-        if self._ending or self._resets or self._distrusts or self._forks or self._preempting or self._revoked \
-                or self._unforked:
+        if self._backlog:
             return None
         if any(r.generator is not None or (r.params.n > 1 and not r.generated) for r in sampling):
             return None
@@ -624,7 +641,7 @@ class Scheduler:
         commit = Extend(parent.seq_id, append=parent.tokens[parent.num_known_to_memd:],
                         commit_to=parent.num_computed, **self.page_sums.commit(parent))
         parent.num_known_to_memd = parent.num_computed
-        self._forks.append((parent, commit, parent.children))
+        self._backlog.forks.append((parent, commit, parent.children))
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         p, config = request.params, self.model.config
@@ -692,7 +709,7 @@ class Scheduler:
                 op = Free(request.seq_id, **progress, **self.page_sums.commit(request))
             else:                             # an error: what it computed is not offered to anyone
                 op = Free(request.seq_id)
-            self._ending.append(End(request, final, op))   # the final event waits for memd: then nothing is RUNNING
+            self._backlog.ending.append(End(request, final, op))   # its final event waits for memd's answer
         else:
             request.events.put_nowait(final)
         self._wake.set()
