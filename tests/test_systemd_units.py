@@ -3,7 +3,7 @@
 verify fails on a missing ExecStart binary but only warns on unknown keys or
 bad values, so every line it prints counts as a failure here. ExecStart is
 pointed at this checkout's installed scripts instead of /opt/kvpool/bin, where
-the README's install puts them.
+the install in docs/operations.md ("Installing on a host") puts them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "systemd"
 ANALYZE = shutil.which("systemd-analyze")
-INSTALLED = "/opt/kvpool"          # the virtual environment of the README's install
+INSTALLED = "/opt/kvpool"          # the virtual environment of the install in docs/operations.md
 STATE_MOUNT = "dev-shm-kvpool\\x2dmemd.mount"    # memd's state directory on CPU, /dev/shm/kvpool-memd
 pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed (.ci/run installs it)")
 
@@ -164,6 +164,7 @@ def test_the_units_run_what_the_install_installs():
         unit_settings = settings(unit.name)
         assert unit_settings["ExecStart"][0].startswith(f"{INSTALLED}/bin/"), unit.name
         assert unit_settings["Documentation"] == [f"file://{INSTALLED}/share/doc/kvpool/README.md"], unit.name
-    readme = (ROOT / "README.md").read_text()
-    assert f"python3 -m venv {INSTALLED}" in readme
-    assert f"install -Dm644 README.md {INSTALLED}/share/doc/kvpool/README.md" in readme
+    install = (ROOT / "docs" / "operations.md").read_text()        # "Installing on a host"
+    assert f"python3 -m venv {INSTALLED}" in install
+    assert f"install -Dm644 README.md {INSTALLED}/share/doc/kvpool/README.md" in install
+    assert f"install -Dm644 -t {INSTALLED}/share/doc/kvpool/docs docs/*.md" in install   # README.md's links
