@@ -5,7 +5,7 @@
 1. Bandwidth: memd's swap-out and swap-in copies (memd.swap, the code memd
    runs) of a sequence's pages, against one plain `copy_` of the same bytes
    between the same two buffers; and the swap-in as memd runs it, each page
-   checked against its checksum (memd.page_effects.run_effects), against the
+   checked against its checksum (memd.page_copier.run_effects), against the
    unchecked one: the cost of verification. The sequence's pages are scattered over the
    pool (every other page), as they are after a while of serving; contiguous
    pages are reported too. Measured twice, in fresh processes: with glibc's
@@ -60,7 +60,8 @@ import uvloop
 from tables import table
 
 from memd.memory import ShmMemory
-from memd.page_effects import SwapIn, run_effects
+from memd.page_copier import run_effects
+from memd.page_effects import SwapIn
 from memd.swap import COPY_THREADS, NON_TEMPORAL_TUNABLE, HostSwap
 from shared.launch import spawn_ready
 from shared.ops import Free, Open, Park, Resume

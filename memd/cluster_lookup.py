@@ -18,7 +18,8 @@ import time
 import structlog
 
 from memd.cluster import LOOKUP_TIMEOUT_S, block_keys, parse_record, session_key, sum_key
-from memd.manager import KvManager, Worker
+from memd.kv_state import Worker
+from memd.manager import KvManager
 from memd.sequences import RemoteLookups, RemotePrefix
 from shared.cluster_store import ClusterStore
 from shared.ops import Op, Open

@@ -30,7 +30,7 @@ from memd.metrics import MemdMetrics
 from memd.recovery import restore
 from memd.scrub import Scrubber
 from memd.service import MemdService
-from memd.startup import Startup, StartupError
+from memd.startup_plan import Startup, StartupError
 from memd.state import Layout, StateDir
 from memd.state_copy import Pacer
 from memd.swap import SwapMemory

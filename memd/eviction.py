@@ -23,41 +23,18 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from memd import integrity
 from memd.errors import InvalidArgument, NotFound
 from memd.integrity import Where
 from memd.pool import picked
-from memd.sequences import SeqState, Sequence, SwapOut
+from memd.sequences import EvictionReason, SeqState, Sequence, SwapOut
 
 if TYPE_CHECKING:
-    from memd.manager import KvManager
+    from memd.kv_state import KvState
 
 MODES = ("swap", "drop")
-
-
-class EvictionReason(StrEnum):
-    """Why memd took a sequence's pages (a worker's own preemption has none)."""
-
-    IDLE = "idle"              # untouched for the idle TTL
-    PRESSURE = "pressure"      # a Step, a waiting worker or the free-block watermark needed the pages
-    FORCED = "forced"          # an operator's memctl evict
-
-    @property
-    def counter(self) -> str:
-        """Its key in memd's counters (Stats, metrics): evictions_<reason>."""
-        return f"evictions_{self.value}"
-
-
-@dataclass(frozen=True, slots=True)
-class Eviction:
-    """A sequence a Step parked to be evicted before the worker hears back (a preemption, a revocation)."""
-
-    seq: Sequence
-    mode: str                   # "swap" or "drop"
-    reason: EvictionReason | None     # FORCED for an operator's, None for a worker's own preemption
 
 
 @dataclass(slots=True)
@@ -77,7 +54,7 @@ class Evicted:
 
 
 class Evictor:
-    def __init__(self, manager: KvManager, *, idle_ttl_s: float = 0.0, watermark_blocks: int = 0) -> None:
+    def __init__(self, manager: KvState, *, idle_ttl_s: float = 0.0, watermark_blocks: int = 0) -> None:
         self.m = manager
         self.idle_ttl_s = idle_ttl_s                  # 0: never
         self.watermark_blocks = watermark_blocks

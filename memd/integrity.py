@@ -24,7 +24,7 @@ import structlog
 from memd.sequences import SeqState, Sequence
 
 if TYPE_CHECKING:
-    from memd.manager import KvManager
+    from memd.kv_state import KvState
 
 log = structlog.get_logger("memd.integrity")
 
@@ -49,7 +49,7 @@ def count(counters: Counter[str], where: Where) -> None:
     counters[where.counter] += 1
 
 
-def cut(manager: KvManager, seq: Sequence, index: int) -> None:
+def cut(manager: KvState, seq: Sequence, index: int) -> None:
     """A PARKED or SWAPPED sequence keeps its tokens and its pages (or slots) before `index`; the rest go."""
     bs = seq.block_size
     seq.num_committed = min(seq.num_committed, index * bs)
@@ -66,7 +66,7 @@ def cut(manager: KvManager, seq: Sequence, index: int) -> None:
     manager.mark_changed(seq)
 
 
-def page_failed(manager: KvManager, block: int, where: Where) -> bool:
+def page_failed(manager: KvState, block: int, where: Where) -> bool:
     """Pool page `block` does not hold what its checksum says: counted, and nobody reads it as K/V again.
 
     Returns False when the page is no longer one to act on (a swap-out is
@@ -79,7 +79,7 @@ def page_failed(manager: KvManager, block: int, where: Where) -> bool:
     return True
 
 
-def forget_page(manager: KvManager, block: int, where: Where) -> None:
+def forget_page(manager: KvState, block: int, where: Where) -> None:
     """Parked sequences holding a rotten page are cut before it; the prefix cache forgets it.
 
     A running sequence holding it is left to its worker (its pages are in
@@ -101,7 +101,7 @@ def forget_page(manager: KvManager, block: int, where: Where) -> None:
         manager.pool.set_checksum(block, 0)       # free and uncached: nothing to check until it is written again
 
 
-def slot_failed(manager: KvManager, seq: Sequence, index: int, where: Where) -> None:
+def slot_failed(manager: KvState, seq: Sequence, index: int, where: Where) -> None:
     """Swap slot `index` of a SWAPPED sequence does not hold what was swapped out: cut before it."""
     count(manager.counters, where)
     log.error("a swapped page failed its check: its K/V is recomputed", where=where.value, slot=seq.slots[index],

@@ -23,7 +23,7 @@ from memd.sequences import blocks_for
 from memd.state_copy import SeqCopy, StateCopy
 
 if TYPE_CHECKING:
-    from memd.manager import KvManager
+    from memd.kv_state import KvState
     from memd.pool import BlockPool
 
 # Where the check may let Steps run (it does once it has held the loop a millisecond: state_copy.Pacer):
@@ -32,7 +32,7 @@ SEQ_SLICE = 64              # sequences
 SESSION_SLICE = 512         # sessions, or sequences' swap slots, looked up
 
 
-def violations(m: KvManager) -> list[str]:
+def violations(m: KvState) -> list[str]:
     """Every broken invariant, as sentences an operator can act on (checked at once)."""
     problems: list[str] = []
     for _ in _manager_rules(state_copy.take_now(m, checked=True), m.pool, problems):
@@ -40,7 +40,7 @@ def violations(m: KvManager) -> list[str]:
     return problems
 
 
-async def violations_between_steps(m: KvManager) -> list[str]:
+async def violations_between_steps(m: KvState) -> list[str]:
     """As `violations`, of one instant, checked a slice at a time while Steps go on."""
     problems: list[str] = []
     with collections_paused():                  # the copy's rows would set off a full collection

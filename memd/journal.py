@@ -29,7 +29,7 @@ import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import structlog
@@ -39,7 +39,6 @@ from memd.sequences import SeqState, Sequence
 
 if TYPE_CHECKING:
     from memd.manager import Changes, KvManager
-    from memd.state import Layout, StateDir
 
 log = structlog.get_logger("memd.journal")
 
@@ -186,10 +185,26 @@ class _Rewrite:
     records: int = 0
 
 
+class JournalPlace(Protocol):
+    """Where the journal lives (memd.state.StateDir): its directory and its file."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def journal(self) -> Path: ...
+
+
+class JournalHeader(Protocol):
+    """What the journal's first record says of the pool it describes (memd.state.Layout)."""
+
+    def header(self) -> dict[str, Any]: ...
+
+
 class WriteAheadLog:
     """The journal being written: one append per flush, all changed sequences in it."""
 
-    def __init__(self, state: StateDir, layout: Layout, *, fsync: bool) -> None:
+    def __init__(self, state: JournalPlace, layout: JournalHeader, *, fsync: bool) -> None:
         self.state, self.layout, self.fsync = state, layout, fsync
         self._fd: int | None = None
         self._held = _Held()

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import structlog
 
 from memd.fences import FenceWatch
-from memd.manager import KvManager, Worker
+from memd.kv_state import Worker
+from memd.manager import KvManager
 from memd.sequences import SeqState
 from memd.step_runner import StepRunner
 

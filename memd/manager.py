@@ -23,7 +23,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import itemgetter
 
 import structlog
@@ -40,6 +40,7 @@ from memd.errors import (
 )
 from memd.eviction import Evictor
 from memd.invariants import violations
+from memd.kv_state import Worker
 from memd.page_effects import Fetch, PageEffect, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog, picked
 from memd.sequences import (
@@ -50,39 +51,15 @@ from memd.sequences import (
     Sequence,
     SwapOut,
     blocks_for,
+    check_name,
     token_bytes,
 )
-from memd.step_ops import StepOps, _check_name
+from memd.step_ops import StepTxn
 from memd.step_outcome import StepOutcome, SwappedIn
 from shared.geometry import PoolGeometry
 from shared.ops import Op
 
 log = structlog.get_logger("memd")
-
-
-@dataclass(slots=True)
-class Worker:
-    worker_id: int
-    name: str
-    pid: int
-    model: str
-    block_size: int
-    last_seen: float
-    lease: bytes = b""            # the secret its Steps and Session stream must present
-    streaming: bool = False
-
-
-@dataclass(slots=True)
-class _Txn:
-    """One Step in progress: its undo log, the sequences it saved, and the outcome it builds."""
-
-    worker: Worker
-    undo: UndoLog
-    saved: set[int] = field(default_factory=set)
-    touched: dict[int, Sequence] = field(default_factory=dict)
-    counters: Counter[str] = field(default_factory=Counter)
-    outcome: StepOutcome = field(default_factory=StepOutcome)
-    remote: RemoteLookups = field(default_factory=RemoteLookups)    # what the cluster store said before it
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +72,13 @@ class Changes:
     fence_pids: set[int]        # processes whose fenced pages changed
 
 
-class KvManager(StepOps):
+class KvManager:
     """Workers, sequences and pages; changed by Steps (`step`) and by the few calls outside them below.
 
-    Others read `seqs`, `sessions`, `workers`, `fences`, `pool` and `swap`
+    A Step's operations run in a `StepTxn` (memd.step_ops), built per Step,
+    which changes this state only through its methods (those of `KvState`,
+    memd.kv_state, the API the transaction, eviction, integrity and the checks
+    are written against). Others read `seqs`, `sessions`, `workers`, `fences`, `pool` and `swap`
     and change them only through methods, with one exception: memd.eviction,
     the policy acting for the manager, moves PARKED and SWAPPED sequences
     through `release`, `forget` and the swap-out table (`swap_jobs`), and says
@@ -150,7 +130,7 @@ class KvManager(StepOps):
 
     def attach(self, name: str, pid: int, model: str, block_size: int, bytes_per_token: int) -> Worker:
         for what, value in (("worker name", name), ("model", model)):
-            _check_name(what, value)
+            check_name(what, value)
         block_size = block_size or self.geometry.block_size
         if block_size <= 0:
             raise InvalidArgument("block_size is required: memd was sized by --block-bytes, not by a model")
@@ -204,7 +184,7 @@ class KvManager(StepOps):
                 freed += 1
                 continue
             if seq.state is SeqState.RUNNING:
-                self._park(seq, held)
+                self.park(seq, held)
             seq.preempted_by = None
             seq.interrupted = True               # its turn failed: the retry of it replaces it (_retry_turn)
             self._note(seq.seq_id)
@@ -230,13 +210,13 @@ class KvManager(StepOps):
         """`remote`: sessions and prefixes other hosts published, looked up for this Step (memd.cluster_lookup)."""
         worker = self.worker(worker_id, lease)
         worker.last_seen = time.monotonic()
-        txn = _Txn(worker, UndoLog(), remote=remote or RemoteLookups())
+        txn = StepTxn(self, worker, UndoLog(), remote or RemoteLookups())
         out = txn.outcome
         self.pool.undo = txn.undo
         try:
             for index, op in enumerate(ops):
                 try:
-                    out.results.append(self._run_op(txn, op))
+                    out.results.append(txn.run(op))
                 except KvError as exc:
                     raise OpError(index, _describe(op), exc) from None
         except BaseException:
@@ -325,10 +305,10 @@ class KvManager(StepOps):
         indices, blocks = [index for index, _ in kept], [block for _, block in kept]
         if self.prefix_cache:
             history, stride = token_bytes(seq.token_ids[:limit * seq.block_size]), seq.block_size * TOKEN_BYTES
-            self._offer(blocks, picked(seq.hashes, indices),
+            self.offer(blocks, picked(seq.hashes, indices),
                         [history[index * stride:(index + 1) * stride] for index in indices])
         self.pool.set_checksums(blocks, [sums.get(block, 0) for block in blocks])
-        self._sum_set(seq, min(indices))
+        self.note_sum_set(seq, min(indices))
 
     def _distrust(self, outcome: StepOutcome, seq: Sequence, index: int) -> None:
         """Block `index` of a running sequence failed its check: its K/V from there on is recomputed.
@@ -393,7 +373,7 @@ class KvManager(StepOps):
             seq.hashes = [digest for digest, _ in chain]
             if seq.state is SeqState.PARKED:
                 held = min(len(seq.block_ids), len(chain))
-                self._offer(seq.block_ids[:held], seq.hashes[:held], [chunk for _, chunk in chain[:held]])
+                self.offer(seq.block_ids[:held], seq.hashes[:held], [chunk for _, chunk in chain[:held]])
         for pid, blocks in (fences or {}).items():
             for block in blocks:
                 self.pool.incref(block)
@@ -442,46 +422,29 @@ class KvManager(StepOps):
             raise NotFound(f"no sequence {seq_id}")
         return seq
 
-    def _own(self, txn: _Txn, seq_id: int) -> Sequence:
-        seq = self.find(seq_id, None)
-        if seq.state is not SeqState.RUNNING:
-            raise FailedPrecondition(f"sequence {seq_id} is {seq.state}; resume it first")
-        if seq.owner != txn.worker.worker_id:
-            raise PermissionDenied(f"sequence {seq_id} is running on worker {seq.owner}")
-        self._save(txn, seq)
-        return seq
-
-    def _check_session_free(self, session_id: str | None) -> None:
-        _check_name("session id", session_id or "")
+    def check_session_free(self, session_id: str | None) -> None:
+        check_name("session id", session_id or "")
         if session_id and session_id in self.sessions:
             seq = self.seqs[self.sessions[session_id]]
             raise AlreadyExists(
                 f"session {session_id!r} already has sequence {seq.seq_id} ({seq.state}); resume or free it")
 
-    def _check_fits(self, num_tokens: int, block_size: int) -> None:
+    def check_fits(self, num_tokens: int, block_size: int) -> None:
         needed = blocks_for(num_tokens, block_size)
         if needed > self.pool.num_blocks:
             raise InvalidArgument(
                 f"{num_tokens} tokens need {needed} blocks; the whole pool has {self.pool.num_blocks}")
 
-    def _save(self, txn: _Txn, seq: Sequence) -> None:
-        """Record a sequence's fields in the undo log before its first change in this Step."""
-        txn.touched[seq.seq_id] = seq
-        if seq.seq_id in txn.saved:
-            return
-        txn.saved.add(seq.seq_id)
-        # Within a Step the lists only grow (Park journals the table it cuts), so lengths restore them.
-        txn.undo.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
-                           len(seq.token_ids), len(seq.hashes), seq.slots, seq.preempted_by, seq.turn_start,
-                           seq.interrupted, seq.turn_id)
-
-    def _create(self, txn: _Txn, seq: Sequence) -> None:
+    def add(self, seq: Sequence) -> None:
+        """A new sequence (a Step's Open or Fork records its undo: `forget`)."""
         self.seqs[seq.seq_id] = seq
         if seq.session_id:
             self.sessions[seq.session_id] = seq.seq_id
-        txn.saved.add(seq.seq_id)
-        txn.touched[seq.seq_id] = seq
-        txn.undo.record(self.forget, seq)
+
+    def new_seq_id(self) -> int:
+        seq_id = self._next_seq
+        self._next_seq += 1
+        return seq_id
 
     def forget(self, seq: Sequence, undo: UndoLog | None = None) -> None:
         """The sequence is gone from memd (it holds nothing now: `release` or a Free let go of its pages)."""
@@ -497,7 +460,7 @@ class KvManager(StepOps):
         if seq.session_id:
             self.sessions[seq.session_id] = seq.seq_id
 
-    def _park(self, seq: Sequence, fence: list[int] | None = None) -> None:
+    def park(self, seq: Sequence, fence: list[int] | None = None) -> None:
         """Cut the table to the committed tokens; the pages cut go free, or to `fence` (reclaim).
 
         With a fence, to the committed whole blocks: the partly written last page goes to the fence too.
@@ -513,7 +476,7 @@ class KvManager(StepOps):
         seq.state, seq.owner = SeqState.PARKED, None
         self._note(seq.seq_id)
 
-    def _offer(self, blocks: list[int], digests: Iterable[bytes], tokens: Iterable[bytes]) -> None:
+    def offer(self, blocks: list[int], digests: Iterable[bytes], tokens: Iterable[bytes]) -> None:
         """Full, committed blocks join the prefix cache (unless the cache is off)."""
         if self.prefix_cache:
             self.pool.register_n(blocks, digests, tokens)
@@ -576,7 +539,12 @@ class KvManager(StepOps):
         for watch in self.watches:
             watch.update(seq_ids)
 
-    def _sum_set(self, seq: Sequence, index: int) -> None:
+    def note_tokens_cut(self, seq_id: int) -> None:
+        """A Step cut a sequence's token ids back (a retried turn, a resent conversation): the journal writes
+        them whole, not as an append."""
+        self._tokens_cut.add(seq_id)
+
+    def note_sum_set(self, seq: Sequence, index: int) -> None:
         """The checksum of entry `index` of `seq`'s table was set: the journal writes the table from there."""
         first = self._sums_from.get(seq.seq_id)
         if first is None or index < first:
@@ -585,16 +553,6 @@ class KvManager(StepOps):
     def _touch(self, seq: Sequence, now: float) -> None:
         seq.heat = self.heat(seq, now) + 1.0
         seq.heat_at = seq.last_access = now
-
-
-def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,
-             num_tokens: int, num_hashes: int, slots: list[int], preempted_by: int | None, turn_start: int,
-             interrupted: bool, turn_id: str) -> None:
-    seq.state, seq.owner, seq.num_committed, seq.slots = state, owner, num_committed, slots
-    seq.preempted_by, seq.turn_start, seq.interrupted, seq.turn_id = preempted_by, turn_start, interrupted, turn_id
-    del seq.block_ids[num_blocks:]
-    del seq.token_ids[num_tokens:]
-    del seq.hashes[num_hashes:]
 
 
 def _describe(op: Op) -> str:

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from memd.eviction import EvictionReason
 from memd.integrity import Where
+from memd.sequences import EvictionReason
 from shared.full_collections import metric_families
 from shared.metrics_http import serve_metrics
 

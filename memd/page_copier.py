@@ -12,16 +12,21 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from memd.background import give_way
 from memd.memory import PoolMemory
-from memd.page_effects import Fetch, PageEffect, RemotePages, SwapIn, pages_touched, run_effects
+from memd.page_effects import Fetch, PageEffect, SwapIn, Zero, pages_touched
 from memd.sequences import CopyTicket
 from memd.swap import SwapMemory
 
 # Effects larger than this run off the event loop, so other workers' Steps
 # are answered while a big page copy is in flight.
 INLINE_EFFECT_BYTES = 1 << 20
+
+
+class RemotePages(Protocol):
+    def get_pages(self, keys: list[str], pages: list[int]) -> list[bool]: ...   # fetched whole, key by key
 
 
 class PageCopier:
@@ -95,3 +100,50 @@ class PageCopier:
         """Wait for every queued copy: the pool must outlive them."""
         self._swap_outs.shutdown(wait=True)
         self._effects.shutdown(wait=True)
+
+
+def run_effects(memory: PoolMemory, swap: SwapMemory | None, effects: list[PageEffect],
+                remote: RemotePages | None = None) -> list[int]:
+    """The effects in order: zeroing and copies on the pool, runs of swap-ins from the swap tier, fetches.
+
+    Returns the pages a swap-in or a fetch brought back with other bytes than
+    their checksum says (or, a fetch, not at all).
+    """
+    start, bad = 0, []
+    for i in range(1, len(effects) + 1):
+        if i == len(effects) or _kind(effects[i]) != _kind(effects[start]):
+            run = effects[start:i]
+            if isinstance(run[0], Fetch):
+                bad += _fetch(memory, remote, run)                              # type: ignore[arg-type]
+            elif isinstance(run[0], SwapIn):
+                assert swap is not None
+                bad += _swap_in(swap, run)                                      # type: ignore[arg-type]
+            else:
+                memory.apply(run)                                       # type: ignore[arg-type]
+            start = i
+    return bad
+
+
+def _kind(effect: PageEffect) -> type:
+    """Effects run together: zeroing and copies on the pool, swap-ins, fetches."""
+    return type(effect) if isinstance(effect, SwapIn | Fetch) else Zero
+
+
+def _swap_in(swap: SwapMemory, run: list[SwapIn]) -> list[int]:
+    """Consecutive swap-ins (sequences resumed in one Step) as one copy; returns the pages that came back wrong."""
+    slots = [slot for e in run for slot in e.slots] if len(run) > 1 else run[0].slots
+    pages = [page for e in run for page in e.pages] if len(run) > 1 else run[0].pages
+    sums = [value for e in run for value in e.checksums] if len(run) > 1 else run[0].checksums
+    pairs = list(zip(slots, pages, strict=True))
+    if not any(sums):
+        swap.copy_in(pairs)
+        return []
+    found = swap.copy_in_checked(pairs)
+    return [page for page, want, got in zip(pages, sums, found, strict=True) if want and got != want]
+
+
+def _fetch(memory: PoolMemory, remote: RemotePages | None, run: list[Fetch]) -> list[int]:
+    pages = [e.page for e in run]
+    arrived = remote.get_pages([e.key for e in run], pages) if remote is not None else [False] * len(run)
+    found = memory.checksums(pages)
+    return [e.page for e, ok, got in zip(run, arrived, found, strict=True) if not ok or got != e.checksum]

@@ -83,6 +83,15 @@ class FreeQueue:
     def __contains__(self, block: int) -> bool:
         return 0 <= block < self._end and self._prev[block] >= 0
 
+    def links(self, start: int, end: int) -> tuple[list[int], list[int]]:
+        """The next and previous links of nodes `start` .. `end`-1 (the sentinel is node `num_blocks`),
+        for a copy of the queue that memctl check walks (memd.state_copy)."""
+        return self._next[start:end], self._prev[start:end]
+
+    def link(self, node: int) -> tuple[int, int]:
+        """One node's next and previous links (`links` of one)."""
+        return self._next[node], self._prev[node]
+
     def __iter__(self) -> Iterator[int]:
         node, seen = self._next[self._end], 0
         while node != self._end and seen <= self._len:
@@ -514,13 +523,6 @@ class BlockPool:
                 return found
         return [block if block is not None and tokens_of[block] == tokens[i * stride:(i + 1) * stride] else None
                 for i, block in enumerate(found)]
-
-    def violations(self) -> list[str]:
-        """The pool's own invariants (memd.invariants: the manager's include these)."""
-        from memd.invariants import pool_violations  # it checks a copy of the pool, made by memd.state_copy
-
-        return pool_violations(self)
-
 
 class SwapSlots:
     """Which slots are free: a stack, so a swap-out of k blocks mostly gets k consecutive slots."""

@@ -55,12 +55,8 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-from memd.errors import PositionError
-
-if TYPE_CHECKING:
-    from memd.eviction import EvictionReason
+from memd.errors import InvalidArgument, PositionError
 
 TOKEN_BYTES = array("I").itemsize              # a token id's bytes in a history and in `token_bytes`
 
@@ -162,6 +158,19 @@ class SwapOut:
     slots_back: bool = False           # the slots went back to the free stack (a copy called off, or failed)
 
 
+class EvictionReason(StrEnum):
+    """Why memd took a sequence's pages (a worker's own preemption has none)."""
+
+    IDLE = "idle"              # untouched for the idle TTL
+    PRESSURE = "pressure"      # a Step, a waiting worker or the free-block watermark needed the pages
+    FORCED = "forced"          # an operator's memctl evict
+
+    @property
+    def counter(self) -> str:
+        """Its key in memd's counters (Stats, metrics): evictions_<reason>."""
+        return f"evictions_{self.value}"
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)          # in ints: exact at any size
 
@@ -257,3 +266,12 @@ class RemoteLookups:
 
     sessions: dict[str, RemoteSession] = field(default_factory=dict)
     prefixes: dict[int, RemotePrefix] = field(default_factory=dict)     # by id() of the Step's Open op
+
+
+MAX_NAME = 256                  # characters of a session id, model or worker name
+
+
+def check_name(what: str, value: str) -> None:
+    """A session id, turn id, model or worker name memd keeps (and journals) is of bounded length."""
+    if len(value) > MAX_NAME:
+        raise InvalidArgument(f"{what} of {len(value)} characters; at most {MAX_NAME}")

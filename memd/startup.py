@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -33,8 +32,10 @@ from memd.memory import (
     resolve_device,
 )
 from memd.policy import Policy
+from memd.startup_plan import Startup, StartupError
 from memd.state import TMPFS, Layout, StateDir, StateError, boot_id
-from memd.swap import SwapMemory, allocate_swap
+from memd.swap import SwapMemory
+from memd.swap_tier import allocate_swap
 from memd.token_files import Credentials, provision, remove_if_ours
 from shared import address as addr
 from shared.geometry import PoolGeometry
@@ -45,10 +46,6 @@ from shared.unix_socket import SocketPathError, claim
 log = structlog.get_logger("memd")
 MAX_UNIX_PATH = 108        # sun_path, including the terminating NUL
 NO_STATE = Path("none")    # --state-dir none
-
-
-class StartupError(RuntimeError):
-    """memd cannot start as configured; the message says why in one line."""
 
 
 def run(args: argparse.Namespace, geometry: PoolGeometry) -> None:
@@ -80,20 +77,6 @@ def run(args: argparse.Namespace, geometry: PoolGeometry) -> None:
                                   (credentials.admin_file, credentials.admin, args.admin_token_file)):
             if kept is None:
                 remove_if_ours(path, token)
-
-
-@dataclass(frozen=True, slots=True)
-class Startup:
-    """What start-up settled before allocating anything: flags, pool plan, address, tokens."""
-
-    args: argparse.Namespace
-    geometry: PoolGeometry
-    policy: Policy
-    device: str                     # "cpu" or "cuda[:N]", resolved
-    layout: Layout
-    target: str                     # the address to listen on
-    sock_path: Path | None          # its Unix socket, if it is one
-    credentials: Credentials
 
 
 def prepare_socket(target: str) -> Path | None:

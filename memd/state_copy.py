@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, ClassVar
 from memd.sequences import SeqState, Sequence
 
 if TYPE_CHECKING:
-    from memd.manager import KvManager
+    from memd.kv_state import KvState
     from memd.pool import BlockPool
 
 SLICE_S = 0.001                # a slice ends at the first place it may once it has held the loop this long
@@ -154,8 +154,9 @@ class BlockCopy:
         self.last_access.append(array("d", pool.last_access[start:end]))
         self.cached.append(bytearray(map(bool, pool.hash_of[start:end])))    # a digest is never empty
         if self.checked:
-            self.next.append(array("q", pool.free._next[start:end]))
-            self.prev.append(array("q", pool.free._prev[start:end]))
+            nexts, prevs = pool.free.links(start, end)
+            self.next.append(array("q", nexts))
+            self.prev.append(array("q", prevs))
             ok, get, hashes = bytearray(b"\x01") * (end - start), pool.by_hash.get, pool.hash_of
             for block in itertools.compress(range(start, end), self.cached[-1]):
                 ok[block - start] = get(hashes[block]) == block          # type: ignore[arg-type]
@@ -172,7 +173,7 @@ class BlockCopy:
             digest = hash_of[block]
             self.cached[at][i] = digest is not None
             if self.checked:
-                self.next[at][i], self.prev[at][i] = pool.free._next[block], pool.free._prev[block]
+                self.next[at][i], self.prev[at][i] = pool.free.link(block)
                 self.hash_ok[at][i] = digest is None or pool.by_hash.get(digest) == block
                 self.written[at][i] = bool(pool.checksum[block])
 
@@ -229,7 +230,7 @@ class StateCopy:
             await pacer.checkpoint()
 
 
-async def take(manager: KvManager, *, blocks: bool = True, checked: bool = False) -> StateCopy:
+async def take(manager: KvState, *, blocks: bool = True, checked: bool = False) -> StateCopy:
     """The copy; awaits between slices. When it returns, nothing has run since its last instant: the caller
     may add what else it shows (workers, the time) before its next await, and it belongs to the same instant.
 
@@ -242,7 +243,7 @@ async def take(manager: KvManager, *, blocks: bool = True, checked: bool = False
     return copy
 
 
-def take_now(manager: KvManager, *, blocks: bool = True, checked: bool = False) -> StateCopy:
+def take_now(manager: KvState, *, blocks: bool = True, checked: bool = False) -> StateCopy:
     """The copy in one go, for callers that may hold the loop (tests, start-up)."""
     copy = StateCopy(manager.heat_decay, manager.heat_interval_s, manager.pool.num_blocks)
     for _ in _steps(manager, copy, blocks or checked, checked):
@@ -261,10 +262,10 @@ def pool_now(pool: BlockPool) -> StateCopy:
 
 def _copy_pool_totals(pool: BlockPool, copy: StateCopy) -> None:
     copy.queue_len, copy.num_hashed = len(pool.free), len(pool.by_hash)
-    copy.queue_ends = (pool.free._next[pool.num_blocks], pool.free._prev[pool.num_blocks])
+    copy.queue_ends = pool.free.link(pool.num_blocks)
 
 
-def _steps(manager: KvManager, copy: StateCopy, blocks: bool, checked: bool) -> Iterator[None]:
+def _steps(manager: KvState, copy: StateCopy, blocks: bool, checked: bool) -> Iterator[None]:
     """Copies into `copy`, yielding where the loop may run Steps; the last stretch yields nothing."""
     pool, swap = manager.pool, manager.swap
     changed_blocks: set[int] = set()
@@ -325,14 +326,14 @@ def _steps(manager: KvManager, copy: StateCopy, blocks: bool, checked: bool) -> 
             swap.low_marks[:] = [m for m in swap.low_marks if m is not low_mark]
 
 
-def _job_problem(manager: KvManager, seq_id: int, seq: Sequence, blocks: list[int]) -> str:
+def _job_problem(manager: KvState, seq_id: int, seq: Sequence, blocks: list[int]) -> str:
     if manager.seqs.get(seq_id) is not seq or seq.state is not SeqState.PARKED:
         return f"a swap-out is in flight for sequence {seq_id}, which is not parked"
     return "" if blocks == seq.block_ids else \
         f"the swap-out of sequence {seq_id} copies other blocks than the sequence holds"
 
 
-def _copy_seqs(manager: KvManager, copy: StateCopy, seq_ids: list[int] | set[int]) -> None:
+def _copy_seqs(manager: KvState, copy: StateCopy, seq_ids: list[int] | set[int]) -> None:
     live, seqs = manager.seqs, copy.seqs
     for seq_id in seq_ids:
         seq = live.get(seq_id)

@@ -15,14 +15,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from memd.page_effects import PageEffect
-from memd.sequences import Sequence, SwapOut
+from memd.sequences import EvictionReason, Sequence, SwapOut
 from shared.ops import OpResult
-
-if TYPE_CHECKING:
-    from memd.eviction import Eviction
 
 
 @dataclass(slots=True)
@@ -52,3 +48,12 @@ class StepOutcome:
     freed_sessions: list[str] = field(default_factory=list)
     # Swap-outs in flight of sequences this Step resumed or freed: called off once the Step stands.
     called_off: list[SwapOut] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """A sequence a Step parked to be evicted before the worker hears back (a preemption, a revocation)."""
+
+    seq: Sequence
+    mode: str                   # "swap" or "drop"
+    reason: EvictionReason | None     # FORCED for an operator's, None for a worker's own preemption

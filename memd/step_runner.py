@@ -24,11 +24,11 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from memd.errors import KvError, OpError, PoolExhausted
-from memd.eviction import Evicted, EvictionReason
+from memd.eviction import Evicted
 from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.page_copier import PageCopier
-from memd.sequences import RemoteLookups, SeqState, SwapOut
+from memd.sequences import EvictionReason, RemoteLookups, SeqState, SwapOut
 from memd.step_outcome import StepOutcome
 from shared.ops import Op
 

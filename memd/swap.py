@@ -36,8 +36,6 @@ import structlog
 from memd.background import give_way
 from memd.memory import (
     Allocation,
-    CudaMemory,
-    PoolMemory,
     PoolMemoryError,
     ShmMemory,
     kept_file,
@@ -100,20 +98,6 @@ def latency_test_wait(delay_s: float, halt: threading.Event | None = None) -> bo
     if delay_s:
         time.sleep(delay_s)
     return False
-
-
-def allocate_swap(pool: PoolMemory, num_slots: int, block_bytes: int, path: Path | None = None) -> SwapMemory:
-    """`path`: a swap file to reopen or create beside a pool file (shm only), so swapped sessions survive memd."""
-    delay = latency_test_delay()
-    if delay:
-        log.warning("SWAP_LATENCY_TEST set: every swap copy is delayed", delay_s=delay)
-    if isinstance(pool, ShmMemory):
-        return HostSwap(pool, num_slots, block_bytes, delay, path)
-    if isinstance(pool, CudaMemory):
-        from memd.pinned_swap import PinnedSwap
-
-        return PinnedSwap(pool, num_slots, block_bytes, delay)
-    raise PoolMemoryError(f"no swap tier for the {pool.backend} backend")
 
 
 def spans(index: Any) -> list[tuple[int, int, int]]:

@@ -13,8 +13,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from memd.eviction import EvictionReason
-from memd.sequences import SeqState
+from memd.sequences import EvictionReason, SeqState
 from memd.snapshots import SEQ_FIELDS, WORKER_FIELDS, block_values
 from shared.rpc import memd_pb2 as pb
 from shared.sizes import format_size

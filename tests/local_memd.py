@@ -26,7 +26,7 @@ from memd.errors import KvError, OpError
 from memd.leases import Notice
 from memd.memory import allocate_pool
 from memd.policy import Policy
-from memd.swap import allocate_swap
+from memd.swap_tier import allocate_swap
 from memd.wiring import Parts, new_manager, wire
 from shared.client import MemdError
 from shared.geometry import PoolGeometry

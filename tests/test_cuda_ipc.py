@@ -261,7 +261,8 @@ async def test_a_gpu_memd_killed_gives_its_chats_back_dropped_and_they_answer_th
 def test_gpu_page_checksums_are_the_hosts_and_catch_a_rotten_swap_slot():
     """The device reduction is the same number the host computes, and a swap-in checks what it copied."""
     from memd.memory import CudaMemory
-    from memd.page_effects import SwapIn, run_effects
+    from memd.page_copier import run_effects
+    from memd.page_effects import SwapIn
     from memd.pinned_swap import PinnedSwap
     from shared.page_checksum import word_sums
 

@@ -17,13 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("memd", "inferd", "kvroute", "shared")
-# Reaches still to be taken out, by file and name: memd's Step operations are a mixin of KvManager that calls
-# its private methods (and KvManager one of the mixin's), and memd's state copy reads the free queue's links.
-KNOWN: set[tuple[str, str]] = {
-    ("memd/state_copy.py", "_next"), ("memd/state_copy.py", "_prev"), ("memd/manager.py", "_run_op"),
-    *(("memd/step_ops.py", name) for name in ("_check_session_free", "_check_fits", "_create", "_own", "_park",
-                                              "_save", "_tokens_cut", "_offer", "_sum_set")),
-}
+KNOWN: set[tuple[str, str]] = set()          # (file, name) reaches still to be taken out
 
 
 def _private(name: str) -> bool:

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from memd.errors import KvError, NotFound, OpError
-from memd.eviction import Evicted, EvictionReason
+from memd.eviction import Evicted
 from memd.manager import KvManager
 from memd.page_effects import Copy, PageEffect, SwapIn, Zero
-from memd.sequences import SeqState, SwapOut, token_bytes
+from memd.sequences import EvictionReason, SeqState, SwapOut, token_bytes
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
 from shared.ops import Extend, Fork, Free, Op, Open, OpResult, Park, Resume

@@ -7,6 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memd.errors import PoolExhausted
+from memd.invariants import pool_violations
 from memd.pool import BlockPool, FreeQueue, UndoLog
 from memd.sequences import token_bytes
 
@@ -216,7 +217,7 @@ def test_allocate_takes_the_front_block_and_zeroes_only_a_reused_page():
     assert 0 not in pool.free
     assert pool.decref(0)
     assert pool.allocate() == (0, True)           # written before: must be zeroed
-    assert pool.violations() == []
+    assert pool_violations(pool) == []
 
 
 def test_allocate_from_an_empty_pool_raises_and_changes_nothing():
@@ -270,7 +271,7 @@ def test_allocating_a_cached_block_evicts_its_prefix():
     assert pool.lookup(digest(1), toks(1, 2)) is None
     assert pool.hash_of[block] is None and pool.tokens_of[block] is None
     assert pool.by_hash == {}
-    assert pool.violations() == []
+    assert pool_violations(pool) == []
 
 
 def test_incref_of_a_cached_free_block_takes_it_out_of_the_queue():
@@ -286,7 +287,7 @@ def test_incref_of_a_cached_free_block_takes_it_out_of_the_queue():
     assert pool.hash_of[a] == digest(1)
     assert pool.decref(a)
     assert list(pool.free) == [2, 3, b, a]         # freed again: most recently freed, evicted last
-    assert pool.violations() == []
+    assert pool_violations(pool) == []
 
 
 def test_decref_reports_only_the_last_reference():
@@ -363,7 +364,7 @@ def test_register_keeps_the_first_block_for_a_hash_and_the_first_hash_for_a_bloc
     assert pool.by_hash == {digest(1): a}
     assert pool.hash_of[b] is None
     assert pool.hash_of[a] == digest(1)
-    assert pool.violations() == []
+    assert pool_violations(pool) == []
 
 
 # ---- BlockPool: violations --------------------------------------------------
@@ -375,51 +376,51 @@ def test_a_consistent_pool_has_no_violations():
     pool.register(a, digest(1), toks(1))
     pool.decref(a)
     pool.incref(b)
-    assert pool.violations() == []
+    assert pool_violations(pool) == []
 
 
 def test_violations_report_a_held_block_with_a_zero_ref_count():
     pool = BlockPool(3)
     (block,) = hold(pool, 1)
     pool.ref[block] = 0
-    assert pool.violations() == [f"block {block} has ref count 0 but is not in the free queue"]
+    assert pool_violations(pool) == [f"block {block} has ref count 0 but is not in the free queue"]
 
 
 def test_violations_report_a_queued_block_with_a_ref_count():
     pool = BlockPool(3)
     pool.ref[2] = 1
-    assert pool.violations() == ["block 2 has ref count 1 but is in the free queue"]
+    assert pool_violations(pool) == ["block 2 has ref count 1 but is in the free queue"]
 
 
 def test_violations_report_a_negative_ref_count():
     pool = BlockPool(3)
     (block,) = hold(pool, 1)
     pool.ref[block] = -1
-    assert f"block {block} has negative ref count -1" in pool.violations()
+    assert f"block {block} has negative ref count -1" in pool_violations(pool)
 
 
 def test_violations_report_a_hash_the_index_does_not_know():
     pool = BlockPool(2)
     pool.hash_of[1] = digest(3)
-    assert pool.violations() == ["block 1 carries a hash the prefix index does not map to it"]
+    assert pool_violations(pool) == ["block 1 carries a hash the prefix index does not map to it"]
 
 
 def test_violations_report_an_index_entry_the_block_does_not_carry():
     pool = BlockPool(2)
     pool.by_hash[digest(3)] = 0
-    assert pool.violations() == ["prefix index maps a hash to block 0, which carries another"]
+    assert pool_violations(pool) == ["prefix index maps a hash to block 0, which carries another"]
 
 
 def test_violations_report_a_queue_whose_length_disagrees_with_its_links():
     pool = BlockPool(3)
     pool.free._len += 1
-    assert "free queue holds 3 blocks but counts 4" in pool.violations()
+    assert "free queue holds 3 blocks but counts 4" in pool_violations(pool)
 
 
 def test_violations_report_a_queued_block_marked_as_out_of_the_queue():
     pool = BlockPool(3)
     pool.free._prev[1] = -1                         # reachable from its neighbours, but marked as taken
-    assert "block 1 is in the free queue but marked otherwise" in pool.violations()
+    assert "block 1 is in the free queue but marked otherwise" in pool_violations(pool)
     assert 1 not in pool.free and 3 not in pool.free and -1 not in pool.free    # nor the sentinel, nor out of range
 
 
@@ -467,10 +468,10 @@ def undone_roundtrip(setup: list[tuple[str, int]], ops: list[tuple[str, int]]) -
     pool.undo = UndoLog()
     for name, k in ops:
         apply_op(pool, name, k)
-    assert pool.violations() == []
+    assert pool_violations(pool) == []
     pool.undo.rollback()
     pool.undo = None
-    assert pool.violations() == []
+    assert pool_violations(pool) == []
     return before, snapshot(pool)
 
 
@@ -547,7 +548,7 @@ def test_rollback_keeps_every_free_block_in_the_queue():
     pool.decref(held)                               # queue: 2 3 0
     pool.decref(taken)                              # queue: 2 3 0 1
     pool.undo.rollback()
-    assert pool.violations() == []                  # block 1 was free but unreachable in the queue
+    assert pool_violations(pool) == []                  # block 1 was free but unreachable in the queue
     assert list(pool.free) == [1, 2, 3]
 
 
@@ -591,7 +592,7 @@ def test_a_run_leaves_the_pool_as_the_same_blocks_one_by_one(setup, n, data):
     run.register_n(offered, digests, chunks)
     run.set_checksums(offered, [block + 1 for block in offered])
     assert without_times(run) == without_times(one)
-    assert run.violations() == []
+    assert pool_violations(run) == []
 
 
 def test_a_run_larger_than_the_free_queue_raises_and_changes_nothing():
