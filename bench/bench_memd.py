@@ -55,7 +55,7 @@ from memd.host_pages import huge_pages
 from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.pool import BlockPool, FreeQueue
-from memd.state import Layout, StateDir
+from memd.state_dir import Layout, StateDir
 from shared.full_collections import FullCollections, freeze_long_lived
 from shared.geometry import plan_pool
 from shared.launch import free_port, spawn_ready

@@ -25,7 +25,7 @@ from inferd.checkpoint import CheckpointError
 from inferd.http_server import HttpFrontDoor, HttpStartError
 from inferd.model import ATTENTION
 from inferd.sampling import MAX_SEED
-from inferd.tiny import ARCH_CLASSES, make_tiny_model
+from inferd.tiny import ARCH_CLASSES, DEMO_SHAPE, make_tiny_model
 from shared import address as addr
 from shared.command_line import Ignored, Parser, entry_point
 from shared.config import Layers, add_config_flags
@@ -98,16 +98,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_config_flags(serve, "INFERD")
     sub.add_parser("build-kernel", help="build inferd's CPU kernels (paged attention, the layers' norms and RoPE) "
                                         "for this machine now, not at the first serve, and print where they are kept")
-    tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)")
-    tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--arch", choices=sorted(ARCH_CLASSES), default="llama")
-    tiny.add_argument("--seed", type=number(int, at_least=0, at_most=MAX_SEED), default=0)
-    tiny.add_argument("--hidden", type=count(TINY_MAX), default=64)
-    tiny.add_argument("--layers", type=count(TINY_MAX), default=2)
-    tiny.add_argument("--heads", type=count(TINY_MAX), default=4)
-    tiny.add_argument("--kv-heads", type=count(TINY_MAX), default=2)
-    tiny.add_argument("--vocab", type=count(TINY_MAX), default=512)
-    tiny.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    tiny = sub.add_parser("make-tiny-model", help="write a small seeded random checkpoint (for tests and demos)",
+                          description="Write a Hugging Face checkpoint directory (config.json, safetensors weights, "
+                          "tokenizer.json, a chat template) with seeded random weights: nothing is downloaded. "
+                          "The defaults are the demo's model (python -m inferd.demo).")
+    tiny.add_argument("dir", type=Path, help="the directory to write (made if missing)")
+    tiny.add_argument("--arch", choices=sorted(ARCH_CLASSES), default=DEMO_SHAPE["arch"],
+                      help="the architecture config.json names (default: %(default)s)")
+    tiny.add_argument("--seed", type=number(int, at_least=0, at_most=MAX_SEED), default=0,
+                      help="the weights' random seed: the same seed, the same checkpoint (default: %(default)s)")
+    tiny.add_argument("--hidden", type=count(TINY_MAX), default=DEMO_SHAPE["hidden"],
+                      help="hidden size (default: %(default)s)")
+    tiny.add_argument("--layers", type=count(TINY_MAX), default=DEMO_SHAPE["layers"],
+                      help="decoder layers (default: %(default)s)")
+    tiny.add_argument("--heads", type=count(TINY_MAX), default=DEMO_SHAPE["heads"],
+                      help="attention heads; hidden must divide by it (default: %(default)s)")
+    tiny.add_argument("--kv-heads", type=count(TINY_MAX), default=DEMO_SHAPE["kv_heads"],
+                      help="K/V heads (grouped-query attention); heads must divide by it (default: %(default)s)")
+    tiny.add_argument("--vocab", type=count(TINY_MAX), default=DEMO_SHAPE["vocab"],
+                      help="vocabulary size of the byte-level BPE tokenizer it trains (default: %(default)s)")
+    tiny.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="the weights' dtype (default: %(default)s)")
     return p, serve
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import openai
 
-from inferd.tiny import CORPUS, make_tiny_model
+from inferd import paged_kernel
+from inferd.tiny import CORPUS, DEMO_SHAPE, make_tiny_model
 from shared.launch import LaunchError, free_port, spawn_ready
 
 SYSTEM = "You are a helpful assistant for a serving team.\n" + CORPUS * 2
@@ -65,8 +66,7 @@ def chat(base_url: str) -> None:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp:
         work = Path(tmp)
-        model = make_tiny_model(work / "tiny-llama", arch="llama", layers=4, hidden=256, heads=8, kv_heads=4,
-                                vocab=4096, seed=0)
+        model = make_tiny_model(work / "tiny-llama", **DEMO_SHAPE, seed=0)
         print(f"tiny checkpoint: {model} (4 layers, hidden 256, 8 heads, random weights)")
         memd_addr, inferd_addr = f"unix:{work / 'memd.sock'}", f"unix:{work / 'inferd.sock'}"
         daemons: list[subprocess.Popen[bytes]] = []
@@ -77,6 +77,9 @@ def main() -> int:
                                            work, stderr=memd_log.fileno()))
                 print(f"memd ready on {memd_addr}")
                 http = f"127.0.0.1:{free_port()}"
+                if (cxx := paged_kernel.compiler()) is not None and not paged_kernel.library_path(cxx).exists():
+                    print("inferd builds its CPU kernels for this machine first (once, kept in "
+                          f"{paged_kernel.cache_dir()}): 13-36 s on 2 cores", flush=True)
                 daemons.append(spawn_ready(["inferd", "serve", "--model", str(model), "--memd", memd_addr,
                                             "--listen", inferd_addr, "--http", http, "--log-format", "json"],
                                            work, stderr=inferd_log.fileno()))

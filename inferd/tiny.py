@@ -72,6 +72,11 @@ def _pseudo_word(i: int) -> str:
     return word
 
 
+# The demo's checkpoint, and `inferd make-tiny-model`'s by default: big enough for a chat template and a
+# ~500-token system prompt, small enough to build and serve in seconds on a CPU.
+DEMO_SHAPE = {"arch": "llama", "layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "vocab": 4096}
+
+
 def make_tiny_model(out: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, intermediate: int | None = None, vocab: int = 512,
                     dtype: str = "float32", rope_theta: float = 10000.0, llama3_rope: bool = False) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from memd.memory import PoolMemoryError
 from memd.startup import StartupError, run
-from memd.state import StateError
+from memd.state_dir import StateError
 from memd.token_files import AccessError
 from shared import address as addr
 from shared.command_line import Ignored, Parser, entry_point

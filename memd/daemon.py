@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memd.access import AccessControl
+from memd.assembly import Parts, assemble, new_manager
 from memd.cluster import ClusterTier
 from memd.cluster_lookup import Lookups
 from memd.fdpass import FdServer
@@ -31,11 +32,10 @@ from memd.recovery import restore
 from memd.scrub import Scrubber
 from memd.service import MemdService
 from memd.startup_plan import Startup, StartupError
-from memd.state import Layout, StateDir
 from memd.state_copy import Pacer
+from memd.state_dir import Layout, StateDir
 from memd.swap import SwapMemory
 from memd.token_files import Credentials
-from memd.wiring import Parts, new_manager, wire
 from shared import address as addr
 from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
 from shared.decoding import RequestDecoder
@@ -67,7 +67,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         manager = new_manager(geometry, policy)
         wal = open_journal(args, state, layout, manager, memory, swap, found, stack)
         fd_server = await start_fd_server(memory, startup.sock_path, stack)
-        parts = wire(manager, policy, memory, swap, wal, fd_server)
+        parts = assemble(manager, policy, memory, swap, wal, fd_server)
         if args.cluster_master:
             await pages_allocated(memory)                   # the store registers the pool's pages
             await join_cluster(args, memory, parts, stack)   # left after the copier's fetches are done

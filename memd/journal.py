@@ -186,7 +186,7 @@ class _Rewrite:
 
 
 class JournalPlace(Protocol):
-    """Where the journal lives (memd.state.StateDir): its directory and its file."""
+    """Where the journal lives (memd.state_dir.StateDir): its directory and its file."""
 
     @property
     def path(self) -> Path: ...
@@ -196,7 +196,7 @@ class JournalPlace(Protocol):
 
 
 class JournalHeader(Protocol):
-    """What the journal's first record says of the pool it describes (memd.state.Layout)."""
+    """What the journal's first record says of the pool it describes (memd.state_dir.Layout)."""
 
     def header(self) -> dict[str, Any]: ...
 

@@ -111,7 +111,7 @@ class ShmMemory:
 
     A memfd is anonymous and sealed to its size, freed when the last mapping
     and fd go. The files (`path`, on tmpfs) are what lets parked sessions
-    survive a memd crash (memd.state); existing ones of the right sizes are
+    survive a memd crash (memd.state_dir); existing ones of the right sizes are
     reopened with their pages as they were (`reopened`). A pool over 256 MiB
     is kept in several files (`shared.pool_files`), allocated side by side and
     mapped as one range. memd needs no tensor library: zeroing and copying

@@ -35,6 +35,8 @@ COUNTERS = (
     ("blocks_allocated", "blocks_allocated", "blocks handed out"),
     ("prefix_query_tokens", "prefix_query_tokens", "tokens looked up in the prefix cache"),
     ("prefix_hit_tokens", "prefix_hit_tokens", "tokens served from the prefix cache"),
+    ("session_hit_tokens", "session_hit_tokens",
+     "tokens a resumed session found computed: its own K/V, parked or swapped"),
     ("swap_outs", "swap_outs", "sequences swapped out"),
     ("swap_ins", "swap_ins", "sequences swapped back in"),
     ("swap_out_blocks", "swap_out_blocks", "blocks copied to the swap tier"),

@@ -35,9 +35,9 @@ from memd.step_runner import StepRunner
 from shared.logs import enabled
 from shared.ops import Op
 from shared.packed_steps import PackedOpError, pack_results, unpack_ops
+from shared.protobuf_codec import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, results_into
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
-from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, results_into
 
 log = structlog.get_logger("memd")
 

@@ -33,7 +33,7 @@ from memd.memory import (
 )
 from memd.policy import Policy
 from memd.startup_plan import Startup, StartupError
-from memd.state import TMPFS, Layout, StateDir, StateError, boot_id
+from memd.state_dir import TMPFS, Layout, StateDir, StateError, boot_id
 from memd.swap import SwapMemory
 from memd.swap_tier import allocate_swap
 from memd.token_files import Credentials, provision, remove_if_ours
@@ -186,8 +186,12 @@ def allocate_memory(device: str, geometry: PoolGeometry, layout: Layout, state: 
         stack.callback(swap.close)
     if isinstance(memory, ShmMemory):
         stack.callback(memory.allocation.cancel)    # first: a stop mid-allocation waits for no more of it
-    if keep_files and (fs := state.filesystem()) not in TMPFS and geometry.pool_bytes >= 1 << 30:
-        # Correct either way, but a large pool's pages written back to a disk cost I/O for nothing.
-        log.warning("the state directory is not on tmpfs: the kernel writes the pool's pages back to its "
-                    "disk; use a directory under /run or /dev/shm", state_dir=str(state.path), filesystem=fs)
+    if keep_files and (fs := state.filesystem()) not in TMPFS:
+        # Correct either way, but the pool's pages written back to a disk cost I/O for nothing, and the files
+        # (pool and swap tier) stay on that disk after memd stops, for the next memd to reopen.
+        held = geometry.pool_bytes + swap_slots * geometry.block_bytes
+        log.warning("the state directory is not on tmpfs: the kernel writes the pool's pages back to its disk, "
+                    "and its files stay there after memd stops (remove the directory once memd is stopped); "
+                    "use a directory under /run or /dev/shm, or --state-dir none", state_dir=str(state.path),
+                    filesystem=fs, holds=format_size(held))
     return memory, swap

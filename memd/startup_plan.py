@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memd.policy import Policy
-from memd.state import Layout
+from memd.state_dir import Layout
 from memd.token_files import Credentials
 from shared.geometry import PoolGeometry
 

@@ -223,6 +223,9 @@ class StepTxn:
         seq.interrupted = False
         seq.preempted_by = None
         seq.token_ids.extend(append)
+        # The session's own K/V that comes back with it (parked, or swapped out): beside the prefix cache's
+        # hits (`prefix_hit_tokens`), the other half of what a turn finds computed.
+        self.counters["session_hit_tokens"] += seq.num_committed if seq.state is not SeqState.DROPPED else 0
         if seq.state is SeqState.DROPPED:
             cached = self._match_prefix(seq)
         elif seq.state is SeqState.SWAPPED:

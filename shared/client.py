@@ -33,9 +33,9 @@ from shared import tokens
 from shared.geometry import PoolGeometry
 from shared.ops import Fork, Free, Op, OpResult, Park, Resume
 from shared.packed_steps import pack_ops, unpack_results
+from shared.protobuf_codec import FREE_BLOCKS_KEY, OP_INDEX_KEY, decode_handle, ops_into, result_from_proto
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
-from shared.wire import FREE_BLOCKS_KEY, OP_INDEX_KEY, decode_handle, ops_into, result_from_proto
 
 if TYPE_CHECKING:
     from shared.poolmap import MappedPool

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 
 from shared import ops
-from shared.wire import WireError
+from shared.protobuf_codec import WireError
 
 U32, U64 = 1 << 32, 1 << 64
 _BIG_ENDIAN = sys.byteorder == "big"

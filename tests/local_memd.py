@@ -1,7 +1,7 @@
 """memd in the test's own process: the real parts, wired as the daemon wires them, without gRPC.
 
 `LocalMemd` allocates a real shared-memory pool and swap tier, and runs the
-real KvManager, StepRunner, Leases and eviction policy (memd.wiring), parsed
+real KvManager, StepRunner, Leases and eviction policy (memd.assembly), parsed
 from memd's own flags. `LocalClient` is the client interface the scheduler
 uses (`shared.client.MemdClient`'s: step, free_blocks, revocations, drains),
 calling the step runner directly and raising the same MemdError the gRPC
@@ -22,12 +22,12 @@ import structlog
 import torch
 
 from memd.__main__ import build_parser, plan
+from memd.assembly import Parts, assemble, new_manager
 from memd.errors import KvError, OpError
 from memd.leases import Notice
 from memd.memory import allocate_pool
 from memd.policy import Policy
 from memd.swap_tier import allocate_swap
-from memd.wiring import Parts, new_manager, wire
 from shared.client import MemdError
 from shared.geometry import PoolGeometry
 from shared.ops import Op, OpResult
@@ -53,7 +53,7 @@ class LocalMemd:
         memory = allocate_pool("cpu", geometry.num_blocks, geometry.block_bytes)
         slots = policy.swap_slots(geometry)
         swap = allocate_swap(memory, slots, geometry.block_bytes) if slots else None
-        return cls(wire(new_manager(geometry, policy), policy, memory, swap), memory, swap)
+        return cls(assemble(new_manager(geometry, policy), policy, memory, swap), memory, swap)
 
     async def attach(self, *, model: str = "default", block_size: int = 0, bytes_per_token: int = 0,
                      name: str = "local") -> LocalClient:

@@ -146,7 +146,7 @@ async def test_the_pool_handle_goes_to_no_other_user_even_through_an_open_socket
     async with grpc.aio.insecure_channel(memd.address) as channel:
         reply = await pb_grpc.MemdStub(channel).Attach(pb.AttachRequest(name="w", block_size=BS),
                                                        metadata=tokens.metadata(token_file(memd).read_text().strip()))
-    from shared.wire import decode_handle
+    from shared.protobuf_codec import decode_handle
     handle = decode_handle(reply.pool_handle)
     os.chmod(handle["socket"], 0o666)
     probe = ("import os, socket, sys\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n"

@@ -25,7 +25,7 @@ from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.recovery import restore
 from memd.sequences import SeqState, blocks_for
-from memd.state import Layout, StateDir, StateError
+from memd.state_dir import Layout, StateDir, StateError
 from shared.ops import Extend, Free, Open, Park, Resume
 from tests.test_manager_properties import BLOCK_SIZE, NUM_BLOCKS, SWAP_SLOTS, KvManagerMachine, attach, new_manager
 

@@ -917,3 +917,14 @@ def test_the_tokens_two_histories_share_are_counted_whatever_their_lengths(histo
         while same < min(len(mine), len(theirs)) and mine[same] == theirs[same]:
             same += 1
         assert _common_prefix(mine, theirs) == same
+
+
+def test_a_resumed_session_counts_its_own_kv_apart_from_prefix_hits():
+    m = new_manager()
+    worker = attach(m, "m")
+    chat = open_and_commit(m, worker, [1, 2, 3, 4, 5, 6], session_id="chat")
+    m.step(worker, [Park(chat, commit_to=6)])
+    resumed, = m.step(worker, [Open([7, 8], session_id="chat", continue_session=True)]).results
+    assert resumed.num_cached == 6
+    assert m.counters["session_hit_tokens"] == 6 and m.counters["prefix_hit_tokens"] == 0
+    assert m.violations() == []

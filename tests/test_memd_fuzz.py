@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from shared import tokens
 from shared.launch import spawn_ready
 from shared.packed_steps import pack_ops, unpack_results
+from shared.protobuf_codec import op_from_proto
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
-from shared.wire import op_from_proto
 
 # What a bad request may get: each names the problem. Never UNKNOWN, INTERNAL or a dead memd.
 CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,

@@ -10,8 +10,8 @@ import pytest
 
 from shared.client import MemdClient, MemdError
 from shared.ops import Extend, Fork, Free, Open, Park, Resume
+from shared.protobuf_codec import op_to_proto
 from shared.rpc import memd_pb2 as pb
-from shared.wire import op_to_proto
 
 BS = 16
 

@@ -14,8 +14,8 @@ from memd.sequences import SeqState, Sequence, locate
 from shared.geometry import GeometryError, ModelShape, plan_pool, read_model_shape
 from shared.launch import free_ports
 from shared.ops import Extend
+from shared.protobuf_codec import WireError, decode_handle, encode_handle
 from shared.sizes import format_size, parse_size
-from shared.wire import WireError, decode_handle, encode_handle
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -1,8 +1,8 @@
-"""memd's parts, wired together: the same wiring for the daemon and for an in-process memd.
+"""memd's parts, assembled: the same assembly for the daemon and for an in-process memd.
 
 The manager owns the bookkeeping; the step runner runs Steps and evictions
 on the pages; fences and leases follow the workers; the servicer translates
-gRPC. `wire` builds them over memory that is already allocated.
+gRPC. `assemble` builds them over memory that is already allocated.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def new_manager(geometry: PoolGeometry, policy: Policy) -> KvManager:
                      prefix_cache=policy.prefix_cache)
 
 
-def wire(manager: KvManager, policy: Policy, memory: PoolMemory, swap: SwapMemory | None,
+def assemble(manager: KvManager, policy: Policy, memory: PoolMemory, swap: SwapMemory | None,
          wal: WriteAheadLog | None = None, fd_server: FdServer | None = None) -> Parts:
     runner = StepRunner(manager, PageCopier(memory, swap, manager.geometry.block_bytes), wal)
     fences = FenceWatch(manager, runner.persist)

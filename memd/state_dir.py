@@ -32,7 +32,7 @@ import structlog
 from memd.journal import FORMAT, VERSION, Recovered, read_journal
 from shared.pool_files import stripe_paths
 
-log = structlog.get_logger("memd.state")
+log = structlog.get_logger("memd.state_dir")
 
 TMPFS = {"tmpfs", "ramfs", "hugetlbfs"}
 

@@ -1,6 +1,6 @@
-"""shared.wire and shared.packed_steps: every Step operation and result, built in place into a request or reply
-or packed, reads back as it was sent (and as the message-by-message encoding has it, which tools and tests still
-use); a packed Step that is not what it claims is refused, naming its op."""
+"""shared.protobuf_codec and shared.packed_steps: every Step operation and result, built in place into a
+request or reply or packed, reads back as it was sent (and as the message-by-message encoding has it, which
+tools and tests still use); a packed Step that is not what it claims is refused, naming its op."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from shared import ops
 from shared.packed_steps import pack_ops, pack_results, unpack_ops, unpack_results
+from shared.protobuf_codec import WireError, op_from_proto, op_to_proto, ops_into, result_from_proto, results_into
 from shared.rpc import memd_pb2 as pb
-from shared.wire import WireError, op_from_proto, op_to_proto, ops_into, result_from_proto, results_into
 
 ids = st.integers(1, 2**40)
 small = st.integers(0, 2**31 - 1)
