@@ -124,7 +124,7 @@ class PendingOp:
 
 
 def _error(err: MemdError, prefix: str = "") -> GenerationError:
-    return GenerationError(err.code.name, prefix + err.message)
+    return GenerationError(err.code.name, prefix + err.message, err.reason)
 
 
 @dataclass(frozen=True, eq=False, slots=True)

@@ -53,15 +53,15 @@ log = structlog.get_logger("inferd.http")
 # gRPC status names (GenerationError.code) as HTTP statuses.
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "PERMISSION_DENIED": 409,
                "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503, "INTERNAL": 500}
+# memd's reasons for a refusal (memd.errors.KvError.reason) as the error codes clients read.
+API_CODES = {"session_busy": "session_busy"}
 SESSION_HEADER = "x-session-id"
 SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
                (b"x-accel-buffering", b"no"))       # a proxy in front (nginx) passes each chunk on at once
 
 
 def _api_error(err: GenerationError) -> ApiError:
-    status = HTTP_STATUS.get(err.code, 500)
-    busy = status == 409 and ("running" in err.message or "in flight" in err.message)
-    return ApiError(status, err.message, code="session_busy" if busy else None)
+    return ApiError(HTTP_STATUS.get(err.code, 500), err.message, code=API_CODES.get(err.reason))
 
 
 async def _next(reader: Completions) -> Event | None:

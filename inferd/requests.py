@@ -18,11 +18,12 @@ __all__ = ["Event", "GenerationError", "Request", "RequestStatus", "TokenLogprob
 
 
 class GenerationError(Exception):
-    """Why a request failed; `code` is the gRPC status name the service returns."""
+    """Why a request failed; `code` is the gRPC status name the service returns, `reason` memd's reason
+    for a refusal where it gave one ("session_busy"), which the HTTP API maps to OpenAI's error code."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, reason: str = "") -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.reason = code, message, reason
 
 
 @dataclass(slots=True)

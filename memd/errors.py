@@ -4,9 +4,15 @@ from __future__ import annotations
 
 
 class KvError(Exception):
-    """A request memd refuses; the message is meant for the operator or client author."""
+    """A request memd refuses; the message is meant for the operator or client author.
+
+    `reason`, where set, is what a client acts on without reading the message (it travels beside it:
+    trailing metadata, or a refused Step's `reason`): "session_busy", say, tells an HTTP front door to
+    answer 409 with OpenAI's error code for it.
+    """
 
     code = "INTERNAL"
+    reason = ""
 
 
 class InvalidArgument(KvError):
@@ -27,6 +33,18 @@ class PermissionDenied(KvError):
 
 class FailedPrecondition(KvError):
     code = "FAILED_PRECONDITION"
+
+
+class SessionBusy(FailedPrecondition):
+    """The session's sequence is running: a turn of it is in flight, on this worker or another."""
+
+    reason = "session_busy"
+
+
+class RunningElsewhere(PermissionDenied):
+    """The sequence is running on another worker: only that worker may change it until its turn ends."""
+
+    reason = "session_busy"
 
 
 class PoolExhausted(KvError):
@@ -53,4 +71,4 @@ class OpError(KvError):
     def __init__(self, index: int, what: str, cause: KvError) -> None:
         super().__init__(f"{what}: {cause}")
         self.index, self.cause = index, cause
-        self.code = cause.code
+        self.code, self.reason = cause.code, cause.reason

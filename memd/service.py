@@ -35,7 +35,15 @@ from memd.step_runner import StepRunner
 from shared.logs import enabled
 from shared.ops import Op
 from shared.packed_steps import PackedOpError, pack_results, unpack_ops
-from shared.protobuf_codec import FREE_BLOCKS_KEY, OP_INDEX_KEY, WireError, encode_handle, op_from_proto, results_into
+from shared.protobuf_codec import (
+    FREE_BLOCKS_KEY,
+    OP_INDEX_KEY,
+    REASON_KEY,
+    WireError,
+    encode_handle,
+    op_from_proto,
+    results_into,
+)
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 
@@ -48,6 +56,8 @@ async def _abort(context: grpc.aio.ServicerContext, err: KvError, free_blocks: i
         metadata.append((OP_INDEX_KEY, str(err.index)))
     if free_blocks is not None:
         metadata.append((FREE_BLOCKS_KEY, str(free_blocks)))
+    if err.reason:
+        metadata.append((REASON_KEY, err.reason))
     if metadata:
         context.set_trailing_metadata(tuple(metadata))
     await context.abort(getattr(grpc.StatusCode, err.code), str(err))
@@ -154,7 +164,8 @@ class MemdService(pb_grpc.MemdServicer):
                 reply = await self._step_reply(request)
             except KvError as err:
                 reply = pb.StepReply(free_blocks=self.manager.pool.num_free, refused=pb.StepRefusal(
-                    code=err.code, message=str(err), op_index=err.index if isinstance(err, OpError) else -1))
+                    code=err.code, message=str(err), op_index=err.index if isinstance(err, OpError) else -1,
+                    reason=err.reason))
             yield reply
 
     async def _step_reply(self, request: pb.StepRequest) -> pb.StepReply:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from memd import integrity
-from memd.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PoolExhausted
+from memd.errors import FailedPrecondition, InvalidArgument, PoolExhausted, RunningElsewhere, SessionBusy
 from memd.integrity import Where
 from memd.page_effects import Copy, Fetch, SwapIn, Zero
 from memd.pool import UndoLog, picked
@@ -75,7 +75,7 @@ class StepTxn:
         if seq.state is not SeqState.RUNNING:
             raise FailedPrecondition(f"sequence {seq_id} is {seq.state}; resume it first")
         if seq.owner != self.worker.worker_id:
-            raise PermissionDenied(f"sequence {seq_id} is running on worker {seq.owner}")
+            raise RunningElsewhere(f"sequence {seq_id} is running on worker {seq.owner}")
         self._save(seq)
         return seq
 
@@ -109,7 +109,7 @@ class StepTxn:
         if op.continue_session and op.session_id in self.state.sessions:
             held = self.state.seqs[self.state.sessions[op.session_id]]
             if held.preempted_by is not None:         # a turn in flight, waiting for pages: not a new turn's
-                raise FailedPrecondition(f"session {op.session_id!r} has a turn in flight (sequence "
+                raise SessionBusy(f"session {op.session_id!r} has a turn in flight (sequence "
                                          f"{held.seq_id} is running, preempted by worker {held.preempted_by})")
             return self._resume(Resume(session_id=op.session_id, reserve=op.reserve), op.token_ids,
                                 op.turn_id or "", whole_history=op.whole_history)
@@ -201,8 +201,8 @@ class StepTxn:
         seq = self.state.find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING:
             if seq.owner == worker.worker_id:
-                raise FailedPrecondition(f"sequence {seq.seq_id} is already running on this worker")
-            raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
+                raise SessionBusy(f"sequence {seq.seq_id} is already running on this worker")
+            raise RunningElsewhere(f"sequence {seq.seq_id} is running on worker {seq.owner}")
         known = 0 if whole_history else len(seq.token_ids)
         self.state.check_fits(known + len(append) + op.reserve, worker.block_size)
         self._save(seq)
@@ -347,7 +347,7 @@ class StepTxn:
     def _free(self, op: Free) -> OpResult:
         seq = self.state.find(op.seq_id, op.session_id)
         if seq.state is SeqState.RUNNING and seq.owner != self.worker.worker_id:
-            raise PermissionDenied(f"sequence {seq.seq_id} is running on worker {seq.owner}")
+            raise RunningElsewhere(f"sequence {seq.seq_id} is running on worker {seq.owner}")
         if seq.model != self.worker.model:
             raise FailedPrecondition(f"sequence {seq.seq_id} belongs to model {seq.model!r}; "
                                      f"this worker serves {self.worker.model!r}")

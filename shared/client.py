@@ -33,7 +33,7 @@ from shared import tokens
 from shared.geometry import PoolGeometry
 from shared.ops import Fork, Free, Op, OpResult, Park, Resume
 from shared.packed_steps import pack_ops, unpack_results
-from shared.protobuf_codec import FREE_BLOCKS_KEY, OP_INDEX_KEY, decode_handle, ops_into, result_from_proto
+from shared.protobuf_codec import FREE_BLOCKS_KEY, OP_INDEX_KEY, REASON_KEY, decode_handle, ops_into, result_from_proto
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 
@@ -46,23 +46,28 @@ log = structlog.get_logger("kvpool.client")
 class MemdError(Exception):
     """memd refused a call: `code` is the gRPC status, `op_index` the failed op of a Step.
 
-    `free_blocks`: the pool's free blocks when memd refused a Step.
+    `free_blocks`: the pool's free blocks when memd refused a Step. `reason`: what the refusal means to a
+    client beside its code ("session_busy"; memd.errors.KvError.reason), "" if nothing more.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, op_index: int | None = None,
-                 free_blocks: int | None = None) -> None:
+                 free_blocks: int | None = None, reason: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code, self.message, self.op_index, self.free_blocks = code, message, op_index, free_blocks
+        self.reason = reason
 
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> MemdError:
         index = free = None
+        reason = ""
         for key, value in err.trailing_metadata() or ():
             if key == OP_INDEX_KEY:
                 index = int(value)
             elif key == FREE_BLOCKS_KEY:
                 free = int(value)
-        return cls(err.code(), err.details() or "", index, free)
+            elif key == REASON_KEY:
+                reason = str(value)
+        return cls(err.code(), err.details() or "", index, free, reason)
 
 
 @dataclass(slots=True, frozen=True)
@@ -235,7 +240,7 @@ class MemdClient:
         if reply.HasField("refused"):
             refused = reply.refused
             raise MemdError(getattr(grpc.StatusCode, refused.code, grpc.StatusCode.UNKNOWN), refused.message,
-                            refused.op_index if refused.op_index >= 0 else None, reply.free_blocks)
+                            refused.op_index if refused.op_index >= 0 else None, reply.free_blocks, refused.reason)
         if reply.packed_results:
             results = unpack_results(reply.packed_results)
             if len(results) != len(ops):

@@ -20,6 +20,8 @@ HANDLE_VERSION = 1
 OP_INDEX_KEY = "kvpool-op-index"
 # Trailing metadata of a refused Step: the pool's free blocks at that moment.
 FREE_BLOCKS_KEY = "kvpool-free-blocks"
+# Trailing metadata of a refused call: a reason a client acts on (memd.errors.KvError.reason).
+REASON_KEY = "kvpool-reason"
 _HANDLE_FIELDS = {
     "shm": {"size": int, "socket": str, "token": bytes},
     "cuda": {"uuid": str, "handle": bytes, "size": int, "offset": int, "ref_counter_handle": bytes,

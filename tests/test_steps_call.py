@@ -42,6 +42,24 @@ async def test_steps_ride_one_call_and_a_refusal_is_answered_as_step_answers_it(
     assert calls["Steps"] == 1 and calls["Step"] == 1                             # the one sent on its own
 
 
+async def test_a_refusal_s_reason_comes_with_it_on_the_call_and_on_its_own(memd):
+    """A client tells a busy session from other refusals by the reason memd sends beside the message."""
+    async with await MemdClient.attach(memd.address, block_size=BS) as one, \
+            await MemdClient.attach(memd.address, block_size=BS) as other:
+        await one.step(Open(list(range(20)), reserve=1, session_id="busy"))      # running on `one`
+        again = [Open([5, 6], reserve=1, session_id="busy", continue_session=True)]
+        with pytest.raises(MemdError) as streamed:
+            await other.step(*again)
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await other._stub.Step(pb.StepRequest(worker_id=other.worker_id, lease=other._lease,
+                                                  ops=[op_to_proto(op) for op in again]), metadata=other._metadata)
+        assert streamed.value.reason == MemdError.from_rpc(unary.value).reason == "session_busy"
+        with pytest.raises(MemdError) as unknown:
+            await other.step(Free(session_id="nobody"))
+        assert unknown.value.code.name == "NOT_FOUND" and unknown.value.reason == ""
+        await one.step(Free(session_id="busy"))
+
+
 async def test_a_step_sent_while_another_is_on_the_call_takes_a_call_of_its_own(memd):
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
         first, second = await asyncio.gather(client.step(Open([1, 2, 3], reserve=1)),

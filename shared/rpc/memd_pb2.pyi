@@ -223,14 +223,16 @@ class StepReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., refused: _Optional[_Union[StepRefusal, _Mapping]] = ..., packed_results: _Optional[bytes] = ...) -> None: ...
 
 class StepRefusal(_message.Message):
-    __slots__ = ("code", "message", "op_index")
+    __slots__ = ("code", "message", "op_index", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: str
     message: str
     op_index: int
-    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., op_index: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., op_index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
