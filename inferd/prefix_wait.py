@@ -67,7 +67,9 @@ def committed_blocks(request: Request, block_size: int) -> int:
 def held_blocks(prompt: list[int], requests: Iterable[Request], block_size: int) -> int:
     """Leading full blocks of `prompt` that a running request here holds committed: memd's prefix match
     hands them to the prompt's Open, so its admission needs no free page for them (a shared system prompt
-    of 100 blocks is not 100 blocks more to find for every user). A lower bound: memd may hold more."""
+    of 100 blocks is not 100 blocks more to find for every user). It counts what this iteration's Step
+    commits ahead of the Open: if memd refuses that commit, the Open finds less, and is refused and
+    requeued, or computes those blocks itself."""
     limit = (len(prompt) - 1) // block_size
     best = 0
     for request in requests:

@@ -34,7 +34,7 @@ import math
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Any
+from typing import Any, assert_never
 
 import structlog
 import torch
@@ -521,6 +521,8 @@ class Scheduler:
                 self._backlog.ending.append(end)
             case Queued(Distrust() as distrust):
                 self._backlog.distrusts.append(distrust)
+            case _:
+                assert_never(outcome)
 
     @property
     def max_position(self) -> int:

@@ -37,6 +37,7 @@ from memd.errors import (
     NotFound,
     OpError,
     PermissionDenied,
+    SessionBusy,
 )
 from memd.eviction import Evictor
 from memd.invariants import violations
@@ -426,8 +427,11 @@ class KvManager:
         check_name("session id", session_id or "")
         if session_id and session_id in self.sessions:
             seq = self.seqs[self.sessions[session_id]]
-            raise AlreadyExists(
+            taken = AlreadyExists(
                 f"session {session_id!r} already has sequence {seq.seq_id} ({seq.state}); resume or free it")
+            if seq.state is SeqState.RUNNING:
+                taken.reason = SessionBusy.reason              # a turn of it is in flight
+            raise taken
 
     def check_fits(self, num_tokens: int, block_size: int) -> None:
         needed = blocks_for(num_tokens, block_size)

@@ -26,7 +26,8 @@ class Zero:
 
 @dataclass(slots=True)
 class Copy:
-    """A fork's partly written last page: each side gets its own, since each will write it."""
+    """A page a sequence must write but may not share: a fork's partly written last page (each side gets its
+    own), or the full block a resent conversation parts from its session inside (the K/V before that point)."""
 
     src: int
     page: int

@@ -5,8 +5,8 @@ Never trusts a record. What comes back, and how:
 - SWAPPED ones keep their swap slots (the swap tier is a file too).
 - RUNNING ones (their worker lost memd mid-request) are parked at their
   committed length, as a worker crash would park them, and marked
-  interrupted: the client's retry of that turn replaces it (KvManager._retry_turn).
-- A sequence whose pages memd was still filling (a swap-in or a fork's copy
+  interrupted: the client's retry of that turn replaces it (StepTxn._retry_turn).
+- A sequence whose pages memd was still filling (a swap-in or a page's copy
   in flight), or whose pages or slots cannot be reopened (a new pool size, a
   cuda pool, a changed swap ratio), comes back DROPPED: its token ids stay, so
   a resume recomputes it and still answers the same.

@@ -42,7 +42,7 @@ class StepOutcome:
     # Parked by this Step and to be evicted before the reply (a preemption, an operator's revocation).
     evictions: list[Eviction] = field(default_factory=list)
     swapped_in: list[SwappedIn] = field(default_factory=list)
-    # Sequences whose pages the effects fill (swap-ins, a fork's copy).
+    # Sequences whose pages the effects fill (swap-ins, a page's copy).
     filling: set[int] = field(default_factory=set)
     # Sessions this Step freed (a reset, an error): the cluster tier takes their records back.
     freed_sessions: list[str] = field(default_factory=list)

@@ -54,6 +54,9 @@ async def test_a_refusal_s_reason_comes_with_it_on_the_call_and_on_its_own(memd)
             await other._stub.Step(pb.StepRequest(worker_id=other.worker_id, lease=other._lease,
                                                   ops=[op_to_proto(op) for op in again]), metadata=other._metadata)
         assert streamed.value.reason == MemdError.from_rpc(unary.value).reason == "session_busy"
+        with pytest.raises(MemdError) as taken:                        # a new sequence under its name
+            await other.step(Open([5, 6], reserve=1, session_id="busy"))
+        assert taken.value.code.name == "ALREADY_EXISTS" and taken.value.reason == "session_busy"
         with pytest.raises(MemdError) as unknown:
             await other.step(Free(session_id="nobody"))
         assert unknown.value.code.name == "NOT_FOUND" and unknown.value.reason == ""
