@@ -237,8 +237,9 @@ def main() -> int:
                     if "pressure" in loads:
                         squeezed_run = run_engine(engine, model_dir, squeezed, work, ["pressure"], shape,
                                                   load_chats, prompts, python)
-                        account = run[engine].get("_account", {}) | squeezed_run.pop("_account", {})
-                        run[engine] |= squeezed_run | ({"_account": account} if account else {})
+                        # one account of every load: the pressure server's joins the roomy server's
+                        run[engine].setdefault("_account", {}).update(squeezed_run.pop("_account", {}))
+                        run[engine] |= squeezed_run
                 runs.append(run)
         except (RuntimeError, OSError, openai.OpenAIError) as exc:
             print(f"bench failed: {exc}", file=sys.stderr)

@@ -336,13 +336,18 @@ class StepTxn:
         if seq.state is SeqState.SWAPPED or index >= len(seq.block_ids) or not self.state.pool.num_free:
             return False
         src = seq.block_ids[index]
-        dst, _ = self.state.pool.allocate()              # every slot it is read at is copied or written first
-        self.outcome.effects.append(Copy(src, dst))
-        self.outcome.filling.add(seq.seq_id)
-        seq.block_ids[index] = dst
+        seq.block_ids[index] = self._copy_page(src, seq)
         self.state.release_blocks([src])
         self.counters["blocks_copied_on_write"] += 1
         return True
+
+    def _copy_page(self, src: int, seq: Sequence) -> int:
+        """A page of `seq`'s own with `src`'s bytes, copied before the worker hears back (a free page must be
+        there). Every slot of it that is read is copied or written first, so it is not zeroed."""
+        dst, _ = self.state.pool.allocate()
+        self.outcome.effects.append(Copy(src, dst))
+        self.outcome.filling.add(seq.seq_id)
+        return dst
 
     def _free(self, op: Free) -> OpResult:
         seq = self.state.find(op.seq_id, op.session_id)
@@ -381,10 +386,7 @@ class StepTxn:
         self.state.pool.incref_n(child.block_ids)
         if partial:
             # The only block either side will write: copy it now rather than share it.
-            dst, _ = self.state.pool.allocate()
-            self.outcome.effects.append(Copy(parent.block_ids[full], dst))
-            self.outcome.filling.add(child.seq_id)
-            child.block_ids.append(dst)
+            child.block_ids.append(self._copy_page(parent.block_ids[full], child))
         self._create(child)
         self.counters["forks"] += 1
         return _result(child, 0, history=True)
@@ -415,7 +417,7 @@ class StepTxn:
         limit = (len(seq.token_ids) - 1) // bs if seq.token_ids else 0
         hits = []
         for digest, chunk in self.state.hasher.walk(seq.model, seq.token_ids, bs, start,
-                                              seq.hashes[-1] if seq.hashes else b"", limit):
+                                                    seq.hashes[-1] if seq.hashes else b"", limit):
             block = self.state.pool.lookup(digest, chunk)
             if block is None:
                 break
