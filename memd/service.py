@@ -35,29 +35,15 @@ from memd.step_runner import StepRunner
 from shared.logs import enabled
 from shared.ops import Op
 from shared.packed_steps import PackedOpError, pack_results, unpack_ops
-from shared.protobuf_codec import (
-    FREE_BLOCKS_KEY,
-    OP_INDEX_KEY,
-    REASON_KEY,
-    WireError,
-    encode_handle,
-    op_from_proto,
-    results_into,
-)
+from shared.protobuf_codec import REASON_KEY, WireError, encode_handle
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("memd")
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: KvError, free_blocks: int | None = None) -> None:
-    metadata = []
-    if isinstance(err, OpError):
-        metadata.append((OP_INDEX_KEY, str(err.index)))
-    if free_blocks is not None:
-        metadata.append((FREE_BLOCKS_KEY, str(free_blocks)))
-    if err.reason:
-        metadata.append((REASON_KEY, err.reason))
+async def _abort(context: grpc.aio.ServicerContext, err: KvError) -> None:
+    metadata = [(REASON_KEY, err.reason)] if err.reason else []
     if metadata:
         context.set_trailing_metadata(tuple(metadata))
     await context.abort(getattr(grpc.StatusCode, err.code), str(err))
@@ -101,8 +87,7 @@ class MemdService(pb_grpc.MemdServicer):
                                  pool_bytes=g.pool_bytes, block_size=worker.block_size,
                                  bytes_per_token=request.bytes_per_token or g.bytes_per_token,
                                  generation=self.generation),
-            pool_handle=encode_handle(handle), lease_timeout_s=self.leases.lease_timeout_s, lease=worker.lease,
-            packed_steps=True)
+            pool_handle=encode_handle(handle), lease_timeout_s=self.leases.lease_timeout_s, lease=worker.lease)
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -149,13 +134,6 @@ class MemdService(pb_grpc.MemdServicer):
                     pending.cancel()
             self.leases.close_stream(worker.worker_id, reason)
 
-    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        try:
-            return await self._step_reply(request)
-        except KvError as err:
-            await _abort(context, err, self.manager.pool.num_free)
-            raise           # not reached: abort raises
-
     async def Steps(self, requests: AsyncIterator[pb.StepRequest],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepReply]:
         """Each Step as it comes, answered in turn; a refusal is an answer and the stream goes on."""
@@ -176,7 +154,6 @@ class MemdService(pb_grpc.MemdServicer):
             return await self._run_step(request)
 
     async def _run_step(self, request: pb.StepRequest) -> pb.StepReply:
-        packed = bool(request.packed_ops)
         try:
             ops = self._decoded(request)
             outcome = await self.runner.run(request.worker_id, ops, request.lease, request.wanted_blocks)
@@ -185,32 +162,17 @@ class MemdService(pb_grpc.MemdServicer):
             raise
         if enabled(logging.DEBUG):
             self._trace(request.worker_id, ops, outcome)
-        if packed:
-            return pb.StepReply(free_blocks=self.manager.pool.num_free, packed_results=pack_results(
-                outcome.results, history_bytes=request.history_bytes))
-        reply = pb.StepReply(free_blocks=self.manager.pool.num_free)
-        results_into(reply.results, outcome.results)          # built in place: a third of the time of messages
-        return reply
+        return pb.StepReply(free_blocks=self.manager.pool.num_free, packed_results=pack_results(outcome.results))
 
     def _decoded(self, request: pb.StepRequest) -> list[Op]:
-        """The Step's ops, packed or as protobuf; a Step that cannot be read is refused (and counted)."""
+        """The Step's ops; a Step that cannot be read is refused (and counted)."""
         try:
-            if request.packed_ops:
-                if request.ops:
-                    raise InvalidArgument("a Step sends ops or packed_ops, not both")
-                try:
-                    return unpack_ops(request.packed_ops)
-                except PackedOpError as exc:
-                    raise OpError(exc.index, "decode", InvalidArgument(str(exc))) from None
-                except WireError as exc:
-                    raise InvalidArgument(str(exc)) from None
-            ops = []
-            for index, op in enumerate(request.ops):
-                try:
-                    ops.append(op_from_proto(op))
-                except WireError as exc:
-                    raise OpError(index, "decode", InvalidArgument(str(exc))) from None
-            return ops
+            try:
+                return unpack_ops(request.packed_ops)
+            except PackedOpError as exc:
+                raise OpError(exc.index, "decode", InvalidArgument(str(exc))) from None
+            except WireError as exc:
+                raise InvalidArgument(str(exc)) from None
         except KvError:
             self.runner.refused()
             raise

@@ -31,9 +31,9 @@ import structlog
 from shared import address as addr
 from shared import tokens
 from shared.geometry import PoolGeometry
-from shared.ops import Fork, Free, Op, OpResult, Park, Resume
+from shared.ops import Fork, Free, Op, OpResult, Park
 from shared.packed_steps import pack_ops, unpack_results
-from shared.protobuf_codec import FREE_BLOCKS_KEY, OP_INDEX_KEY, REASON_KEY, decode_handle, ops_into, result_from_proto
+from shared.protobuf_codec import REASON_KEY, decode_handle
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from shared.poolmap import MappedPool
 
 log = structlog.get_logger("kvpool.client")
+# Steps calls a worker keeps open between Steps: its scheduler's one, and a few for Steps sent beside it
+# (a reset, a cancel) so that those open no call each time.
+MAX_IDLE_CALLS = 4
 
 
 class MemdError(Exception):
@@ -58,16 +61,8 @@ class MemdError(Exception):
 
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> MemdError:
-        index = free = None
-        reason = ""
-        for key, value in err.trailing_metadata() or ():
-            if key == OP_INDEX_KEY:
-                index = int(value)
-            elif key == FREE_BLOCKS_KEY:
-                free = int(value)
-            elif key == REASON_KEY:
-                reason = str(value)
-        return cls(err.code(), err.details() or "", index, free, reason)
+        reason = next((str(value) for key, value in err.trailing_metadata() or () if key == REASON_KEY), "")
+        return cls(err.code(), err.details() or "", reason=reason)
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,14 +97,12 @@ class MemdClient:
         self._beats: asyncio.Task[None] | None = None
         self._stop_beating = asyncio.Event()
         self._session: grpc.aio.StreamStreamCall | None = None
-        # Steps ride one Steps call, opened at the first; a Step sent while another is on it takes a call
-        # of its own (Step), so that concurrent Steps never wait for one another.
-        self._steps: grpc.aio.StreamStreamCall | None = None
-        self._steps_busy = False
+        # Steps ride a Steps call, opened at the first; a Step sent while every open one carries another
+        # opens one more, so that concurrent Steps never wait for one another. Calls not carrying a Step
+        # wait here for the next (at most MAX_IDLE_CALLS; a call beyond them is ended).
+        self._idle_calls: list[grpc.aio.StreamStreamCall] = []
         self._closing = False
         self.free_blocks = attachment.geometry.num_blocks     # as of memd's latest reply
-        # Steps go packed (shared.packed_steps) to a memd that reads them; as protobuf ops to an older one.
-        self.packed_steps = False
         # Called with (seq_id, reason) for each sequence memd revokes.
         self.on_revoke: Callable[[int, str], None] = lambda seq_id, reason: None
         # An operator's drain (True) or its end (False): stop or resume admitting requests. memd may say
@@ -141,7 +134,6 @@ class MemdClient:
             PoolGeometry(g.num_blocks, g.block_bytes, g.block_size, g.bytes_per_token),
             g.generation, reply.lease_timeout_s)
         client = cls(chan, attachment, None, reply.lease, token)
-        client.packed_steps = reply.packed_steps
         try:
             await client._start_lease()
             if map_memory:
@@ -221,42 +213,27 @@ class MemdClient:
             # memd zeroes, reuses or copies released pages on its own stream: the
             # kernels that wrote them here must be finished first.
             self.pool.synchronize()
-        request = pb.StepRequest(worker_id=self.worker_id, lease=self._lease, wanted_blocks=wanted_blocks)
-        if self.packed_steps:
-            request.packed_ops, request.history_bytes = pack_ops(ops), True
-        else:
-            ops_into(request.ops, list(ops))
+        request = pb.StepRequest(worker_id=self.worker_id, lease=self._lease, wanted_blocks=wanted_blocks,
+                                 packed_ops=pack_ops(ops))
         try:
-            if self._steps_busy:
-                reply = await self._stub.Step(request, metadata=self._metadata)
-            else:
-                reply = await self._streamed_step(request)
+            reply = await self._streamed_step(request)
         except grpc.aio.AioRpcError as err:
-            error = MemdError.from_rpc(err)
-            if error.free_blocks is not None:
-                self.free_blocks = error.free_blocks
-            raise error from None
+            raise MemdError.from_rpc(err) from None
         self.free_blocks = reply.free_blocks
         if reply.HasField("refused"):
             refused = reply.refused
             raise MemdError(getattr(grpc.StatusCode, refused.code, grpc.StatusCode.UNKNOWN), refused.message,
                             refused.op_index if refused.op_index >= 0 else None, reply.free_blocks, refused.reason)
-        if reply.packed_results:
-            results = unpack_results(reply.packed_results)
-            if len(results) != len(ops):
-                raise MemdError(grpc.StatusCode.INTERNAL, f"memd answered {len(results)} results to {len(ops)} ops")
-            return results
-        return [result_from_proto(r, isinstance(op, Resume | Fork) or getattr(op, "continue_session", False))
-                for r, op in zip(reply.results, ops, strict=True)]
+        results = unpack_results(reply.packed_results)
+        if len(results) != len(ops):
+            raise MemdError(grpc.StatusCode.INTERNAL, f"memd answered {len(results)} results to {len(ops)} ops")
+        return results
 
     async def _streamed_step(self, request: pb.StepRequest) -> pb.StepReply:
-        """One Step on the Steps call (opened if need be). Should it fail or its caller be cancelled, the call
-        is ended: a reply still on its way would otherwise answer the next Step."""
-        self._steps_busy = True
-        call = self._steps
+        """One Step on an idle Steps call (opened if none is). Should it fail or its caller be cancelled, the
+        call is ended: a reply still on its way would otherwise answer the next Step sent on it."""
+        call = self._idle_calls.pop() if self._idle_calls else self._stub.Steps(metadata=self._metadata)
         try:
-            if call is None:
-                call = self._steps = self._stub.Steps(metadata=self._metadata)
             try:
                 await call.write(request)
             except asyncio.InvalidStateError:       # the call ended before this Step (memd went away): say why
@@ -266,20 +243,19 @@ class MemdClient:
             if reply is grpc.aio.EOF:
                 raise MemdError(grpc.StatusCode.UNAVAILABLE, "memd ended the Steps call")
         except BaseException:
-            self._steps = None
-            if call is not None:
-                call.cancel()
+            call.cancel()
             raise
-        finally:
-            self._steps_busy = False
+        if self._closing or len(self._idle_calls) >= MAX_IDLE_CALLS:
+            call.cancel()
+        else:
+            self._idle_calls.append(call)
         return reply  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         """Give the lease back: memd parks whatever this worker still runs."""
-        if self._steps is not None:
-            self._steps.cancel()
-            self._steps = None
         self._closing = True
+        while self._idle_calls:
+            self._idle_calls.pop().cancel()
         self._stop_beating.set()
         if self._beats is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):

@@ -1,7 +1,7 @@
 """The operations of a Step, as plain values.
 
 Workers build these (through `shared.client`), memd applies them
-(`memd.manager`); `shared.protobuf_codec` turns them into protobuf and back. A Step is a
+(`memd.manager`); `shared.packed_steps` is their form on the wire. A Step is a
 list of them, applied in order, all or nothing.
 
 They are values, never changed once built, but not frozen dataclasses: a

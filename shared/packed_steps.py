@@ -1,17 +1,17 @@
-"""A Step's ops and results as one msgpack array each: the form clients send when memd says it reads it.
+"""A Step's ops and results as one msgpack array each: the only form a Step takes on the wire.
 
-A decode Step is 16 small ops and 16 small results. As protobuf messages,
-building and reading them field by field in Python cost more than anything
-memd does with them: 82 us to read 16 Extends, 32 us to build their results,
-and as much again in the worker. Packed, each op is `[kind, [its fields in
-`shared.ops` order]]` and each result the fields of an `OpResult`; a Step's
-are packed and unpacked in C, 15 us and 10 us.
+A decode Step is 16 small ops and 16 small results. As protobuf messages
+they would be built and read field by field in Python, at both ends, which
+costs more than anything memd does with them; packed, each op is `[kind,
+[its fields in `shared.ops` order]]` and each result the fields of an
+`OpResult`, and a Step's are packed and unpacked in C. A history (a resumed
+sequence's token ids, up to a whole long chat) goes as the bytes of a
+little-endian uint32 array, which msgpack copies instead of walking.
 
 msgpack is untyped, so memd checks every field (`unpack_ops`) as protobuf's
 types would: ints in their range, lists of such ints, strings or nil. A Step
 that fails the check is refused whole (INVALID_ARGUMENT, naming the op) and
-changes nothing. memd still reads the protobuf `ops` of clients that do not
-pack (older ones, grpcurl).
+changes nothing.
 """
 
 from __future__ import annotations
@@ -70,15 +70,14 @@ def unpack_ops(data: bytes) -> list[ops.Op]:
     return out
 
 
-def pack_results(results: list[ops.OpResult], *, history_bytes: bool = False) -> bytes:
-    """`history_bytes`: the client reads a history as bytes (StepRequest.history_bytes), else as ints."""
+def pack_results(results: list[ops.OpResult]) -> bytes:
     return msgpack.packb([_RESULT_FIELDS(r) if r.token_ids is None else
-                          (*_RESULT_FIELDS(r)[:-1], _packed_history(r.token_ids, history_bytes)) for r in results],
+                          (*_RESULT_FIELDS(r)[:-1], _packed_history(r.token_ids)) for r in results],
                          use_bin_type=True)
 
 
 def unpack_results(data: bytes) -> list[ops.OpResult]:
-    """memd's results (trusted as memd's replies are): a history as a list, from ints or bytes, else None."""
+    """memd's results (trusted as memd's replies are): a history as a list of ints, else None."""
     results = [ops.OpResult(*fields) for fields in msgpack.unpackb(data, raw=False, use_list=True)]
     for r in results:
         if type(r.token_ids) is bytes:
@@ -90,10 +89,8 @@ def unpack_results(data: bytes) -> list[ops.OpResult]:
     return results
 
 
-def _packed_history(token_ids: Sequence[int], as_bytes: bool) -> bytes | list[int]:
-    """A history as packed: the bytes of a little-endian uint32 array, or a list of ints (what msgpack packs)."""
-    if not as_bytes:
-        return token_ids if type(token_ids) is list else list(token_ids)
+def _packed_history(token_ids: Sequence[int]) -> bytes:
+    """A history as packed: the bytes of a little-endian uint32 array."""
     history = token_ids if type(token_ids) is array and token_ids.typecode == "I" else array("I", token_ids)
     if _BIG_ENDIAN:
         history = array("I", history)

@@ -25,8 +25,6 @@ from shared.rpc import memd_pb2_grpc as pb_grpc
 BS = 16
 CALLS = {
     "Attach": lambda stub, md: stub.Attach(pb.AttachRequest(name="intruder", block_size=BS), metadata=md),
-    "Step": lambda stub, md: stub.Step(pb.StepRequest(worker_id=1, ops=[pb.Op(free=pb.FreeOp(session_id="chat"))]),
-                                       metadata=md),
     "Stats": lambda stub, md: stub.Stats(pb.StatsRequest(), metadata=md),
     "Check": lambda stub, md: stub.Check(pb.CheckRequest(), metadata=md),
     "Snapshot": lambda stub, md: stub.Snapshot(pb.SnapshotRequest(), metadata=md).read(),   # a stream of parts

@@ -10,10 +10,21 @@ import pytest
 
 from shared.client import MemdClient, MemdError
 from shared.ops import Extend, Free, Open, Park, Resume
+from shared.packed_steps import pack_ops
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 
 BS = 16
+
+
+async def refusal(stub: pb_grpc.MemdStub, metadata: Any, request: pb.StepRequest) -> pb.StepRefusal:
+    """A Step sent as any client could send it, on a Steps call of its own: the refusal it is answered with."""
+    call = stub.Steps(metadata=metadata)
+    await call.write(request)
+    reply = await call.read()
+    call.cancel()
+    assert reply.HasField("refused"), reply
+    return reply.refused
 
 
 async def fingerprint(memd: Any) -> tuple:
@@ -92,11 +103,10 @@ async def test_a_step_from_a_worker_without_lease_is_refused(memd, scene):
     before = await fingerprint(memd)
     async with memd.admin() as admin:
         stub = pb_grpc.MemdStub(admin._channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Step(pb.StepRequest(worker_id=777, ops=[pb.Op(free=pb.FreeOp(seq_id=scene["parked"]))]),
-                            metadata=admin.metadata)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "attach again" in err.value.details()
+        refused = await refusal(stub, admin.metadata, pb.StepRequest(
+            worker_id=777, packed_ops=pack_ops([Free(scene["parked"])])))
+    assert refused.code == "FAILED_PRECONDITION"
+    assert "attach again" in refused.message
     assert await fingerprint(memd) == before
 
 
@@ -104,11 +114,9 @@ async def test_a_step_with_a_wrong_lease_secret_is_refused(memd, scene):
     before = await fingerprint(memd)
     async with memd.admin() as admin:
         stub = pb_grpc.MemdStub(admin._channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:     # worker b's id is no secret; its lease is
-            await stub.Step(pb.StepRequest(worker_id=scene["a"].worker_id, lease=b"0" * 16,
-                                           ops=[pb.Op(free=pb.FreeOp(seq_id=scene["running"]))]),
-                            metadata=admin.metadata)
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        refused = await refusal(stub, admin.metadata, pb.StepRequest(     # a's id is no secret; its lease is
+            worker_id=scene["a"].worker_id, lease=b"0" * 16, packed_ops=pack_ops([Free(scene["running"])])))
+    assert refused.code == "PERMISSION_DENIED"
     assert await fingerprint(memd) == before
 
 
@@ -117,11 +125,10 @@ async def test_an_empty_operation_is_invalid(memd, scene):
     async with memd.admin() as admin:
         refused = (await admin.stats()).counters["steps_refused"]
         stub = pb_grpc.MemdStub(admin._channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Step(pb.StepRequest(worker_id=scene["b"].worker_id, lease=scene["b"]._lease, ops=[pb.Op()]),
-                            metadata=admin.metadata)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "empty operation" in err.value.details()
+        answer = await refusal(stub, admin.metadata, pb.StepRequest(
+            worker_id=scene["b"].worker_id, lease=scene["b"]._lease, packed_ops=msgpack.packb([[0, []]])))
+    assert answer.code == "INVALID_ARGUMENT"
+    assert "unknown op kind 0" in answer.message
     assert await fingerprint(memd) == before
     async with memd.admin() as admin:
         assert (await admin.stats()).counters["steps_refused"] == refused + 1     # counted like any refusal
@@ -131,17 +138,16 @@ async def test_a_packed_step_that_cannot_be_read_is_refused_naming_its_op_and_ch
     before = await fingerprint(memd)
     b = scene["b"]
     good = [1, [[1, 2, 3], 1, None, False, None, False]]          # an Open, fine on its own
-    cases = [(msgpack.packb([good, [2, [scene["running"], ["x"], 1, 1, 0, []]]]), [], "1", "append"),
-             (b"\xc1", [], None, "not msgpack"),
-             (msgpack.packb([good]), [pb.Op(free=pb.FreeOp(seq_id=scene["parked"]))], None, "not both")]
+    cases = [(msgpack.packb([good, [2, [scene["running"], ["x"], 1, 1, 0, []]]]), 1, "append"),
+             (b"\xc1", -1, "not msgpack"),
+             (msgpack.packb([good, [1, [[1, 2], 1, None, False, None]]]), 1, "open has 6 fields, not 5")]
     async with memd.admin() as admin:
         refused = (await admin.stats()).counters["steps_refused"]
-        for packed, ops, index, words in cases:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await b._stub.Step(pb.StepRequest(worker_id=b.worker_id, lease=b._lease, packed_ops=packed, ops=ops),
-                                   metadata=b._metadata)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
-            assert MemdError.from_rpc(err.value).op_index == (None if index is None else int(index))
+        for packed, index, words in cases:
+            answer = await refusal(b._stub, b._metadata, pb.StepRequest(worker_id=b.worker_id, lease=b._lease,
+                                                                        packed_ops=packed))
+            assert answer.code == "INVALID_ARGUMENT" and words in answer.message, answer
+            assert answer.op_index == index
         assert (await admin.stats()).counters["steps_refused"] == refused + len(cases)
         assert (await admin.check()).ok
     assert await fingerprint(memd) == before

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from shared import tokens
 from shared.launch import spawn_ready
+from shared.ops import Extend, Fork, Free, Open, Park, Resume
 from shared.packed_steps import pack_ops, unpack_results
-from shared.protobuf_codec import op_from_proto
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
 
@@ -30,19 +30,17 @@ seq_ids = st.one_of(st.integers(0, 24), st.sampled_from([U64, 2**63]))
 token_lists = st.lists(st.one_of(st.integers(0, 64), st.just(U32)), max_size=48)
 counts = st.one_of(st.integers(0, 80), st.sampled_from([U32, 2**31]))
 names = st.one_of(st.sampled_from(["", "s1", "s2"]), st.text(max_size=300))
+maybe_names = names.map(lambda n: n or None)
+# Well-typed operations with random values, as a client builds them.
 ops = st.one_of(
-    st.builds(lambda s, t, r, c: pb.Op(open=pb.OpenOp(session_id=s, token_ids=t, reserve=r, continue_session=c)),
-              names, token_lists, counts, st.booleans()),
-    st.builds(lambda i, a, c, r: pb.Op(extend=pb.ExtendOp(seq_id=i, append=a, commit_to=c, reserve=r)),
-              seq_ids, token_lists, counts, counts),
-    st.builds(lambda i, a, c, p: pb.Op(park=pb.ParkOp(seq_id=i, append=a, commit_to=c, preempt=p)),
-              seq_ids, token_lists, counts, st.booleans()),
-    st.builds(lambda i, r: pb.Op(resume=pb.ResumeOp(seq_id=i, reserve=r)), seq_ids, counts),
-    st.builds(lambda s, r: pb.Op(resume=pb.ResumeOp(session_id=s, reserve=r)), names, counts),
-    st.builds(lambda i: pb.Op(free=pb.FreeOp(seq_id=i)), seq_ids),
-    st.builds(lambda s: pb.Op(free=pb.FreeOp(session_id=s)), names),
-    st.builds(lambda i, s: pb.Op(fork=pb.ForkOp(seq_id=i, session_id=s)), seq_ids, names),
-    st.just(pb.Op()),
+    st.builds(lambda s, t, r, c: Open(t, r, s, c), maybe_names, token_lists, counts, st.booleans()),
+    st.builds(lambda i, a, c, r: Extend(i, a, c, r), seq_ids, token_lists, counts, counts),
+    st.builds(lambda i, a, c, p: Park(i, a, c, p), seq_ids, token_lists, counts, st.booleans()),
+    st.builds(lambda i, r: Resume(seq_id=i, reserve=r), seq_ids, counts),
+    st.builds(lambda s, r: Resume(session_id=s, reserve=r), maybe_names, counts),
+    st.builds(lambda i: Free(seq_id=i), seq_ids),
+    st.builds(lambda s: Free(session_id=s), maybe_names),
+    st.builds(lambda i, s: Fork(i, s), seq_ids, maybe_names),
 )
 # A packed Step's ops (shared.packed_steps): [kind, [fields]] of any kind and any msgpack values, some near what
 # memd reads (small ids and counts, token lists), some anything at all.
@@ -52,8 +50,7 @@ near = st.one_of(st.integers(0, 24), st.sampled_from([U32, U32 + 1, U64]), st.bo
                  st.sampled_from(["", "s1", "s2"]), st.lists(st.integers(0, 64), max_size=8))
 packed_op = st.tuples(st.integers(0, 7), st.lists(st.one_of(near, scalars), max_size=8)).map(list)
 anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6), max_leaves=24)
-as_packed = st.lists(ops.filter(lambda m: m.WhichOneof("kind") is not None), min_size=1, max_size=4) \
-    .map(lambda ms: pack_ops([op_from_proto(m) for m in ms]))                  # as a client packs them
+as_packed = st.lists(ops, min_size=1, max_size=4).map(pack_ops)                # as a client packs them
 
 
 def one_field_changed(packed: bytes, op: int, field: int, value: object) -> bytes:
@@ -70,12 +67,11 @@ packed_steps = st.one_of(
               st.one_of(scalars, st.lists(scalars, max_size=3))))
 
 calls = st.one_of(
-    st.tuples(st.just("packed"), st.integers(0, 2), packed_steps),
-    st.tuples(st.just("step"), st.integers(0, 2), st.lists(ops, max_size=6), counts),
-    st.tuples(st.just("streamed"), st.integers(0, 2), st.lists(ops, max_size=6), counts),   # on a Steps call
-    st.tuples(st.just("foreign"), st.integers(0, 2), st.lists(ops, max_size=3)),         # another's id, no lease
+    st.tuples(st.just("packed"), st.integers(0, 2), packed_steps, counts),
+    st.tuples(st.just("packed"), st.integers(0, 2), st.lists(ops, max_size=6).map(pack_ops), counts),
+    st.tuples(st.just("foreign"), st.integers(0, 2), st.lists(ops, max_size=3).map(pack_ops)),  # another's id
     st.tuples(st.just("garbage"), st.just("Steps"), st.binary(max_size=64)),
-    st.tuples(st.just("garbage"), st.sampled_from(["Step", "Attach", "Evict", "Drain"]), st.binary(max_size=64)),
+    st.tuples(st.just("garbage"), st.sampled_from(["Attach", "Evict", "Drain"]), st.binary(max_size=64)),
     st.tuples(st.just("evict"), st.one_of(
         st.builds(lambda i: pb.EvictRequest(seq_id=i), seq_ids),
         st.builds(lambda s: pb.EvictRequest(session_id=s), names),
@@ -111,32 +107,29 @@ async def drive(address: str, plan: list[tuple]) -> None:
         streams: dict[int, grpc.aio.StreamStreamCall] = {}
         for call in plan:
             try:
-                if call[0] == "streamed":           # refusals come as answers, and the call goes on
+                if call[0] in ("packed", "foreign"):    # refusals come as answers, and the call goes on
                     worker_id, lease = workers[call[1]]
-                    stream = streams.setdefault(call[1], stub.Steps(metadata=worker_md))
-                    await stream.write(pb.StepRequest(worker_id=worker_id, lease=lease, ops=call[2],
-                                                      wanted_blocks=call[3] % (U32 + 1)))
+                    if call[0] == "foreign":
+                        lease, stream = b"", stub.Steps(metadata=worker_md)         # no lease: refused
+                    else:
+                        stream = streams.setdefault(call[1], stub.Steps(metadata=worker_md))
+                    await stream.write(pb.StepRequest(worker_id=worker_id, lease=lease, packed_ops=call[2],
+                                                      wanted_blocks=call[3] % (U32 + 1) if len(call) > 3 else 0))
                     reply = await stream.read()
                     if reply.HasField("refused"):
                         assert getattr(grpc.StatusCode, reply.refused.code) in CLEAR, (call, reply.refused)
                         assert reply.refused.message and "\n" not in reply.refused.message.strip(), call
+                    else:
+                        assert len(unpack_results(reply.packed_results)) == len(msgpack.unpackb(call[2])), call
+                    if call[0] == "foreign":
+                        assert reply.HasField("refused"), call
+                        stream.cancel()
                 elif call[0] == "garbage" and call[1] == "Steps":
                     raw_stream = channel.stream_stream("/kvpool.memd.v1.Memd/Steps")(metadata=worker_md)
                     await raw_stream.write(call[2])
-                    reply = pb.StepReply.FromString(await raw_stream.read())   # bytes that parse: an empty Step
-                    assert reply.HasField("refused") or not reply.results, (call, reply)
+                    reply = pb.StepReply.FromString(await raw_stream.read())   # bytes that parse: an unread Step
+                    assert reply.HasField("refused"), (call, reply)
                     raw_stream.cancel()
-                elif call[0] == "packed":
-                    worker_id, lease = workers[call[1]]
-                    reply = await stub.Step(pb.StepRequest(worker_id=worker_id, lease=lease, packed_ops=call[2]),
-                                            metadata=worker_md)
-                    assert len(unpack_results(reply.packed_results)) == len(msgpack.unpackb(call[2])), call
-                elif call[0] == "step":
-                    worker_id, lease = workers[call[1]]
-                    await stub.Step(pb.StepRequest(worker_id=worker_id, lease=lease, ops=call[2],
-                                                   wanted_blocks=call[3] % (U32 + 1)), metadata=worker_md)
-                elif call[0] == "foreign":
-                    await stub.Step(pb.StepRequest(worker_id=workers[call[1]][0], ops=call[2]), metadata=worker_md)
                 elif call[0] == "garbage":
                     raw = channel.unary_unary(f"/kvpool.memd.v1.Memd/{call[1]}")
                     await raw(call[2], metadata=admin_md)
@@ -146,7 +139,7 @@ async def drive(address: str, plan: list[tuple]) -> None:
                     await stub.Attach(pb.AttachRequest(name=call[2], block_size=call[1] % (U32 + 1)),
                                       metadata=worker_md)
             except grpc.aio.AioRpcError as err:
-                if call[0] == "streamed":
+                if call[0] == "packed":
                     streams.pop(call[1], None)          # the call ended with that status: a new one next time
                 assert err.code() in CLEAR, (call, err.code(), err.details())
                 assert err.details() and "\n" not in err.details().strip(), (call, err.details())
@@ -170,9 +163,10 @@ def test_an_oversized_request_is_refused_and_memd_goes_on(memd):
         md = tokens.metadata(tokens.find_token(address))
         async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
             stub = pb_grpc.MemdStub(ch)
-            op = pb.Op(open=pb.OpenOp(token_ids=[U32] * (20 << 20)))      # 5-byte varints: 100 MiB, past 64 MiB
+            call = stub.Steps(metadata=md)
+            await call.write(pb.StepRequest(worker_id=1, packed_ops=bytes(100 << 20)))     # past 64 MiB
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Step(pb.StepRequest(worker_id=1, ops=[op]), metadata=md)
+                await call.read()
             assert (await stub.Check(pb.CheckRequest(), metadata=tokens.metadata(
                 tokens.find_token(address, admin=True)))).ok
             return err.value.code()

@@ -123,8 +123,7 @@ async def test_a_step_after_memd_died_under_an_open_steps_call_fails_as_memd_gon
     client = await MemdClient.attach(memd.address, block_size=16, name="w", map_memory=False)
     try:
         await client.step(Open(list(range(20)), reserve=1))          # the Steps call is open
-        steps = client._steps
-        assert steps is not None
+        steps, = client._idle_calls
         await memd.kill()
         assert await steps.code() == grpc.StatusCode.UNAVAILABLE   # the call has ended, as memd's death ends it
         with pytest.raises(MemdError) as failed:

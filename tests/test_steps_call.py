@@ -1,4 +1,5 @@
-"""A worker's Steps on one Steps call: answered as Step answers, refusals included, the call kept (real memd)."""
+"""A worker's Steps on its Steps call, the one way a Step travels: refusals answered in-band with the call kept,
+concurrent Steps on calls of their own, a cancelled Step never answering the next (real memd)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import asyncio
 import contextlib
 
 import grpc
+import msgpack
 import pytest
 
 from shared.client import MemdClient, MemdError
-from shared.ops import Extend, Fork, Free, Open, Park, Resume
-from shared.protobuf_codec import op_to_proto
+from shared.ops import Extend, Free, Open
+from shared.packed_steps import pack_ops
 from shared.rpc import memd_pb2 as pb
 
 BS = 16
@@ -21,39 +23,31 @@ async def rpcs(memd) -> dict[str, int]:
         return dict((await admin.stats()).rpcs)
 
 
-async def test_steps_ride_one_call_and_a_refusal_is_answered_as_step_answers_it(memd):
+async def test_steps_ride_one_call_and_a_refusal_is_an_answer_that_keeps_it(memd):
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
         opened, = await client.step(Open(list(range(20)), reserve=1))
-        call = client._steps
-        bad = [Extend(opened.seq_id, commit_to=20), Extend(opened.seq_id + 1000, commit_to=1)]
-        with pytest.raises(MemdError) as streamed:
-            await client.step(*bad)
-        with pytest.raises(grpc.aio.AioRpcError) as unary:            # the same Step as a call of its own
-            await client._stub.Step(pb.StepRequest(worker_id=client.worker_id, lease=client._lease,
-                                                   ops=[op_to_proto(op) for op in bad]), metadata=client._metadata)
-        expected = MemdError.from_rpc(unary.value)
-        assert (streamed.value.code, streamed.value.message, streamed.value.op_index, streamed.value.free_blocks) \
-            == (expected.code, expected.message, 1, expected.free_blocks) and expected.code.name == "NOT_FOUND"
-        assert client.free_blocks == expected.free_blocks
+        call, = client._idle_calls
+        with pytest.raises(MemdError) as refused:
+            await client.step(Extend(opened.seq_id, commit_to=20), Extend(opened.seq_id + 1000, commit_to=1))
+        async with memd.admin() as admin:
+            free = (await admin.stats()).free_blocks
+        assert (refused.value.code, refused.value.op_index, refused.value.free_blocks) == \
+            (grpc.StatusCode.NOT_FOUND, 1, free)
+        assert str(opened.seq_id + 1000) in refused.value.message and client.free_blocks == free
         extended, = await client.step(Extend(opened.seq_id, commit_to=20, append=[7], reserve=1))
-        assert extended.num_committed == 20 and client._steps is call              # the refusal kept the call
+        assert extended.num_committed == 20 and client._idle_calls == [call]      # the refusal kept the call
         await client.step(Free(opened.seq_id))
-    calls = await rpcs(memd)
-    assert calls["Steps"] == 1 and calls["Step"] == 1                             # the one sent on its own
+    assert (await rpcs(memd))["Steps"] == 1
 
 
-async def test_a_refusal_s_reason_comes_with_it_on_the_call_and_on_its_own(memd):
+async def test_a_refusal_s_reason_comes_with_it(memd):
     """A client tells a busy session from other refusals by the reason memd sends beside the message."""
     async with await MemdClient.attach(memd.address, block_size=BS) as one, \
             await MemdClient.attach(memd.address, block_size=BS) as other:
         await one.step(Open(list(range(20)), reserve=1, session_id="busy"))      # running on `one`
-        again = [Open([5, 6], reserve=1, session_id="busy", continue_session=True)]
-        with pytest.raises(MemdError) as streamed:
-            await other.step(*again)
-        with pytest.raises(grpc.aio.AioRpcError) as unary:
-            await other._stub.Step(pb.StepRequest(worker_id=other.worker_id, lease=other._lease,
-                                                  ops=[op_to_proto(op) for op in again]), metadata=other._metadata)
-        assert streamed.value.reason == MemdError.from_rpc(unary.value).reason == "session_busy"
+        with pytest.raises(MemdError) as busy:
+            await other.step(Open([5, 6], reserve=1, session_id="busy", continue_session=True))
+        assert busy.value.code.name == "PERMISSION_DENIED" and busy.value.reason == "session_busy"
         with pytest.raises(MemdError) as taken:                        # a new sequence under its name
             await other.step(Open([5, 6], reserve=1, session_id="busy"))
         assert taken.value.code.name == "ALREADY_EXISTS" and taken.value.reason == "session_busy"
@@ -68,8 +62,28 @@ async def test_a_step_sent_while_another_is_on_the_call_takes_a_call_of_its_own(
         first, second = await asyncio.gather(client.step(Open([1, 2, 3], reserve=1)),
                                              client.step(Open([4, 5], reserve=1)))
         assert first[0].seq_id != second[0].seq_id and first[0].num_committed == second[0].num_committed == 0
-    calls = await rpcs(memd)
-    assert calls["Steps"] == 1 and calls["Step"] == 1
+        assert len(client._idle_calls) == 2                       # both kept for the Steps to come
+        for _ in range(3):
+            await client.step(Extend(first[0].seq_id, append=[9], reserve=1))
+    assert (await rpcs(memd))["Steps"] == 2
+
+
+async def test_a_step_of_any_other_shape_is_refused_in_band(memd):
+    """Protobuf ops (an older client's form) and histories as ints are gone from the wire: a request in the
+    form memd no longer reads is refused with a clear status, and the call goes on."""
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        call = client._stub.Steps(metadata=client._metadata)
+        base = {"worker_id": client.worker_id, "lease": client._lease}
+        await call.write(pb.StepRequest(**base))                                  # no packed_ops at all
+        reply = await call.read()
+        assert reply.refused.code == "INVALID_ARGUMENT" and "not msgpack" in reply.refused.message
+        await call.write(pb.StepRequest(**base, packed_ops=msgpack.packb({"open": [1, 2]})))
+        reply = await call.read()
+        assert reply.refused.code == "INVALID_ARGUMENT" and "array of ops" in reply.refused.message
+        await call.write(pb.StepRequest(**base, packed_ops=pack_ops([Open([1, 2, 3], reserve=1)])))
+        reply = await call.read()
+        assert not reply.HasField("refused") and reply.packed_results
+        call.cancel()
 
 
 async def test_a_step_cancelled_in_flight_never_answers_the_next(memd):
@@ -92,34 +106,3 @@ async def test_a_step_cancelled_in_flight_never_answers_the_next(memd):
         stats, check = await admin.stats(), await admin.check()
     assert check.ok, check.violations
     assert stats.used_blocks == 0 and stats.free_blocks == stats.total_blocks
-
-
-async def test_a_client_that_sends_protobuf_ops_gets_the_answers_a_packing_one_gets(memd):
-    """memd reads a Step's ops packed (what its clients send) and as protobuf (an older client's, grpcurl's):
-    the same Steps, refusals included, get the same answers either way."""
-    answers = []
-    for packed, base in ((True, 1000), (False, 2000)):
-        async with await MemdClient.attach(memd.address, block_size=BS) as client:
-            assert client.packed_steps
-            client.packed_steps = packed
-            seen = []
-            opened, = await client.step(Open(list(range(base, base + 40)), reserve=1, session_id=f"s{base}"))
-            seen.append(opened)
-            seen += await client.step(Extend(opened.seq_id, append=[base + 40], commit_to=40, reserve=1,
-                                             sums_from=0, page_sums=[11, 12]),
-                                      Open([base + 1, base + 2], session_id=f"t{base}"))
-            seen += await client.step(Park(opened.seq_id, commit_to=41))
-            seen += await client.step(Resume(session_id=f"s{base}", reserve=1))
-            seen += await client.step(Fork(opened.seq_id))
-            with pytest.raises(MemdError) as err:
-                await client.step(Free(session_id=f"t{base}"), Extend(opened.seq_id + 10_000, commit_to=1))
-            seen.append((err.value.code, err.value.op_index))
-            seen += await client.step(Free(session_id=f"t{base}"), Free(opened.seq_id, commit_to=41))
-            answers.append([(r.state, len(r.block_ids), r.num_blocks, r.num_committed, r.num_cached,
-                             None if r.token_ids is None else [t - base for t in r.token_ids])
-                            if not isinstance(r, tuple) else r for r in seen])
-    assert answers[0] == answers[1]
-    assert answers[0][4][5] == list(range(41))          # the resumed history
-    async with memd.admin() as admin:                   # what the clients left (forks parked at goodbye) is whole
-        check = await admin.check()
-    assert check.ok, check.violations

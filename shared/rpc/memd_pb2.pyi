@@ -39,20 +39,18 @@ class AttachRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("worker_id", "geometry", "pool_handle", "lease_timeout_s", "lease", "packed_steps")
+    __slots__ = ("worker_id", "geometry", "pool_handle", "lease_timeout_s", "lease")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     POOL_HANDLE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
-    PACKED_STEPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     geometry: Geometry
     pool_handle: bytes
     lease_timeout_s: float
     lease: bytes
-    packed_steps: bool
-    def __init__(self, worker_id: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pool_handle: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ..., lease: _Optional[bytes] = ..., packed_steps: _Optional[bool] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pool_handle: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class SessionUp(_message.Message):
     __slots__ = ("worker_id", "goodbye", "lease")
@@ -75,152 +73,26 @@ class SessionDown(_message.Message):
     def __init__(self, event: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("worker_id", "ops", "lease", "wanted_blocks", "packed_ops", "history_bytes")
+    __slots__ = ("worker_id", "lease", "wanted_blocks", "packed_ops")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    OPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     WANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PACKED_OPS_FIELD_NUMBER: _ClassVar[int]
-    HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    ops: _containers.RepeatedCompositeFieldContainer[Op]
     lease: bytes
     wanted_blocks: int
     packed_ops: bytes
-    history_bytes: bool
-    def __init__(self, worker_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., lease: _Optional[bytes] = ..., wanted_blocks: _Optional[int] = ..., packed_ops: _Optional[bytes] = ..., history_bytes: _Optional[bool] = ...) -> None: ...
-
-class Op(_message.Message):
-    __slots__ = ("open", "extend", "park", "resume", "free", "fork")
-    OPEN_FIELD_NUMBER: _ClassVar[int]
-    EXTEND_FIELD_NUMBER: _ClassVar[int]
-    PARK_FIELD_NUMBER: _ClassVar[int]
-    RESUME_FIELD_NUMBER: _ClassVar[int]
-    FREE_FIELD_NUMBER: _ClassVar[int]
-    FORK_FIELD_NUMBER: _ClassVar[int]
-    open: OpenOp
-    extend: ExtendOp
-    park: ParkOp
-    resume: ResumeOp
-    free: FreeOp
-    fork: ForkOp
-    def __init__(self, open: _Optional[_Union[OpenOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., park: _Optional[_Union[ParkOp, _Mapping]] = ..., resume: _Optional[_Union[ResumeOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ...) -> None: ...
-
-class OpenOp(_message.Message):
-    __slots__ = ("session_id", "token_ids", "reserve", "continue_session", "turn_id", "whole_history")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    RESERVE_FIELD_NUMBER: _ClassVar[int]
-    CONTINUE_SESSION_FIELD_NUMBER: _ClassVar[int]
-    TURN_ID_FIELD_NUMBER: _ClassVar[int]
-    WHOLE_HISTORY_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    reserve: int
-    continue_session: bool
-    turn_id: str
-    whole_history: bool
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve: _Optional[int] = ..., continue_session: _Optional[bool] = ..., turn_id: _Optional[str] = ..., whole_history: _Optional[bool] = ...) -> None: ...
-
-class ExtendOp(_message.Message):
-    __slots__ = ("seq_id", "append", "commit_to", "reserve", "sums_from", "page_sums")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    APPEND_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
-    RESERVE_FIELD_NUMBER: _ClassVar[int]
-    SUMS_FROM_FIELD_NUMBER: _ClassVar[int]
-    PAGE_SUMS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    append: _containers.RepeatedScalarFieldContainer[int]
-    commit_to: int
-    reserve: int
-    sums_from: int
-    page_sums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., reserve: _Optional[int] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class ParkOp(_message.Message):
-    __slots__ = ("seq_id", "append", "commit_to", "preempt", "sums_from", "page_sums")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    APPEND_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
-    PREEMPT_FIELD_NUMBER: _ClassVar[int]
-    SUMS_FROM_FIELD_NUMBER: _ClassVar[int]
-    PAGE_SUMS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    append: _containers.RepeatedScalarFieldContainer[int]
-    commit_to: int
-    preempt: bool
-    sums_from: int
-    page_sums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., preempt: _Optional[bool] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class ResumeOp(_message.Message):
-    __slots__ = ("seq_id", "session_id", "reserve")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    RESERVE_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    session_id: str
-    reserve: int
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., reserve: _Optional[int] = ...) -> None: ...
-
-class FreeOp(_message.Message):
-    __slots__ = ("seq_id", "session_id", "append", "commit_to", "sums_from", "page_sums", "distrusted")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    APPEND_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_TO_FIELD_NUMBER: _ClassVar[int]
-    SUMS_FROM_FIELD_NUMBER: _ClassVar[int]
-    PAGE_SUMS_FIELD_NUMBER: _ClassVar[int]
-    DISTRUSTED_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    session_id: str
-    append: _containers.RepeatedScalarFieldContainer[int]
-    commit_to: int
-    sums_from: int
-    page_sums: _containers.RepeatedScalarFieldContainer[int]
-    distrusted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., append: _Optional[_Iterable[int]] = ..., commit_to: _Optional[int] = ..., sums_from: _Optional[int] = ..., page_sums: _Optional[_Iterable[int]] = ..., distrusted: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class ForkOp(_message.Message):
-    __slots__ = ("seq_id", "session_id")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    session_id: str
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
-
-class OpResult(_message.Message):
-    __slots__ = ("seq_id", "state", "first_block", "block_ids", "num_blocks", "num_committed", "num_cached", "token_ids")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    STATE_FIELD_NUMBER: _ClassVar[int]
-    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    state: str
-    first_block: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_blocks: int
-    num_committed: int
-    num_cached: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., state: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_cached: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., lease: _Optional[bytes] = ..., wanted_blocks: _Optional[int] = ..., packed_ops: _Optional[bytes] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("results", "free_blocks", "refused", "packed_results")
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("free_blocks", "refused", "packed_results")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     PACKED_RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[OpResult]
     free_blocks: int
     refused: StepRefusal
     packed_results: bytes
-    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., refused: _Optional[_Union[StepRefusal, _Mapping]] = ..., packed_results: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, free_blocks: _Optional[int] = ..., refused: _Optional[_Union[StepRefusal, _Mapping]] = ..., packed_results: _Optional[bytes] = ...) -> None: ...
 
 class StepRefusal(_message.Message):
     __slots__ = ("code", "message", "op_index", "reason")

@@ -44,11 +44,6 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.SessionUp.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.SessionDown.FromString,
                 _registered_method=True)
-        self.Step = channel.unary_unary(
-                '/kvpool.memd.v1.Memd/Step',
-                request_serializer=shared_dot_rpc_dot_memd__pb2.StepRequest.SerializeToString,
-                response_deserializer=shared_dot_rpc_dot_memd__pb2.StepReply.FromString,
-                _registered_method=True)
         self.Steps = channel.stream_stream(
                 '/kvpool.memd.v1.Memd/Steps',
                 request_serializer=shared_dot_rpc_dot_memd__pb2.StepRequest.SerializeToString,
@@ -103,15 +98,10 @@ class MemdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Step(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Steps(self, request_iterator, context):
-        """A worker's Steps on one call, each answered before the next is sent: half the cost of a call per
-        Step. A refused Step is an answer (StepReply.refused), not the end of the stream.
+        """The one way a Step travels: a worker's Steps on one call, each answered before the next is sent
+        (half the cost of a call per Step). A refused Step is an answer (StepReply.refused), not the end of
+        the call; a worker with Steps of its own in flight at once opens a second call beside the first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,11 +161,6 @@ def add_MemdServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.SessionUp.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.SessionDown.SerializeToString,
-            ),
-            'Step': grpc.unary_unary_rpc_method_handler(
-                    servicer.Step,
-                    request_deserializer=shared_dot_rpc_dot_memd__pb2.StepRequest.FromString,
-                    response_serializer=shared_dot_rpc_dot_memd__pb2.StepReply.SerializeToString,
             ),
             'Steps': grpc.stream_stream_rpc_method_handler(
                     servicer.Steps,
@@ -267,33 +252,6 @@ class Memd:
             '/kvpool.memd.v1.Memd/Session',
             shared_dot_rpc_dot_memd__pb2.SessionUp.SerializeToString,
             shared_dot_rpc_dot_memd__pb2.SessionDown.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Step(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.memd.v1.Memd/Step',
-            shared_dot_rpc_dot_memd__pb2.StepRequest.SerializeToString,
-            shared_dot_rpc_dot_memd__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,5 @@
-"""shared.protobuf_codec and shared.packed_steps: every Step operation and result, built in place into a
-request or reply or packed, reads back as it was sent (and as the message-by-message encoding has it, which
-tools and tests still use); a packed Step that is not what it claims is refused, naming its op."""
+"""shared.packed_steps, the one form of a Step on the wire: every operation and result reads back as it was
+sent; a packed Step that is not what it claims is refused, naming its op."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from hypothesis import strategies as st
 
 from shared import ops
 from shared.packed_steps import pack_ops, pack_results, unpack_ops, unpack_results
-from shared.protobuf_codec import WireError, op_from_proto, op_to_proto, ops_into, result_from_proto, results_into
-from shared.rpc import memd_pb2 as pb
+from shared.protobuf_codec import WireError
 
 ids = st.integers(1, 2**40)
 small = st.integers(0, 2**31 - 1)
@@ -38,57 +36,29 @@ results = st.builds(ops.OpResult, ids, st.sampled_from(["running", "parked", "sw
 
 
 @given(st.lists(operations, max_size=8))
-def test_operations_built_in_place_read_back_as_sent(step_ops):
-    request = pb.StepRequest(worker_id=3)
-    ops_into(request.ops, step_ops)
-    again = pb.StepRequest.FromString(request.SerializeToString())
-    assert [op_from_proto(m) for m in again.ops] == step_ops
-    assert list(again.ops) == [op_to_proto(op) for op in step_ops]
+def test_packed_operations_read_back_as_sent(step_ops):
+    assert unpack_ops(pack_ops(step_ops)) == step_ops
 
 
 @given(st.lists(results, max_size=8))
-def test_results_built_in_place_read_back_as_sent(step_results):
-    reply = pb.StepReply(free_blocks=7)
-    results_into(reply.results, step_results)
-    again = pb.StepReply.FromString(reply.SerializeToString())
-    read = [result_from_proto(m, with_history=r.token_ids is not None) for m, r in zip(again.results, step_results,
-                                                                                     strict=True)]
-    assert read == step_results
+def test_packed_results_read_back_as_sent(step_results):
+    assert unpack_results(pack_results(step_results)) == step_results
 
 
-@given(st.lists(operations, max_size=8))
-def test_packed_operations_read_back_as_the_protobuf_ones(step_ops):
-    """Both encodings of a Step mean the same ops to memd."""
-    request = pb.StepRequest(worker_id=3)
-    ops_into(request.ops, step_ops)
-    assert unpack_ops(pack_ops(step_ops)) == [op_from_proto(m) for m in request.ops] == step_ops
-
-
-@given(st.lists(results, max_size=8), st.booleans())
-def test_packed_results_read_back_as_sent(step_results, history_bytes):
-    assert unpack_results(pack_results(step_results, history_bytes=history_bytes)) == step_results
-
-
-@given(st.lists(results, max_size=8), st.booleans())
-def test_histories_memd_keeps_as_arrays_read_back_as_lists(step_results, history_bytes):
-    """memd's results hold a copy of a sequence's uint32 array; clients read a list, whichever way it was packed."""
+@given(st.lists(results, max_size=8))
+def test_histories_memd_keeps_as_arrays_read_back_as_lists(step_results):
+    """memd's results hold a copy of a sequence's uint32 array; clients read a list."""
     as_memd = [dataclasses.replace(r, token_ids=None if r.token_ids is None else array("I", r.token_ids))
                for r in step_results]
-    read = unpack_results(pack_results(as_memd, history_bytes=history_bytes))
+    read = unpack_results(pack_results(as_memd))
     assert read == step_results
     assert all(r.token_ids is None or type(r.token_ids) is list for r in read)
-    reply = pb.StepReply()
-    results_into(reply.results, as_memd)                 # the protobuf reply of a client that does not pack
-    assert [result_from_proto(m, r.token_ids is not None) for m, r in zip(reply.results, as_memd, strict=True)] \
-        == step_results
 
 
-def test_a_history_as_bytes_is_a_little_endian_uint32_array():
+def test_a_history_is_a_little_endian_uint32_array():
     result = ops.OpResult(5, "running", 0, [1], 1, 3, 0, [1, 2**32 - 1, 258])
-    (fields,) = msgpack.unpackb(pack_results([result], history_bytes=True))
-    assert fields[-1] == b"".join(t.to_bytes(4, "little") for t in (1, 2**32 - 1, 258))
     (fields,) = msgpack.unpackb(pack_results([result]))
-    assert fields[-1] == [1, 2**32 - 1, 258]           # what a client that did not ask reads
+    assert fields[-1] == b"".join(t.to_bytes(4, "little") for t in (1, 2**32 - 1, 258))
 
 
 EXTEND = [2, [7, [1], 1, 1, 0, []]]
