@@ -7,20 +7,16 @@ attachments to memd (each builds a decoder on the pool it maps) in place of
 the checkpoint's tensors.
 
 oneDNN's layout is made for several rows. Where MKL is at its best (on Intel
-CPUs), a decode step of one sequence (one row) runs faster through MKL on the
-weights as the checkpoint lays them out: on 2 cores of an Intel Xeon, a
-2048x2048 float32 product of one row took 603 us that way against 853 laid
-out, an 8192x2048 one 3.8 ms against 5.3, and the bench model's one-row decode
-pass 0.80 ms against 1.07; with 16 rows the layout wins (1.1 ms against 2.1,
-10 against 13). On an AMD EPYC, where MKL repacks the weight at every call,
-the layout won at one row too (279 us against 384 for one layer of the bench
-model). So inferd asks the machine: where float32 weights are laid out and
-their checkpoint layout takes at most ONE_ROW_COPY_BYTES, the first layer's
-products of one row are timed both ways (once per process and shape), and if
-MKL's are clearly faster both layouts are kept (`one_row`) and a one-row
-decode step uses the checkpoint's: twice the linear weights' memory, for a
-single stream's speed. Larger models keep only the layout: the copy would
-cost gigabytes.
+CPUs), a decode step of one sequence (one row) can run faster through MKL on
+the weights as the checkpoint lays them out; with several rows the layout
+wins. On an AMD EPYC, where MKL repacks the weight at every call, the layout
+wins at one row too. Which is faster depends on the CPU, so inferd asks the
+machine: where float32 weights are laid out and their checkpoint layout takes
+at most ONE_ROW_COPY_BYTES, the first layer's products of one row are timed
+both ways (once per process and shape), and if MKL's are clearly faster both
+layouts are kept (`one_row`) and a one-row decode step uses the checkpoint's:
+twice the linear weights' memory, for a single stream's speed. Larger models
+keep only the layout: the copy would cost gigabytes.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ graph keeps one node per layer for it and runs the rest without Python.
 
 Compiled for the CPU (inferd's tests; on a CPU pool inferd's own kernel
 serves), torch's lowering wants the page lists as wide as the whole pool's
-keys and its kernel's time grows with them: 0.2 ms for 4 rows over a pool of
-256 pages, 10 ms over 16k; and run on another count of torch threads than
-it was compiled at, it took 3.3 ms against 0.2. Its GPU kernels take lists
+keys and its kernel's time grows with them, with the pool's size rather than
+the context's; and run on another count of torch threads than it was
+compiled at, it runs many times slower. Its GPU kernels take lists
 as wide as one sequence's pages, and no CPU threads.
 
 Compiling costs seconds per batch size, so a step's rows are padded to a

@@ -9,20 +9,15 @@ How many cores a pass uses is chosen per pass, on CPU. OpenMP pays a fork
 and a join for every parallel op, and its join waits for the slowest thread:
 when the loop thread (or a client on the same host) holds one of the cores,
 the whole team waits for it. A pass with little work loses more to that than
-it gains. Measured with a 4-layer, 256-wide model on 2 cores: a 16-sequence
-decode step took 7.6 ms on one thread and 13.2 ms on two while another
-process kept one core busy, and two threads only began to win at 512-token
-prefill chunks (41 ms on one, 35 ms on two). Through `inferd serve --threads
-2` with 16 streams, two threads for every pass gave 563-744 tok/s against
-1,076-1,242 with one for the decode steps, and neither OpenMP's passive wait
-policy (627-701) nor a shorter spin (GOMP_SPINCOUNT=10000: 747-900) nor the
-event loop's thread at nice 10 closed the gap. So a pass of fewer than
-`PARALLEL_MIN_FLOPS` runs on one thread and a bigger one on all `--threads`.
-That step did 93 MFLOP. A 12-layer, 768-wide model's single decode step does
-123 MFLOP (about 21 ms on one thread), and there two threads win: one request
-55 tok/s against 47, 16 at once 482-495 against 412, and 8 chatting users
-32 ms between tokens (p50) against 43, with the threshold once at 2 GFLOP
-keeping all of that model's decode steps on one thread. A 1B-parameter
+it gains: a small model's decode step runs slower on two threads than on
+one while another process keeps a core busy, and neither OpenMP's passive
+wait policy nor a shorter spin (GOMP_SPINCOUNT) nor the event loop's thread
+at nice 10 closes the gap. So a pass of fewer than `PARALLEL_MIN_FLOPS`
+runs on one thread and a bigger one on all `--threads`. A 16-sequence
+decode step of a 4-layer, 256-wide model does 93 MFLOP and runs on one. A
+12-layer, 768-wide model's single decode step does 123 MFLOP, and there
+two threads win, for one request and for many; a threshold of 2 GFLOP
+would keep all of that model's decode steps on one thread. A 1B-parameter
 model does 2.4 GFLOP a token, so its every pass uses them all; only small
 models' decode steps stay on one.
 """

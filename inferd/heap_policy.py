@@ -6,17 +6,13 @@ and MLP outputs), and glibc's defaults give them back to the kernel: a chunk
 over the mmap threshold (128 KiB at first) is unmapped on free, and a heap top
 over the trim threshold is trimmed. The next pass then faults the pages in
 again, and the kernel zeroes each one; as contexts grow, each pass's tensors
-are a little larger than any freed before, which glibc maps afresh. Measured on
-the bench model (4 layers, 256 wide, 16 sequences at ~200 tokens of context,
-one core), passes on the main thread: 2,400 page faults and 9 ms of kernel time
-a pass, 21-25 ms a pass against 11-14 ms with the heap kept. Through `inferd
-serve` (its forward thread has a malloc arena of its own, which gives back
-less), 16 streams of 128 tokens: 24-63k faults a run against 6-7k, and 0-10%
-more tokens/s in paired runs; on 1,000-token prompts, 0.2-1.2M faults against
-18-27k, and 211-237 tok/s against 183-191. `keep_freed_memory` raises both thresholds, as a
-glibc user would with GLIBC_TUNABLES or a serving stack by preloading tcmalloc
-or jemalloc, but from inside the process, so `inferd serve` gets it however it
-is started.
+are a little larger than any freed before, which glibc maps afresh. On a small
+model that kernel time is a large share of each pass. Through `inferd serve`
+the forward thread has a malloc arena of its own, which gives back less, yet
+still faults more the longer the prompts. `keep_freed_memory` raises both
+thresholds, as a glibc user would with GLIBC_TUNABLES or a serving stack by
+preloading tcmalloc or jemalloc, but from inside the process, so `inferd
+serve` gets it however it is started.
 
 What it costs: freed memory up to `TRIM_THRESHOLD` stays in the heap, at most
 what one pass needs at its peak, and is used again by the next. Allocations

@@ -14,26 +14,20 @@ ones, a query-by-key mask) and "pages" (a decode step whose rows read their
 pages through flex attention: inferd.flex_decode). A pass mixing decode rows with prompts runs
 eager. A traced graph runs its ops in C++ without taking the GIL between
 them. The eager layers take it back after every op, so on inferd's forward
-thread they wait behind the event loop's Python work: with the loop busy 75%
-of the time, a 16-sequence decode step of the bench model took 32-36 ms eager
-and 11-13 ms traced (7.5-7.9 ms traced, 8.7-10.6 eager with the loop quiet);
-with a thread keeping the GIL two thirds of the time, a 64-token prompt took
-28 ms eager and 12.5 traced (9.5 and 8.4 quiet), a 512-token one 94 and 77.
-A graph holds the same ops, so its results are the eager ones bit for bit,
-and nothing in it depends on a shape: one graph serves every batch size,
-prompt and context length.
+thread they wait behind the event loop's Python work at every op, the
+longer the busier the loop is. A graph holds the same ops, so its results
+are the eager ones bit for bit, and nothing in it depends on a shape: one
+graph serves every batch size, prompt and context length.
 
 A graph's inputs must not be released inside it. torch ties each tensor
 Python can see to its Python object: when the last reference other than the
 Python object's goes, torch takes the GIL to let go of that object. The
 interpreter drops each input once its last op has run, so every weight and
-every per-pass tensor took the GIL in the middle of the graph, waiting
-behind the event loop each time: with the loop busy two thirds of the time,
-a 16-sequence decode step of the bench model took 25-26 ms (14 ms of CPU,
-the rest waiting) against 12.5 ms with the inputs held (10.3-10.9 of CPU).
-So a `torch.ScriptList` (references on the C++ side) holds the weights for
-the graphs' life and each pass's tensors for its call, and the last
-reference of each goes back on the calling thread, which holds the GIL.
+every per-pass tensor would take the GIL in the middle of the graph, waiting
+behind the event loop each time. So a `torch.ScriptList` (references on
+the C++ side) holds the weights for the graphs' life and each pass's
+tensors for its call, and the last reference of each goes back on the
+calling thread, which holds the GIL.
 """
 
 from __future__ import annotations
@@ -85,8 +79,7 @@ class SplitAttention:
     """A pass mixing decode rows with prompt chunks: each group attends on its own.
 
     Padding every sequence to the longest chunk's queries would make each decode row attend with
-    hundreds of padded queries: 16 decode rows at 1,000 tokens of context next to one 496-token
-    chunk took 1.2 s in one pass, against 46 ms for the decode rows alone."""
+    hundreds of padded queries: its attention would grow with the chunk's length, not its own one."""
 
     groups: list[AttentionGroup]
 
@@ -161,7 +154,7 @@ class LayerStack:
         embed, inv_freq, norm, lm_head = around
         freqs = positions.float()[:, None] * inv_freq[None, :]                # [T, dim / 2]
         half_cos = freqs.cos()
-        cos = torch.cat((half_cos, half_cos), dim=-1).to(c.dtype)[:, None, :]     # repeat(1, 2) took 12 us, cat 2
+        cos = torch.cat((half_cos, half_cos), dim=-1).to(c.dtype)[:, None, :]     # cat: cheaper than repeat(1, 2)
         sin = freqs.sin()
         signed_sin = torch.cat((-sin, sin), dim=-1).to(c.dtype)[:, None, :]
         h = self.run(embed[token_ids], cos, signed_sin, pages, slot_blocks, slot_offsets, block_tables, layout,
@@ -202,10 +195,9 @@ class LayerStack:
         every cached key, unmasked, then the new keys causally, as two calls merged.
 
         One call with a query-by-key mask computes every query against every
-        key, the half the mask hides included: a session's second turn (1,150
-        new tokens after 1,250 cached) spent 0.73 s in attention on the bench's
-        12-layer model, 0.59 s split. torch's CPU flash attention returns the
-        log-sum-exp the merge needs; it wants as many K/V heads as query heads.
+        key, the half the mask hides included; split, the cached keys need no
+        mask and the new ones a causal one. torch's CPU flash attention returns
+        the log-sum-exp the merge needs; it wants as many K/V heads as query heads.
         """
         c = self.config
         new = queries.shape[2]

@@ -64,9 +64,9 @@ def build_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
     tables = padded_tables([t for _, _, t in seqs], [-(-ctx // block_size) for ctx in clens])
     if tables.device != torch.device(device):
         tables = tables.to(device)
-    # One tensor for the per-token rows and, padded to as long, the per-sequence ones: 14-20 us for a decode
-    # step of 16, against 36-42 for four. On inferd's forward thread every op outside its traced graph may
-    # wait for the GIL behind the event loop, so a step makes as few as it can.
+    # One tensor for the per-token rows and, padded to as long, the per-sequence ones: one op, not one a
+    # tensor. On inferd's forward thread every op outside its traced graph may wait for the GIL behind the
+    # event loop, so a step makes as few as it can.
     pad = [0] * (len(tokens) - len(seqs))
     last = list(itertools.accumulate(qlens, initial=-1))[1:]
     rows = torch.tensor([tokens, positions, blocks, offsets, clens + pad, last + pad], dtype=torch.long,
@@ -167,8 +167,8 @@ class PagedDecoder:
 
         A kind is traced on its first pass, which then takes the trace's time
         too: the first prompt that followed cached tokens (a session's second
-        turn) waited 1.8 s longer for its first token on the bench's 12-layer
-        model. Run before inferd says it is ready, no request waits for it.
+        turn) waited for the trace before its first token. Run before inferd
+        says it is ready, no request waits for it.
         The scratch pages are a few blocks of the pool's shape; the graphs take
         the pages as an input, so they serve the pool as they serve these.
         """

@@ -5,8 +5,7 @@ for Steps; but on a host with few cores those threads and the loop share
 them, and a Step that arrives while a copy runs waited for the kernel to
 give the loop its turn. These threads run at a lower priority (a higher
 nice value) than the loop: a Step wakes the loop at once, and the copies
-still have every idle cycle. On 2 cores, a probe's Step p99 during a swap
-storm went from 6.2-8.3 ms to 2.5-4.2 ms (p50 1.6-1.7x quiet -> 1.2-1.3x).
+still have every idle cycle.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import structlog
 
 log = structlog.get_logger("memd.background")
 
-BACKGROUND_NICE = 10         # relative to memd's own (at most 19): the loop gets ~10x their share of a busy core
+BACKGROUND_NICE = 10         # relative to memd's own (at most 19): by the kernel's nice weights, ~9x their share
 
 
 def give_way() -> None:

@@ -6,8 +6,8 @@ shared.full_collections, which memd installs once start-up is done.)
 A snapshot's or check's copy (memd.state_copy) holds a row per sequence: 10k
 parked sessions make 10k objects that outlive two young collections,
 reach the oldest generation and so trigger a full collection, which walks
-every live sequence on the event loop (16-20 ms with 10k sessions on a
-2-core host) while workers' Steps wait. The copy is freed by reference
+every live sequence on the event loop, longer the more sessions are
+parked, while workers' Steps wait. The copy is freed by reference
 counts when the call ends, and memd's own state holds no cycles, so the automatic
 collections simply wait for the call: acyclic garbage is still freed at
 once, only cyclic garbage waits. A call that never ends (a stuck client)

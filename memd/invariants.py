@@ -65,7 +65,7 @@ def _pool_rules(c: StateCopy, pool: BlockPool, out: list[str]) -> Iterator[None]
     and the blocks' hashes agree. `pool` is only read when the index holds more hashes than blocks carry."""
     blocks, end = c.blocks, c.num_blocks
     assert blocks is not None
-    # Blocks the walk met (a set of a million ints would be walked by the garbage collector, 10 ms a pass).
+    # Blocks the walk met (a set of a million ints would be walked by the garbage collector at every pass).
     seen, walked = bytearray(end), 0
     node, steps = c.queue_ends[0], 0
     while node != end and steps <= c.queue_len:          # the walk, on the copy: it stays as it was

@@ -6,14 +6,13 @@ yet written) or their removal, before any reply that lets a worker write to a
 page. A record carries the block table from its first entry the journal does
 not hold yet: the leading full pages are written once, and again from the
 first whose checksum was set since (`_Held`). A whole table in every record
-made a decode Step's journaling grow with its sequences' contexts: 3.5 ms of
-memd's loop a Step for 16 sequences of 32k tokens here, 0.14 ms at 256 tokens.
+would make a decode Step's journaling grow with its sequences' contexts.
 A record torn by a crash is ignored. On start-up the journal is read back
 (`read_journal`; `memd.recovery` decides what to trust), and a fresh journal
 replaces the old one (a checkpoint). Every few thousand records the journal is
 rewritten from the live state, so the file stays about the size of the live
 state: a few hundred sequences per flush, beside the flushes' own records, so
-that no Step waits for all of them (tens of ms at 10k sequences); the old
+that no Step waits for all of them (their cost grows with their number); the old
 journal stays whole until the new one replaces it. A rewrite that cannot be
 written is abandoned, not the journal: memd goes on appending to the old one
 and tries again after as many records once more.
@@ -314,9 +313,9 @@ class WriteAheadLog:
         last record of a sequence there is its latest. Once every sequence is in, the new journal takes over.
 
         A chunk is at most REWRITE_CHUNK sequences and REWRITE_CHUNK_TOKENS of their token ids (one sequence
-        longer than that goes alone): a record carries its sequence's whole history, and 256 long chats in
-        one flush held memd's loop for tens of ms (16 of 32k tokens: 45 ms). A sequence not copied yet gets
-        no record of its changes meanwhile: its copy, when its turn comes, is its state then; written whole
+        longer than that goes alone): a record carries its sequence's whole history, so a flush's cost grows
+        with the token ids it copies, and a count of sequences alone does not bound it. A sequence not copied
+        yet gets no record of its changes meanwhile: its copy, when its turn comes, is its state then; written whole
         at its first change, the chats decoding at every Step went into one flush after all.
         """
         rewrite = self._rewrite

@@ -509,8 +509,9 @@ class BlockPool:
         """`lookup` of consecutive full blocks at once: `tokens` holds theirs, an equal share each.
 
         A swapped-out 128k-token history is 8,192 blocks: looked up one by one,
-        they held memd's loop 16 ms; this is one dict pass and, when all of them
-        are cached (a swap-in with no pressure since), one comparison.
+        they hold memd's loop for a Python step each; this is one dict pass
+        and, when all of them are cached (a swap-in with no pressure since),
+        one comparison.
         """
         if not digests:
             return []

@@ -78,7 +78,7 @@ class Sequence:
     block_ids: list[int]
     num_committed: int
     # uint32 in an array, not a list of ints: a list's every item is visited by each full garbage
-    # collection; with 10k parked sessions of 60-300 tokens one took 61-69 ms on memd's loop, now 16-20.
+    # collection, on memd's loop, so parked sessions' token ids would make each one walk every token held.
     token_ids: array[int]
     hashes: list[bytes] = field(default_factory=list)   # of the leading full committed blocks
     session_id: str | None = None
@@ -199,8 +199,9 @@ class PrefixHasher:
     Keyed BLAKE2b with a per-process secret: a client cannot craft two prompts
     whose blocks collide, and lookups compare token ids anyway. A block's
     tokens are passed as `token_bytes`. Each hash starts from a copy of one
-    keyed state, the model and block size hashed as one string: 0.54 us a
-    block rather than 0.94 (a 128k-token prompt is 8,192 blocks).
+    keyed state rather than keying a new one, the model and block size hashed
+    as one string: a 128k-token prompt is 8,192 blocks, so each block's
+    fixed cost counts.
     """
 
     __slots__ = ("_keyed",)

@@ -1,12 +1,12 @@
 """A snapshot of memd's state as of one instant, streamed to memctl a chunk of rows at a time.
 
-Building a million block rows took seconds on the loop, and every worker's
-Step waited for them; building them on a thread instead still made Steps
-wait tens of milliseconds, for the thread's hold on the GIL. Now the state
-is copied a slice at a time between Steps (memd.state_copy: the copy is
-still of one instant), and the rows are built from the copy and sent a
-chunk at a time, each a reply message of its own on the stream: the loop
-serves Steps between chunks, and memd never holds the whole reply.
+Building a million block rows in one go holds the loop for seconds, and
+every worker's Step waits for them; building them on a thread instead still
+makes Steps wait, for the thread's hold on the GIL. So the state is copied a
+slice at a time between Steps (memd.state_copy: the copy is still of one
+instant), and the rows are built from the copy and sent a chunk at a time,
+each a reply message of its own on the stream: the loop serves Steps between
+chunks, and memd never holds the whole reply.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from shared.rpc import memd_pb2 as pb
 BlockValues = tuple[int, int, float, str, float, Sequence[int], Sequence[int]]
 CHUNK_ROWS = 512            # rows per reply message: about a millisecond to build and serialize
 PACKED_CHUNK_ROWS = 1_024   # packed blocks per reply message: made in C, about as long as CHUNK_ROWS rows
-NAMED_CHUNK_ROWS = 128      # of them at most, blocks sequences hold or fences name: each made in Python, 5-7 us
-SEQ_CHUNK_ROWS = 128        # sequence rows per reply message: 8-10 us each
+NAMED_CHUNK_ROWS = 128      # of them at most, blocks sequences hold or fences name: each made in Python, not in C
+SEQ_CHUNK_ROWS = 128        # sequence rows per reply message: each made in Python, as a named block is
 UNNAMED_STATES = ("free", "cached")    # a block no sequence holds and no fence names, by whether it is cached
 SEQS_SLICE = 64             # sequences indexed or filtered between two places a slice may end (Pacer.checkpoint)
 
@@ -174,9 +174,9 @@ class Holders:
     """Which sequences' tables name each block, and which blocks a fence names.
 
     Flat per-block arrays, not a dict of block -> sequences: a dict grows by
-    rehashing itself whole (milliseconds of the loop at once, tens of them
-    at a million blocks), and its keys had to be sorted to walk them in
-    block order, another 10 ms on a loaded host. Most blocks have one
+    rehashing itself whole, holding the loop for all of its entries at once,
+    and its keys would have to be sorted to walk them in block order, another
+    pass over every held block on the loop. Most blocks have one
     holder; the rest of a block's (a shared prefix's) are in `_more`.
     """
 

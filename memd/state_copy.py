@@ -1,26 +1,26 @@
 """A copy of memd's pool and sequences as they were at one instant, taken a slice at a time between Steps.
 
 Copying a million blocks' ref counts, access times and prefix hashes in one
-go held memd's event loop for 15-30 ms, and every worker's Step waited for
-it; ten thousand parked sequences cost as much again. So the copy is taken
-in slices of a fraction of a millisecond each, and the loop serves Steps in
-between. Meanwhile the pool and the manager note every block and sequence a
-Step changes (`BlockPool.watches`, `KvManager.watches`, and the lowest the
-swap tier's free stack got, `SwapSlots.low_marks`); those are copied again
-at the end, and the last of them in one go, with nothing awaited: the copy
-is the state of that last instant, as consistent as if it had been taken in
-one piece. Should Steps change state faster than the copy catches up, the
-re-copying repeats in slices until what is left is small.
+go holds memd's event loop for as long as the whole copy takes, and every
+worker's Step waits for it; parked sequences add to it in proportion to
+their number. So the copy is taken in slices of a fraction of a millisecond
+each, and the loop serves Steps in between. Meanwhile the pool and the
+manager note every block and sequence a Step changes (`BlockPool.watches`,
+`KvManager.watches`, and the lowest the swap tier's free stack got,
+`SwapSlots.low_marks`); those are copied again at the end, and the last of
+them in one go, with nothing awaited: the copy is the state of that last
+instant, as consistent as if it had been taken in one piece. Should Steps
+change state faster than the copy catches up, the re-copying repeats in
+slices until what is left is small.
 
 `memctl snapshot` shows the copy; `memctl check` checks it (memd.invariants).
 The check's copy carries more per block (queue links, whether the prefix
 index agrees, whether a checksum is set) and per sequence.
 
 The per-block copies are flat arrays, not lists: the garbage collector walks
-every item of a list on each pass (12 ms for three lists of a million), and
-dropping a list of a million items costs milliseconds more. And they are
-kept an array per slice: growing one array of a million items reallocates
-it, milliseconds of copying at a time.
+every item of a list on each pass, and dropping a list of a million items
+releases each item in turn. And they are kept an array per slice: growing
+one array of a million items reallocates it, copying all it holds at once.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 SLICE_S = 0.001                # a slice ends at the first place it may once it has held the loop this long
 MAX_PAUSE_S = 0.002            # the longest a slice waits for Steps to run before the next
-# Where a slice may end: every this many entries (each a tenth of a millisecond or less, on a loaded host).
+# Where a slice may end: every this many entries, few enough that a slice overruns SLICE_S by little.
 SLICE_BLOCKS = 2_048           # pool entries copied (and the copy's arrays: one per this many blocks)
 CHECKED_SLICE_BLOCKS = 512     # the same for a check's copy, which looks each block's hash up
 SLICE_SEQS = 64                # sequences copied
@@ -54,9 +54,9 @@ class Pacer:
 
     A slice ends by the clock, not by a count of entries: the work runs
     through `checkpoint`s a few entries apart, and the first one reached
-    after SLICE_S of holding pauses. Counts sized for a quiet host held the
-    loop five times as long on a loaded one (every process slowed by the
-    others on its cores), and Steps waited over 10 ms.
+    after SLICE_S of holding pauses. Counts sized for a quiet host hold the
+    loop several times as long on a loaded one (every process slowed by the
+    others on its cores), and Steps wait that much longer.
 
     Yielding one turn of the loop is not enough: a Step needs several turns
     (the request read, the handler, the reply written), and would meet a
@@ -313,7 +313,7 @@ def _steps(manager: KvState, copy: StateCopy, blocks: bool, checked: bool) -> It
             _copy_pool_totals(pool, copy)
             if swap is not None:
                 kept = min(low_mark[0], len(free_slots))        # below it the stack is as it was copied
-                del free_slots[kept:]                           # in place: a million slots copied took ms
+                del free_slots[kept:]                           # in place: a slice would copy every kept slot
                 free_slots += swap.free_slots(kept)
                 copy.swap = SwapCopy(swap.num_slots, free_slots,
                                      frozenset(swap.in_copy),

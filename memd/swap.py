@@ -48,13 +48,13 @@ from shared.sizes import format_size
 log = structlog.get_logger("memd.swap")
 
 # A large copy is split over as many threads as memd may use cores, up to 4, as a plain torch copy_ is
-# (the bandwidth figure's anchor). Half the cores, as before, left a 2-core host one thread and 75-80% of
-# copy_'s bandwidth: one core does not saturate memory. The copy is memory-bound and short; it holds the GIL
+# (the bandwidth figure's anchor). Half the cores would leave a 2-core host one thread, short of copy_'s
+# bandwidth: one core does not saturate memory. The copy is memory-bound and short; it holds the GIL
 # only between spans, and the event loop's thread, woken by a Step, still gets a core from the kernel.
 COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 # glibc's memmove uses non-temporal stores only above about 3/4 of the L3 cache: scattered
-# pages of 1-8 MiB are then copied through the cache at ~70% of a plain copy_, and at
-# ~110-130% with this setting. It must be in the environment when memd starts
+# pages of 1-8 MiB are then copied through the cache, slower than a plain copy_, and faster
+# than it with this setting. It must be in the environment when memd starts
 # (systemd/memd.service sets it); memd says at start-up whether it is.
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 PARALLEL_BYTES = 4 << 20         # smaller copies are not worth a hand-off to the threads
@@ -102,7 +102,7 @@ def latency_test_wait(delay_s: float, halt: threading.Event | None = None) -> bo
 
 def spans(index: Any) -> list[tuple[int, int, int]]:
     """(source, destination, count) for each run of `index`'s (source, destination) rows consecutive on both
-    sides: one copy each. Vectorized: a swap of thousands of pages plans its copies in microseconds."""
+    sides: one copy each. Vectorized: a swap of thousands of pages plans its copies in a few numpy calls."""
     np = _numpy()
     if not len(index):
         return []
@@ -115,7 +115,7 @@ def spans(index: Any) -> list[tuple[int, int, int]]:
 def pair_index(pairs: list[tuple[int, int]]) -> Any:
     """(source, destination) pairs as an [n, 2] numpy array."""
     np = _numpy()
-    # fromiter: half the time of np.array on a list of tuples (0.2 ms for 4k pairs, with the GIL held)
+    # fromiter, given the dtype and count, fills one buffer; np.array inspects each tuple (the GIL held either way)
     return np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.intp, count=2 * len(pairs)).reshape(-1, 2)
 
 
@@ -238,8 +238,8 @@ class HostSwap:
         """Copy in and return each page's checksum, taken right after its copy while it is still in cache.
 
         Hashing the pages after the whole copy reads them from memory a
-        second time: a swap-in of 64 KiB pages then ran at 58% of its
-        unchecked speed here; page by page it runs at 83%.
+        second time; hashed page by page, each is read while its copy has
+        just left it in cache.
         """
         self.allocated()
         latency_test_wait(self.delay_s)
@@ -326,7 +326,7 @@ class HostSwap:
 
 
 def _numpy() -> Any:
-    """numpy, imported on first use: memd's start-up does not wait for it (~0.1 s), only a swap copy needs it."""
+    """numpy, imported on first use: memd's start-up does not wait for its import, only a swap copy needs it."""
     import numpy
 
     return numpy
@@ -345,10 +345,9 @@ def copy_pages(src: Any, dst: Any, index: Any) -> None:
     Each call copies many pages in C with the GIL released: a run consecutive
     on both sides is one memmove; a run consecutive on one side only is one
     numpy gather (`take` into consecutive destination rows) or scatter (from
-    consecutive source rows). A memmove per page, as before, cost each 64 KiB
-    page a Python call and two GIL hand-overs: two such threads moved
-    scattered 64 KiB pages at 60-70% of a plain copy_ here, one numpy call
-    per thread at 95-100%.
+    consecutive source rows). A memmove per page would cost each page a
+    Python call and two GIL hand-overs, which the copy threads take in turn;
+    one numpy call per run pays them once.
     """
     np = _numpy()
     s, d = index[:, 0], index[:, 1]

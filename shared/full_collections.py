@@ -3,10 +3,10 @@
 A full (oldest generation) collection walks every object the collector
 tracks, holding the GIL: in memd its event loop stops while workers' Steps
 wait, in inferd decode stops. What a daemon imports and builds at start-up
-lives as long as it does (tens of ms to walk: every module, torch's in
-inferd), and so do parked sessions in memd (a sequence and its lists): with
-Python's defaults a full collection took 159-236 ms in a process holding 50k
-of them, and one comes every time a quarter more long-lived objects appear.
+lives as long as it does (every module, torch's in inferd), and so do
+parked sessions in memd (a sequence and its lists): with Python's defaults
+a full collection walks every one of them, longer the more sessions are
+held, and one comes every time a quarter more long-lived objects appear.
 
 So a daemon freezes (`gc.freeze`) what start-up made, and from then on what
 a long full collection leaves alive: what survived one is what lives on.
@@ -19,10 +19,8 @@ worker's Steps ride one call, its stream; a memctl command is one), so a
 freeze leaks those of the calls starting at that instant at most. And a
 short full collection, one that found little alive, freezes nothing: long
 ones come once per thousands of new sessions. Full collections also come
-after 3 of the middle generation's, not 10, so each walks less. 100k
-sessions opened (half freed again) in bench_memd's full-collections run:
-longest full collection 159-236 ms as Python comes, 14-15 ms with the
-freeze alone, 5-9 ms with both. `FullCollections` counts and times them
+after 3 of the middle generation's, not 10, so each walks less (bench_memd
+measures both: docs/benchmarks.md). `FullCollections` counts and times them
 for the daemons' metrics.
 """
 

@@ -37,7 +37,7 @@ def _native_xxh3() -> Callable[[int, int], int] | None:
 
     Its Python functions keep the GIL for inputs up to 64 KiB, the default
     page: a thread hashing pages with them makes every other thread (memd's
-    event loop) wait out the interpreter's 5 ms switch interval. None where
+    event loop) wait out the interpreter's switch interval (5 ms by default). None where
     the extension does not export the symbol, or it disagrees with xxhash.
     """
     try:

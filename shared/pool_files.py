@@ -1,7 +1,7 @@
 """A CPU pool as several shared-memory files, mapped side by side as one range.
 
 A tmpfs allocates a file's 4 KiB pages one at a time under that file's lock
-(~1.5 us a page in a VM: 3 s for an 8 GiB pool), so more threads cannot
+(two million of them for an 8 GiB pool), so more threads cannot
 allocate one file faster; several files they can, each on a core of its own.
 A pool over `STRIPE_BYTES` is therefore cut into stripes, at most
 `MAX_STRIPES` (one message of SCM_RIGHTS carries them all), and memd and
