@@ -45,13 +45,13 @@ class Completions:
             self.remaining = 0
             self.cancel(self.request)                  # n > 1: the other completions stop too
             log.info("request failed", request=self.request.request_id, session=self.request.session_id,
-                     seq=self.request.seq_id, code=event.error.code, error=event.error.message)
+                     seq=self.request.seq.id, code=event.error.code.name, error=event.error.message)
             raise event.error
         if event.finish_reason is not None:
             self.remaining -= 1
             self.finals[event.index] = event
             log.info("request finished", request=self.request.request_id, session=self.request.session_id,
-                     seq=self.request.seq_id, index=event.index, finish_reason=event.finish_reason,
+                     seq=self.request.seq.id, index=event.index, finish_reason=event.finish_reason,
                      **(event.usage or {}))
         return event
 

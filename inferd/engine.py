@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import structlog
 import torch
+from grpc import StatusCode
 
 from inferd import paged_kernel
 from inferd.checkpoint import load_tokenizer, load_weights, read_config
@@ -150,7 +151,7 @@ class WorkerEngine:
         self._carried = []
         self.scheduler = scheduler
         # The model, its weights and torch live as long as this attachment: frozen out of full collections,
-        # which would walk them (~115 ms of decode stopped each time).
+        # which would walk them all, decode stopped for the whole walk each time.
         freeze_long_lived()
         self.attached.set()
         client.on_drain = self._drained
@@ -181,8 +182,8 @@ class WorkerEngine:
                 await running
             # The pass in flight still writes pages: finish it before memd can hand them out.
             await scheduler.close()
-            self._carried = scheduler.carried + scheduler.fail_all(
-                GenerationError("UNAVAILABLE", "memd went away; the worker is reconnecting"), keep_unstarted=True)
+            gone = GenerationError(StatusCode.UNAVAILABLE, "memd went away; the worker is reconnecting")
+            self._carried = scheduler.carried + scheduler.fail_all(gone, keep_unstarted=True)
             self._carried_at = asyncio.get_running_loop().time()
             with contextlib.suppress(Exception):
                 await client.close()
@@ -194,7 +195,8 @@ class WorkerEngine:
 
     def _fail_carried(self) -> None:
         """memd stayed away too long: the queued requests kept for it fail after all."""
-        error = GenerationError("UNAVAILABLE", f"memd has been unreachable for over {CARRY_S:g} s; retry later")
+        error = GenerationError(StatusCode.UNAVAILABLE,
+                                f"memd has been unreachable for over {CARRY_S:g} s; retry later")
         for request in self._carried:
             request.fail(error)
         log.warning("gave up queued requests: memd is still away", requests=len(self._carried))

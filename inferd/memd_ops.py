@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import structlog
+from grpc import StatusCode
 
-from inferd.block_table import BlockTable
 from inferd.kv_audit import KvAudit
 from inferd.page_sums import PageSums
 from inferd.requests import Event, GenerationError, Request, RequestStatus
@@ -91,8 +91,8 @@ def release(request: Request, final: Event) -> End | None:
     """How a preempted request that ends before it runs again gives its sequence back: memd still holds
     a sequence without a session (its Free releases `final`); a session's preempted turn stays parked, and
     a request memd forgot holds nothing (None: `final` goes to the client now)."""
-    if request.status is RequestStatus.PREEMPTED and request.seq_id and request.session_id is None:
-        return End(request, final, Free(request.seq_id))
+    if request.status is RequestStatus.PREEMPTED and request.seq.held and request.session_id is None:
+        return End(request, final, Free(request.seq.id))
     return None
 
 
@@ -103,7 +103,6 @@ class StepAttempt:
     ops: list[PendingOp]              # shrinks as memd refuses ops; the scheduler's `_inflight` is this very list
     stalled: set[Request] = field(default_factory=set)       # running sequences memd had no page for
     requeued: list[Request] = field(default_factory=list)    # admissions to put back at the head of the queue
-    ended: list[Ended] = field(default_factory=list)         # forks whose parent's commit memd refused
 
 
 class PendingOp:
@@ -119,12 +118,12 @@ class PendingOp:
     def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         return None
 
-    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
+    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | list[Outcome] | None:
         return None
 
 
 def _error(err: MemdError, prefix: str = "") -> GenerationError:
-    return GenerationError(err.code.name, prefix + err.message, err.reason)
+    return GenerationError(err.code, prefix + err.message, err.reason)
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -138,52 +137,46 @@ class Admit(PendingOp):
         request = self.request
         if worker.audit is not None:
             worker.audit.forget(id(request))           # a new table: its positions are taken as found when it runs
-        resumed = request.status is RequestStatus.PREEMPTED
-        request.status = RequestStatus.RUNNING
-        request.seq_id = result.seq_id
-        request.table = BlockTable(result.block_ids)
-        worker.page_sums.admitted(request, result.num_committed)
-        request.num_committed = result.num_committed
-        if resumed:
-            request.tokens = list(result.token_ids) if result.token_ids else request.tokens
-            request.num_computed = result.num_committed          # the rest is recomputed
-            request.num_known_to_memd = len(request.tokens)
+        block_size = worker.page_sums.block_size
+        if request.status is RequestStatus.PREEMPTED:            # the rest of its history is recomputed
+            request.seq.placed(result, list(result.token_ids) if result.token_ids else request.seq.tokens,
+                               block_size)
             return None
         # A session's history (memd's tokens then this turn's, or with whole_history the conversation as sent,
         # memd having kept only the prefix its history shared with it): usage counts all of it as prompt, and
         # what memd had committed as cached; computing resumes from there.
-        request.tokens = list(result.token_ids) if result.token_ids else list(request.prompt_ids)
-        request.num_computed = request.num_cached = result.num_committed
-        request.num_known_to_memd = len(request.tokens)
-        request.num_prompt = len(request.tokens)
+        request.seq.placed(result, list(result.token_ids) if result.token_ids else list(request.prompt_ids),
+                           block_size)
+        request.num_cached = result.num_committed
+        request.num_prompt = len(request.seq.tokens)
         limit = worker.max_position
-        if request.whole_history and request.tokens != request.prompt_ids:
+        if request.whole_history and request.seq.tokens != request.prompt_ids:
             # A memd without whole_history takes the conversation as a new turn, appended to the old one:
             # answering from that would answer a conversation the client never sent. Free it, and fail.
             log.error("memd's history is not the conversation sent", request=request.request_id,
-                      session=request.session_id, sent=len(request.prompt_ids), memd=len(request.tokens))
+                      session=request.session_id, sent=len(request.prompt_ids), memd=len(request.seq.tokens))
             return Ended(request, GenerationError(
-                "FAILED_PRECONDITION", f"session {request.session_id!r}: memd kept a history of "
-                f"{len(request.tokens)} tokens for a conversation of {len(request.prompt_ids)}; "
+                StatusCode.FAILED_PRECONDITION, f"session {request.session_id!r}: memd kept a history of "
+                f"{len(request.seq.tokens)} tokens for a conversation of {len(request.prompt_ids)}; "
                 "does this memd take whole_history?"))
-        if len(request.tokens) >= limit:                 # a session's history can outgrow the model
+        if len(request.seq.tokens) >= limit:                 # a session's history can outgrow the model
             return Ended(request, GenerationError(
-                "INVALID_ARGUMENT", f"session {request.session_id!r} holds {len(request.tokens)} tokens with "
-                f"this message; the model has {limit} positions: reset the session"), keep=True)
+                StatusCode.INVALID_ARGUMENT, f"session {request.session_id!r} holds {len(request.seq.tokens)} tokens "
+                f"with this message; the model has {limit} positions: reset the session"), keep=True)
         return None
 
     def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         request = self.request
         preempted = request.status is RequestStatus.PREEMPTED
-        if err.code.name == "RESOURCE_EXHAUSTED":
+        if err.code is StatusCode.RESOURCE_EXHAUSTED:
             step.requeued.append(request)            # back to the head of the queue, in order
-        elif preempted and err.code.name == "NOT_FOUND" and request.session_id is None:
-            request.seq_id = 0                       # forgotten while it waited: recompute it all
+        elif preempted and err.code is StatusCode.NOT_FOUND and request.session_id is None:
+            request.seq.forgotten()                  # forgotten while it waited: recompute it all
             step.requeued.append(request)
         else:
             final = Event([], "", usage=request.usage(), error=_error(err), index=request.index)
             end = release(request, final)
-            request.status = RequestStatus.FINISHED
+            request.seq.finished()
             if end is not None:
                 return Queued(end)
             request.events.put_nowait(final)
@@ -198,29 +191,28 @@ class Grow(PendingOp):
     op: Extend
 
     def retry(self, err: MemdError) -> PendingOp | None:
-        if err.code.name == "RESOURCE_EXHAUSTED" and self.op.reserve > 1:
+        if err.code is StatusCode.RESOURCE_EXHAUSTED and self.op.reserve > 1:
             return Grow(self.request, replace(self.op, reserve=1))    # the lookahead can wait
         return None
 
     def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         request = self.request
-        if result.first_block != len(request.table) or result.num_committed != request.num_computed:
+        if result.first_block != len(request.seq.table) or result.num_committed != request.seq.computed:
             # memd's table or committed length is not the one this worker computed against: the K/V
             # the next pass would read cannot be trusted. Fail the turn rather than answer it wrong.
             log.error("memd and this worker disagree about a sequence", request=request.request_id,
-                      seq=request.seq_id, blocks=len(request.table), memd_first_block=result.first_block,
-                      computed=request.num_computed, memd_committed=result.num_committed)
+                      seq=request.seq.id, blocks=len(request.seq.table), memd_first_block=result.first_block,
+                      computed=request.seq.computed, memd_committed=result.num_committed)
             return Ended(request, GenerationError(
-                "INTERNAL", f"sequence {request.seq_id}: memd's block table or committed length differs "
+                StatusCode.INTERNAL, f"sequence {request.seq.id}: memd's block table or committed length differs "
                 "from this worker's; the turn is failed rather than answered from unknown K/V"))
-        request.table[result.first_block:] = result.block_ids
-        request.num_committed = result.num_committed
+        request.seq.grew(result)
         return None
 
     def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
-        self.request.num_known_to_memd -= len(self.op.append)    # memd did not take them
+        self.request.seq.untold(len(self.op.append))          # memd did not take them
         PageSums.unsent(self.request, self.op.sums_from, self.op.page_sums)
-        if err.code.name == "RESOURCE_EXHAUSTED":
+        if err.code is StatusCode.RESOURCE_EXHAUSTED:
             step.stalled.add(self.request)
             return None
         return Ended(self.request, _error(err))
@@ -233,13 +225,12 @@ class CommitForFork(PendingOp):
     parent: Request
     op: Extend
 
-    def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
+    def refused(self, err: MemdError, step: StepAttempt) -> list[Outcome]:
         """No prompt to fork from: its children's Forks leave the Step and the children fail."""
         PageSums.unsent(self.parent, self.op.sums_from, self.op.page_sums)
         dropped = [p for p in step.ops if isinstance(p, ForkChild) and p.request in self.parent.children]
         step.ops[:] = [p for p in step.ops if p not in dropped]
-        step.ended += [Ended(fork.request, _error(err)) for fork in dropped]
-        return None
+        return [Ended(fork.request, _error(err)) for fork in dropped]
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -253,14 +244,12 @@ class ForkChild(PendingOp):
         request = self.request
         if worker.audit is not None:
             worker.audit.forget(id(request))           # a new table: its positions are taken as found when it runs
-        request.status = RequestStatus.RUNNING
-        request.seq_id, request.table = result.seq_id, BlockTable(result.block_ids)
-        request.num_computed = request.num_known_to_memd = request.num_committed = result.num_committed
-        worker.page_sums.admitted(request, result.num_committed)
+        # memd knows the prompt it forked, not the child's own first token
+        request.seq.placed(result, request.seq.tokens, worker.page_sums.block_size, told=result.num_committed)
         return None
 
     def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
-        if err.code.name == "RESOURCE_EXHAUSTED":
+        if err.code is StatusCode.RESOURCE_EXHAUSTED:
             return Unforked(self.request)              # no page for its copy yet: the parent waits with it
         return Ended(self.request, _error(err))
 
@@ -317,7 +306,7 @@ class Preempt(PendingOp):
     def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         if worker.audit is not None:
             worker.audit.forget(id(self.request))      # a new table: its positions are taken as found when it runs
-        self.request.table = BlockTable()
+        self.request.seq.pages_given_up()
         return Requeued(self.request)
 
     def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from grpc import StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -50,9 +51,10 @@ from shared.http_exchange import ClientGone, check_api_key, or_disconnect, strea
 
 log = structlog.get_logger("inferd.http")
 
-# gRPC status names (GenerationError.code) as HTTP statuses.
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "PERMISSION_DENIED": 409,
-               "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503, "INTERNAL": 500}
+# A failed request's gRPC status (GenerationError.code) as its HTTP status; any other is a 500.
+HTTP_STATUS = {StatusCode.INVALID_ARGUMENT: 400, StatusCode.NOT_FOUND: 404, StatusCode.FAILED_PRECONDITION: 409,
+               StatusCode.PERMISSION_DENIED: 409, StatusCode.ALREADY_EXISTS: 409, StatusCode.RESOURCE_EXHAUSTED: 503,
+               StatusCode.UNAVAILABLE: 503, StatusCode.INTERNAL: 500}
 # memd's reasons for a refusal (memd.errors.KvError.reason) as the error codes clients read.
 API_CODES = {"session_busy": "session_busy"}
 SESSION_HEADER = "x-session-id"

@@ -23,35 +23,31 @@ if TYPE_CHECKING:
 
 
 class PageSums:
-    """Which pages of each request memd has a checksum for (`Request.num_summed`), and the ones to send."""
+    """Which pages of each request memd has a checksum for (`SeqProgress.summed`), and the ones to send."""
 
     def __init__(self, pages: torch.Tensor | None, block_size: int) -> None:
         self.pages, self.block_size = pages, block_size
         self.enabled = pages is not None          # bench/bench_verify.py turns it off to measure its cost
 
     def commit(self, request: Request, *, parks: bool = False) -> dict[str, object]:
-        """The `sums_from`/`page_sums` fields of an op that commits what `request` computed (`num_computed`).
+        """The `sums_from`/`page_sums` fields of an op that commits what `request` computed.
 
         `parks`: the op parks the sequence, so its partly filled last page is
         written no more and is summed too. Counted as sent at once (as the
         tokens an op appends are); `unsent` takes it back if memd refuses the op.
         """
-        bs, commit_to = self.block_size, request.num_computed
+        bs, commit_to = self.block_size, request.seq.computed
         upto = -(-commit_to // bs) if parks else commit_to // bs
-        first = request.num_summed
+        first = request.seq.summed
         if not self.enabled or upto <= first:
             return {}
         assert self.pages is not None
-        sums = page_checksums(self.pages, request.table[first:upto])
-        request.num_summed = commit_to // bs
+        sums = page_checksums(self.pages, request.seq.table[first:upto])
+        request.seq.sums_sent(commit_to // bs)
         return {"sums_from": first, "page_sums": sums}
-
-    def admitted(self, request: Request, num_committed: int) -> None:
-        """memd gave the request a table whose first `num_committed` tokens are committed (and summed, if ever)."""
-        request.num_summed = num_committed // self.block_size
 
     @staticmethod
     def unsent(request: Request, sums_from: int, page_sums: list[int]) -> None:
         """memd refused the op that carried these: they go again with the next commit."""
         if page_sums:
-            request.num_summed = min(request.num_summed, sums_from)
+            request.seq.sums_refused(sums_from)

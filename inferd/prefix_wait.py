@@ -61,7 +61,7 @@ def waits_for(prompt: list[int], leaders: Iterable[tuple[list[int], int]], block
 def committed_blocks(request: Request, block_size: int) -> int:
     """Full blocks of a running request memd holds committed once this iteration's Step is applied: its
     prompt's computed full blocks are committed in that Step (by an op ahead of the Opens it carries)."""
-    return max(request.num_committed, min(request.num_computed, request.num_prompt)) // block_size
+    return max(request.seq.committed, min(request.seq.computed, request.num_prompt)) // block_size
 
 
 def held_blocks(prompt: list[int], requests: Iterable[Request], block_size: int) -> int:
@@ -75,12 +75,12 @@ def held_blocks(prompt: list[int], requests: Iterable[Request], block_size: int)
     for request in requests:
         reach = min(limit, committed_blocks(request, block_size))
         if reach > best:
-            best = max(best, shared_blocks(prompt, request.tokens, block_size, reach))
+            best = max(best, shared_blocks(prompt, request.seq.tokens, block_size, reach))
     return best
 
 
 def leading(requests: Iterable[Request], block_size: int) -> list[tuple[list[int], int]]:
     """The requests others may wait on: those still computing their prompt, with what memd holds committed
     once this iteration's Step is applied."""
-    return [(r.tokens, committed_blocks(r, block_size) * block_size) for r in requests
-            if r.num_computed < r.num_prompt]
+    return [(r.seq.tokens, committed_blocks(r, block_size) * block_size) for r in requests
+            if r.seq.computed < r.num_prompt]

@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
+import grpc
 import torch
 from tokenizers.decoders import DecodeStream
 
-from inferd.block_table import BlockTable
+from inferd.progress import RequestStatus, SeqProgress
 from inferd.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["Event", "GenerationError", "Request", "RequestStatus", "TokenLogprob"]
+__all__ = ["CancelReason", "Event", "GenerationError", "Request", "RequestStatus", "TokenLogprob"]
+
+# Why a request ended before its own end: its client went away or asked, or its session was reset.
+CancelReason = Literal["cancelled", "reset"]
 
 
 class GenerationError(Exception):
-    """Why a request failed; `code` is the gRPC status name the service returns, `reason` memd's reason
-    for a refusal where it gave one ("session_busy"), which the HTTP API maps to OpenAI's error code."""
+    """Why a request failed: `code`, the gRPC status inferd's gRPC service ends the call with and its HTTP API
+    maps to a status (`openai_api.HTTP_STATUS`); `reason`, memd's reason for a refusal where it gave one
+    ("session_busy"), which the HTTP API maps to OpenAI's error code (`openai_api.API_CODES`)."""
 
-    def __init__(self, code: str, message: str, reason: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.code, self.message, self.reason = code, message, reason
 
@@ -41,14 +46,6 @@ class Event:
     ends: str | None = None
 
 
-class RequestStatus(enum.Enum):
-    WAITING = enum.auto()       # queued (or a fork child waiting for its page): memd holds nothing for it yet
-    RUNNING = enum.auto()       # memd gave it a sequence: it is in the batch
-    PREEMPTED = enum.auto()     # gave its pages up for others: memd swaps or drops its sequence (or forgot it:
-                                # seq_id 0) and it waits at the head of the queue to be resumed
-    FINISHED = enum.auto()      # ended: its final event is out, or waits for memd to release the sequence
-
-
 @dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
@@ -60,14 +57,7 @@ class Request:
     whole_history: bool = False
     arrived: float = field(default_factory=time.monotonic)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    status: RequestStatus = RequestStatus.WAITING
-    seq_id: int = 0                                    # memd's sequence, once it has one (0: none)
-    table: list[int] = field(default_factory=BlockTable)    # pool blocks, in order (inferd.block_table)
-    tokens: list[int] = field(default_factory=list)    # the whole history: memd's, the prompt, the generated
-    num_computed: int = 0                              # tokens whose K/V are in the pool
-    num_known_to_memd: int = 0                         # history length memd knows
-    num_committed: int = 0                             # history memd holds as computed (its prefix cache's)
-    num_summed: int = 0                                # leading pages memd has (or had) a checksum for
+    seq: SeqProgress = field(default_factory=SeqProgress)   # its sequence, in the pool and in memd's books
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
     text: str = ""                                     # the generated tokens' text so far (`detokenizer`'s)
@@ -77,7 +67,7 @@ class Request:
     num_prompt: int = 0
     num_cached: int = 0
     first_token_at: float = 0.0
-    cancelled: str | None = None                       # "cancelled" or "reset"
+    cancel_reason: CancelReason | None = None          # set once its client cancelled it, or reset its session
     generator: torch.Generator | None = None
     index: int = 0                                     # completion number, for n > 1
     children: list[Request] = field(default_factory=list)
@@ -85,14 +75,23 @@ class Request:
     fork_of: Request | None = None                     # n > 1: the request whose prompt this one forks
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # or the client's x-request-id
 
-    def cancel(self, reason: str = "cancelled") -> None:
-        self.cancelled = self.cancelled or reason
+    @property
+    def status(self) -> RequestStatus:
+        return self.seq.status
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_reason is not None
+
+    def cancel(self, reason: CancelReason = "cancelled") -> None:
+        """Ask it to end at the next step; the first reason given is the one its final event says."""
+        self.cancel_reason = self.cancel_reason or reason
         for child in self.children:
             child.cancel(reason)
 
     def fail(self, error: GenerationError) -> None:
         """End with `error` as the final event; only for a request that holds nothing in memd."""
-        self.status = RequestStatus.FINISHED
+        self.seq.finished()
         self.events.put_nowait(Event([], "", usage=self.usage(), error=error, index=self.index))
 
     def usage(self) -> dict[str, float]:

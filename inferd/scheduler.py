@@ -38,10 +38,10 @@ from typing import Any, assert_never
 
 import structlog
 import torch
+from grpc import StatusCode
 from tokenizers.decoders import DecodeStream
 
 from inferd.backlog import Backlog
-from inferd.block_table import BlockTable
 from inferd.forward_thread import Ahead, ForwardThread, Sampling
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import (
@@ -66,7 +66,8 @@ from inferd.memd_ops import (
 from inferd.model import PagedDecoder, build_batch
 from inferd.page_sums import PageSums
 from inferd.prefix_wait import held_blocks, leading, waits_for
-from inferd.requests import Event, GenerationError, Request, RequestStatus, TokenLogprob
+from inferd.progress import SeqProgress
+from inferd.requests import CancelReason, Event, GenerationError, Request, RequestStatus, TokenLogprob
 from inferd.reuse_check import ReuseCheck
 from inferd.sampling import sample, token_logprobs
 from shared.client import MemdClient, MemdError
@@ -115,23 +116,23 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         if self.draining:
-            raise GenerationError("UNAVAILABLE", DRAINING)
+            raise GenerationError(StatusCode.UNAVAILABLE, DRAINING)
         request.params.check()
         limit = self.model.config.max_position
         if len(request.prompt_ids) + request.params.max_tokens > limit:
-            raise GenerationError("INVALID_ARGUMENT", f"prompt of {len(request.prompt_ids)} tokens plus "
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, f"prompt of {len(request.prompt_ids)} tokens plus "
                                   f"max_tokens {request.params.max_tokens} exceeds the model's {limit} positions")
         if not request.prompt_ids:
-            raise GenerationError("INVALID_ARGUMENT", "the prompt is empty")
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         pool = self.client.geometry.num_blocks
         if math.ceil((len(request.prompt_ids) + 1) / self.block_size) > pool:
-            raise GenerationError("INVALID_ARGUMENT", f"a prompt of {len(request.prompt_ids)} tokens does not fit "
-                                  f"the KV pool ({pool} blocks of {self.block_size} tokens)")
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, f"a prompt of {len(request.prompt_ids)} tokens does "
+                                  f"not fit the KV pool ({pool} blocks of {self.block_size} tokens)")
         if request.params.n > 1 and request.session_id:
-            raise GenerationError("INVALID_ARGUMENT", "n > 1 cannot continue a session: which completion "
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, "n > 1 cannot continue a session: which completion "
                                   "would be its history?")
         if request.whole_history and not request.session_id:
-            raise GenerationError("INVALID_ARGUMENT", "whole_history names a session's whole conversation: "
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, "whole_history names a session's whole conversation: "
                                   "give its session_id")
         if request.params.seed is not None:
             request.generator = torch.Generator().manual_seed(request.params.seed)
@@ -146,9 +147,9 @@ class Scheduler:
             return
         for request in [r for r in self.waiting if r.status is RequestStatus.WAITING]:
             self.waiting.remove(request)
-            request.fail(GenerationError("UNAVAILABLE", DRAINING))
+            request.fail(GenerationError(StatusCode.UNAVAILABLE, DRAINING))
 
-    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+    def cancel(self, request: Request, reason: CancelReason = "cancelled") -> None:
         request.cancel(reason)
         self._wake.set()
 
@@ -186,12 +187,13 @@ class Scheduler:
             except MemdError as err:
                 # The same words as when the lease is seen lost first: which of the two notices a dead
                 # memd first is a race, and a client should not see two stories for one event.
-                gone = GenerationError("UNAVAILABLE", f"memd went away ({err.message}); the worker is reconnecting")
+                gone = GenerationError(StatusCode.UNAVAILABLE,
+                                       f"memd went away ({err.message}); the worker is reconnecting")
                 self.carried += self.fail_all(gone, keep_unstarted=True)
                 raise
             except Exception as err:
                 log.exception("scheduler failed")
-                self.fail_all(GenerationError("INTERNAL", f"the scheduler failed: {err}"))
+                self.fail_all(GenerationError(StatusCode.INTERNAL, f"the scheduler failed: {err}"))
                 raise
 
     async def _idle(self) -> None:
@@ -258,18 +260,16 @@ class Scheduler:
         growing = 0                                         # running sequences first, then newcomers
         bs = self.block_size
         for request in self.running:
-            needed = len(request.tokens)                    # positions this pass writes up to
-            grows = needed > len(request.table) * bs
+            needed = len(request.seq.tokens)                    # positions this pass writes up to
+            grows = needed > len(request.seq.table) * bs
             # A prompt's blocks are committed as its prefill computes them, not at its first growth: others
             # opening the same prefix find them then (inferd.prefix_wait).
-            if grows or min(request.num_computed, request.num_prompt) // bs > request.num_committed // bs:
-                extend = Extend(request.seq_id, append=request.tokens[request.num_known_to_memd:],
-                                commit_to=request.num_computed, reserve=self._reserve(request) if grows else 0,
-                                **self.page_sums.commit(request))
+            if grows or min(request.seq.computed, request.num_prompt) // bs > request.seq.committed // bs:
+                extend = Extend(request.seq.id, append=request.seq.tell(), commit_to=request.seq.computed,
+                                reserve=self._reserve(request) if grows else 0, **self.page_sums.commit(request))
                 ops.append(Grow(request, extend))
-                request.num_known_to_memd = len(request.tokens)   # undone in Grow.refused if memd says no
                 if grows:
-                    growing += math.ceil((needed + extend.reserve) / bs) - len(request.table)
+                    growing += math.ceil((needed + extend.reserve) / bs) - len(request.seq.table)
         admitted = self._admit(ops, self.client.free_blocks - growing)
         stalled = await self._memd_step(ops, self._wanted)
         # A preempted request whose Resume memd refused is back at the head of the queue, still preempted
@@ -280,7 +280,7 @@ class Scheduler:
         unforked = self._refork()
         holding = {id(parent) for parent, _, _ in self._backlog.forks}      # a parent decodes once its children forked
         ready = [r for r in self.running if r not in stalled and id(r) not in holding
-                 and len(r.tokens) <= len(r.table) * self.block_size]
+                 and len(r.seq.tokens) <= len(r.seq.table) * self.block_size]
         if ready:
             await self._forward(ready)
         else:
@@ -298,7 +298,7 @@ class Scheduler:
                     or not check.chosen(request.num_cached):
                 continue
             try:
-                bad = await self.forward_thread.run(check.first_mismatch, request.tokens, request.table,
+                bad = await self.forward_thread.run(check.first_mismatch, request.seq.tokens, request.seq.table,
                                                     request.num_cached, tokens=request.num_cached)
             except Exception as exc:          # a check that cannot run (out of memory, say) fails no request
                 log.warning("could not recompute a prefix hit to check it", request=request.request_id,
@@ -308,16 +308,15 @@ class Scheduler:
                 continue
             blocks = list(range(bad, request.num_cached // self.block_size))
             log.error("cached K/V differs from a recompute: it leaves memd's prefix cache and the request starts "
-                      "over", request=request.request_id, seq=request.seq_id,
-                      blocks=[request.table[i] for i in blocks])
+                      "over", request=request.request_id, seq=request.seq.id,
+                      blocks=[request.seq.table[i] for i in blocks])
             self.running.remove(request)
-            self._backlog.distrusts.append(Distrust(request, Free(request.seq_id, distrusted=blocks)))
+            self._backlog.distrusts.append(Distrust(request, Free(request.seq.id, distrusted=blocks)))
 
     def _start_over(self, request: Request) -> None:
         """A new request again, in its place in the queue (memd freed its sequence)."""
-        request.status, request.seq_id, request.table, request.tokens = RequestStatus.WAITING, 0, BlockTable(), []
-        request.num_computed = request.num_cached = request.num_known_to_memd = request.num_summed = 0
-        request.num_committed = 0
+        request.seq.started_over()
+        request.num_cached = 0
         self._requeue(request)
 
     def _refork(self) -> int:
@@ -326,14 +325,14 @@ class Scheduler:
         for child in self._backlog.unforked:
             if child.fork_of is not None and child.status is not RequestStatus.FINISHED:
                 groups.setdefault(id(child.fork_of), (child.fork_of, []))[1].append(child)
-        self._backlog.forks += [(parent, Extend(parent.seq_id), group) for parent, group in groups.values()]
+        self._backlog.forks += [(parent, Extend(parent.seq.id), group) for parent, group in groups.values()]
         count, self._backlog.unforked = len(self._backlog.unforked), []
         return count
 
     def _preempt_for(self, stalled: list[Request], extra: int = 0) -> None:
         """Running sequences (and `extra` forks) cannot get pages: preempt the latest arrivals for the shortfall."""
         bs = self.block_size
-        need = {id(r): math.ceil((len(r.tokens) + 1) / bs) - len(r.table) for r in stalled}
+        need = {id(r): math.ceil((len(r.seq.tokens) + 1) / bs) - len(r.seq.table) for r in stalled}
         short = sum(need.values()) + extra - self.client.free_blocks
         forking = {id(parent) for parent, _, _ in self._backlog.forks}
         for victim in sorted(self.running, key=lambda r: r.arrived, reverse=True):
@@ -341,27 +340,26 @@ class Scheduler:
                 break
             if id(victim) in forking:
                 continue                                     # its children fork from it in the next Step
-            short -= len(victim.table) + need.get(id(victim), 0)
+            short -= len(victim.seq.table) + need.get(id(victim), 0)
             self._preempt(victim)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        request.status = RequestStatus.PREEMPTED
+        request.seq.preempting()
         request.preemptions += 1
         self.preemptions += 1
-        park = Park(request.seq_id, append=request.tokens[request.num_known_to_memd:],
-                    commit_to=request.num_computed, preempt=True)          # its page sums: `_summed`
+        park = Park(request.seq.id, append=request.seq.tell(), commit_to=request.seq.computed,
+                    preempt=True)                                       # its page sums: `_summed`
         self._backlog.preempting.append(Preempt(request, park))
-        request.num_known_to_memd = len(request.tokens)
-        log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq_id,
-                 tokens=len(request.tokens), computed=request.num_computed)
+        log.info("preempting", request=request.request_id, session=request.session_id, seq=request.seq.id,
+                 tokens=len(request.seq.tokens), computed=request.seq.computed)
 
     def _take_revocations(self) -> None:
         """memd revoked sequences (an operator evicted them): preempt those running here."""
         if not self._backlog.revoked:
             return
-        forking = {parent.seq_id for parent, _, _ in self._backlog.forks}     # its children fork from it first
-        for request in [r for r in self.running if r.seq_id in self._backlog.revoked and r.seq_id not in forking]:
+        forking = {parent.seq.id for parent, _, _ in self._backlog.forks}     # its children fork from it first
+        for request in [r for r in self.running if r.seq.id in self._backlog.revoked and r.seq.id not in forking]:
             self._preempt(request)
         self._backlog.revoked &= forking           # preempted once forked; the others ended already
 
@@ -372,11 +370,11 @@ class Scheduler:
         for parent, commit, group in self._backlog.forks:
             for child in group:
                 if child.cancelled and child.status is not RequestStatus.FINISHED:
-                    self._end(child, reason=child.cancelled)
+                    self._end(child, reason=child.cancel_reason)
             live = [c for c in group if c.status is not RequestStatus.FINISHED]
             if live:
                 ops.append(CommitForFork(parent, commit))
-                ops += [ForkChild(child, Fork(parent.seq_id)) for child in live]
+                ops += [ForkChild(child, Fork(parent.seq.id)) for child in live]
                 children += live
         self._backlog.forks = []
         return ops, children
@@ -384,14 +382,14 @@ class Scheduler:
     def _retire_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
-            final = Event([], "", finish_reason=request.cancelled, usage=request.usage(), index=request.index)
+            final = Event([], "", finish_reason=request.cancel_reason, usage=request.usage(), index=request.index)
             if (end := release(request, final)) is not None:
                 self._backlog.ending.append(end)
             else:
                 request.events.put_nowait(final)
-            request.status = RequestStatus.FINISHED
+            request.seq.finished()
         for request in [r for r in self.running if r.cancelled]:
-            self._end(request, reason=request.cancelled)
+            self._end(request, reason=request.cancel_reason)
 
     def _admit(self, ops: list[PendingOp], budget: int) -> list[Request]:
         """Open or resume waiting requests in arrival order while seats and pages last; a new prompt whose
@@ -406,7 +404,7 @@ class Scheduler:
             if request.status is RequestStatus.WAITING and waits_for(request.prompt_ids, leaders, self.block_size):
                 followers.append(self.waiting.popleft())
                 continue
-            need = math.ceil((len(request.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
+            need = math.ceil((len(request.seq.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
             held = held_blocks(request.prompt_ids, self.running, self.block_size) \
                 if request.status is RequestStatus.WAITING else 0
             need -= held
@@ -434,10 +432,10 @@ class Scheduler:
     def _admission(self, request: Request) -> Open | Resume:
         reserve = self._reserve(request)
         preempted = request.status is RequestStatus.PREEMPTED
-        if preempted and request.seq_id:
-            return Resume(request.seq_id, reserve=reserve)    # swapped back in, or recomputed if dropped
+        if preempted and request.seq.held:
+            return Resume(request.seq.id, reserve=reserve)    # swapped back in, or recomputed if dropped
         if preempted:                                       # memd forgot it: start over from the history
-            return Open(request.tokens, reserve=reserve)
+            return Open(request.seq.tokens, reserve=reserve)
         return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
                     continue_session=request.session_id is not None, turn_id=request.turn_id,
                     whole_history=request.whole_history)
@@ -495,10 +493,9 @@ class Scheduler:
                     ops[err.op_index] = retry
                     continue
                 ops.pop(err.op_index)
-                self._apply(rejected.refused(err, step))
-                for ended in step.ended:
-                    self._apply(ended)
-                step.ended.clear()
+                outcome = rejected.refused(err, step)
+                for each in outcome if isinstance(outcome, list) else [outcome]:
+                    self._apply(each)
                 continue
             for pending, result in zip(ops, results, strict=True):
                 self._apply(pending.applied(self, result))
@@ -538,12 +535,12 @@ class Scheduler:
         self._wake.set()
 
     async def _forward(self, ready: list[Request]) -> None:
-        decodes = sum(len(r.tokens) - r.num_computed == 1 for r in ready)
+        decodes = sum(len(r.seq.tokens) - r.seq.computed == 1 for r in ready)
         budget = min(self.max_batch_tokens, decodes + self.prefill_beside_decode) if decodes else \
             self.max_batch_tokens
         chunks: list[tuple[Request, list[int]]] = []
-        for request in sorted(ready, key=lambda r: len(r.tokens) - r.num_computed):   # decodes first
-            pending = request.tokens[request.num_computed:]
+        for request in sorted(ready, key=lambda r: len(r.seq.tokens) - r.seq.computed):   # decodes first
+            pending = request.seq.tokens[request.seq.computed:]
             take = pending[:max(budget, 1 if not chunks else 0)]
             if not take:
                 break
@@ -555,24 +552,24 @@ class Scheduler:
                 return
         owners = [r for r, _ in chunks]
         if all(len(take) == 1 for _, take in chunks) and self.forward_thread.take_ahead(
-                owners, [r.num_computed for r in owners], [take[0] for _, take in chunks]):
+                owners, [r.seq.computed for r in owners], [take[0] for _, take in chunks]):
             sampled = await self.forward_thread.taken()       # the forward thread ran this pass already
             requests = owners
         else:
             await self.forward_thread.drop_ahead()
-            batch = build_batch([(take, r.num_computed, r.table) for r, take in chunks], self.block_size,
+            batch = build_batch([(take, r.seq.computed, r.seq.table) for r, take in chunks], self.block_size,
                                 self.model.device)
             # A row gets a token once the pass takes in the rest of its history.
-            rows = [row for row, (r, take) in enumerate(chunks) if r.num_computed + len(take) == len(r.tokens)]
+            rows = [row for row, (r, take) in enumerate(chunks) if r.seq.computed + len(take) == len(r.seq.tokens)]
             requests = [owners[row] for row in rows]
             sampled = await self.forward_thread.step(batch, Sampling(
                 rows, [r.params for r in requests], [len(r.generated) for r in requests],
                 [r.generator for r in requests], self.model.config.eos_token_ids), self._ahead(chunks, requests))
         for request, take in chunks:
             if self.audit is not None:
-                self.audit.record(id(request), request.table, request.num_computed,
-                                  request.num_computed + len(take))
-            request.num_computed += len(take)
+                self.audit.record(id(request), request.seq.table, request.seq.computed,
+                                  request.seq.computed + len(take))
+            request.seq.wrote(len(take))
         if sampled is None:
             return
         now = time.monotonic()
@@ -580,7 +577,7 @@ class Scheduler:
             if request.params.n > 1 and not request.generated:
                 self._fork(request, sampled.raw[i], sampled.scores[i], now)
             request.first_token_at = request.first_token_at or now
-            request.tokens.append(token)
+            request.seq.sampled(token)
             request.generated.append(token)
             self._emit(request, token, logprob)
 
@@ -596,7 +593,7 @@ class Scheduler:
             return None
         if any(r.generator is not None or (r.params.n > 1 and not r.generated) for r in sampling):
             return None
-        return Ahead(sampling, [r.num_computed + len(take) for r, take in chunks], [r.table for r in sampling],
+        return Ahead(sampling, [r.seq.computed + len(take) for r, take in chunks], [r.seq.table for r in sampling],
                      self.block_size, self.model.config.max_position)
 
     def _audited(self, chunks: list[tuple[Request, list[int]]]) -> list[tuple[Request, list[int]]]:
@@ -604,14 +601,14 @@ class Scheduler:
         assert self.audit is not None
         kept = []
         for request, take in chunks:
-            tampered = self.audit.check(id(request), request.table, request.num_computed)
+            tampered = self.audit.check(id(request), request.seq.table, request.seq.computed)
             if tampered is None:
                 kept.append((request, take))
                 continue
-            log.error("K/V changed under a running sequence", request=request.request_id, seq=request.seq_id,
+            log.error("K/V changed under a running sequence", request=request.request_id, seq=request.seq.id,
                       session=request.session_id, position=tampered.position, block=tampered.block,
                       slot=tampered.offset)
-            self._end(request, error=GenerationError("INTERNAL", f"sequence {request.seq_id}: {tampered}; "
+            self._end(request, error=GenerationError(StatusCode.INTERNAL, f"sequence {request.seq.id}: {tampered}; "
                                                      "the turn is failed rather than answered from it"))
         return kept
 
@@ -625,13 +622,15 @@ class Scheduler:
         children = []
         for index in range(1, p.n):
             seed = None if p.seed is None else p.seed + index
-            child = Request(parent.prompt_ids, replace(p, n=1, seed=seed), events=parent.events, arrived=parent.arrived,
-                            index=index, num_prompt=parent.num_prompt, num_cached=parent.num_cached, fork_of=parent,
-                            first_token_at=now, cancelled=parent.cancelled,   # a cancel that came during the prefill
-                            generator=None if seed is None else torch.Generator().manual_seed(seed))
-            token = sample(scores[None], [child.params], [child.generator])[0]
-            child.tokens = parent.tokens + [token]
-            child.generated = [token]
+            params = replace(p, n=1, seed=seed)
+            generator = None if seed is None else torch.Generator().manual_seed(seed)
+            token = sample(scores[None], [params], [generator])[0]
+            child = Request(parent.prompt_ids, params, events=parent.events, arrived=parent.arrived, index=index,
+                            num_prompt=parent.num_prompt, num_cached=parent.num_cached, fork_of=parent,
+                            first_token_at=now,
+                            cancel_reason=parent.cancel_reason,      # a cancel that came during the prefill
+                            generator=generator, generated=[token],
+                            seq=SeqProgress(tokens=[*parent.seq.tokens, token]))
             children.append(child)
         logprobs: list[TokenLogprob | None] = [None] * len(children)
         if p.logprobs is not None and children:       # one row for every child: one log_softmax
@@ -640,9 +639,8 @@ class Scheduler:
             parent.children.append(child)
             self._emit(child, child.generated[0], logprob)
         # memd forks what it knows: the prompt, committed, and none of the parent's own sampled tokens.
-        commit = Extend(parent.seq_id, append=parent.tokens[parent.num_known_to_memd:],
-                        commit_to=parent.num_computed, **self.page_sums.commit(parent))
-        parent.num_known_to_memd = parent.num_computed
+        commit = Extend(parent.seq.id, append=parent.seq.tell(upto=parent.seq.computed),
+                        commit_to=parent.seq.computed, **self.page_sums.commit(parent))
         self._backlog.forks.append((parent, commit, parent.children))
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> None:
@@ -660,7 +658,8 @@ class Scheduler:
                     text, reason = text[:cut], "stop"
         if eos:
             reason = "stop"
-        elif reason is None and (len(request.generated) >= p.max_tokens or len(request.tokens) >= config.max_position):
+        elif reason is None and (len(request.generated) >= p.max_tokens
+                                 or len(request.seq.tokens) >= config.max_position):
             reason = "length"
         if reason is not None and request.detokenizer is not None and text is request.text:
             # The last text, whole: a character the tokens left half-made is shown as the tokenizer shows it.
@@ -679,10 +678,10 @@ class Scheduler:
     def _text(self, request: Request, token: int, eos: bool) -> str:
         """The generated text with `token` (not an EOS that ends it), decoded one token at a time.
 
-        Re-decoding every generated token at every step cost a 16-sequence
-        batch ~0.2 ms a step at 128 tokens, growing with the square of the
-        length; the tokenizer's DecodeStream decodes only what is new, and
-        holds a token back while it is half a UTF-8 character.
+        Re-decoding every generated token at every step costs each step in
+        proportion to the text so far, so a request's decoding grows with the
+        square of its length; the tokenizer's DecodeStream decodes only what
+        is new, and holds a token back while it is half a UTF-8 character.
         """
         if eos:
             return request.text
@@ -695,22 +694,22 @@ class Scheduler:
     def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None,
              keep: bool = False) -> None:
         """Leave the batch: queue the sequence's Park (a session keeps its history) or Free."""
-        request.status = RequestStatus.FINISHED
+        request.seq.finished()
         if request in self.running:
             self.running.remove(request)
         if self.audit is not None:
             self.audit.forget(id(request))
         final = Event([], "", finish_reason=reason, usage=request.usage(), error=error, index=request.index)
-        if request.seq_id:
+        if request.seq.held:
             # A session keeps its turn (a reset's Free follows in the same Step); an error frees.
             keep = request.session_id is not None and (error is None or keep)
-            progress = {"append": request.tokens[request.num_known_to_memd:], "commit_to": request.num_computed}
+            progress = {"append": request.seq.tell(), "commit_to": request.seq.computed}
             if keep:
-                op: Park | Free = Park(request.seq_id, **progress)            # its page sums: `_summed`
+                op: Park | Free = Park(request.seq.id, **progress)            # its page sums: `_summed`
             elif error is None:               # its full blocks stay in the prefix cache for the next same prompt
-                op = Free(request.seq_id, **progress, **self.page_sums.commit(request))
+                op = Free(request.seq.id, **progress, **self.page_sums.commit(request))
             else:                             # an error: what it computed is not offered to anyone
-                op = Free(request.seq_id)
+                op = Free(request.seq.id)
             self._backlog.ending.append(End(request, final, op))   # its final event waits for memd's answer
         else:
             request.events.put_nowait(final)

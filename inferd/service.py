@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from grpc import StatusCode
 
 from inferd.completions import Completions
 from inferd.engine import WorkerEngine
@@ -26,7 +27,7 @@ REQUEST_ID_KEY = "x-request-id"
 async def _refuse(context: grpc.aio.ServicerContext, err: GenerationError) -> None:
     """Fail the call with the error's status, marked as inferd's own: a draining or detached worker answers
     UNAVAILABLE, and its client must not report it as one nobody could reach."""
-    await context.abort(getattr(grpc.StatusCode, err.code), err.message, trailing_metadata=addr.ANSWERED)
+    await context.abort(err.code, err.message, trailing_metadata=addr.ANSWERED)
 
 
 def checked_request_id(given: str | None) -> str:
@@ -34,7 +35,7 @@ def checked_request_id(given: str | None) -> str:
     if given is None:
         return uuid.uuid4().hex[:16]
     if not (0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given):
-        raise GenerationError("INVALID_ARGUMENT", "x-request-id must be 1 to 128 visible ASCII characters")
+        raise GenerationError(StatusCode.INVALID_ARGUMENT, "x-request-id must be 1 to 128 visible ASCII characters")
     return given
 
 
@@ -45,22 +46,23 @@ class InferdService(pb_grpc.InferdServicer):
 
     def _scheduler(self) -> Scheduler:
         if self.engine.scheduler is None:
-            raise GenerationError("UNAVAILABLE", "not attached to memd (it is down or restarting); retry shortly")
+            raise GenerationError(StatusCode.UNAVAILABLE,
+                                  "not attached to memd (it is down or restarting); retry shortly")
         return self.engine.scheduler
 
     def _request(self, msg: pb.GenerateRequest) -> Request:
         if msg.prompt and msg.prompt_ids:
-            raise GenerationError("INVALID_ARGUMENT", "give a prompt or prompt_ids, not both")
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, "give a prompt or prompt_ids, not both")
         ids = list(msg.prompt_ids) or self.engine.tokenizer.encode(msg.prompt).ids
         vocab = self.engine.config.vocab_size
         if any(i >= vocab for i in ids):
-            raise GenerationError("INVALID_ARGUMENT", f"prompt_ids must be below the vocabulary size {vocab}")
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, f"prompt_ids must be below the vocabulary size {vocab}")
         params = SamplingParams(max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS, temperature=msg.temperature,
                                 top_p=msg.top_p or 1.0, top_k=msg.top_k,
                                 seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
                                 ignore_eos=msg.ignore_eos, n=msg.n or 1)
         if msg.turn_id and not msg.session_id:
-            raise GenerationError("INVALID_ARGUMENT", "turn_id names a turn of a session: give session_id too")
+            raise GenerationError(StatusCode.INVALID_ARGUMENT, "turn_id names a turn of a session: give session_id too")
         return Request(ids, params, msg.session_id or None, turn_id=msg.turn_id or None)
 
     async def Generate(self, msg: pb.GenerateRequest,
@@ -72,7 +74,7 @@ class InferdService(pb_grpc.InferdServicer):
             request.request_id = request_id
             scheduler.submit(request)
         except BadParams as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(StatusCode.INVALID_ARGUMENT, str(err))
         except GenerationError as err:
             await _refuse(context, err)
         reader = Completions(request, scheduler.cancel, self.metrics)
@@ -96,7 +98,7 @@ class InferdService(pb_grpc.InferdServicer):
 
     async def Reset(self, msg: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetReply:
         if not msg.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+            await context.abort(StatusCode.INVALID_ARGUMENT, "session_id is required")
         try:
             await self._scheduler().reset(msg.session_id)
         except GenerationError as err:

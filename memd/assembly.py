@@ -18,9 +18,9 @@ from memd.leases import Leases
 from memd.manager import KvManager
 from memd.memory import PoolMemory
 from memd.page_copier import PageCopier
-from memd.policy import Policy
 from memd.scrub import Scrubber
 from memd.service import MemdService
+from memd.settings import Settings
 from memd.step_runner import StepRunner
 from memd.swap import SwapMemory
 from shared.geometry import PoolGeometry
@@ -36,18 +36,18 @@ class Parts:
     scrubber: Scrubber
 
 
-def new_manager(geometry: PoolGeometry, policy: Policy) -> KvManager:
-    return KvManager(geometry, heat_decay=policy.heat_decay, heat_interval_s=policy.heat_interval_s,
-                     swap_slots=policy.swap_slots(geometry), idle_ttl_s=policy.idle_ttl_s,
-                     watermark_blocks=math.ceil(geometry.num_blocks * policy.free_watermark),
-                     prefix_cache=policy.prefix_cache)
+def new_manager(geometry: PoolGeometry, settings: Settings) -> KvManager:
+    return KvManager(geometry, heat_decay=settings.heat_decay, heat_interval_s=settings.heat_interval_s,
+                     swap_slots=settings.swap_slots(geometry), idle_ttl_s=settings.idle_ttl_s,
+                     watermark_blocks=math.ceil(geometry.num_blocks * settings.free_watermark),
+                     prefix_cache=settings.prefix_cache)
 
 
-def assemble(manager: KvManager, policy: Policy, memory: PoolMemory, swap: SwapMemory | None,
+def assemble(manager: KvManager, settings: Settings, memory: PoolMemory, swap: SwapMemory | None,
          wal: WriteAheadLog | None = None, fd_server: FdServer | None = None) -> Parts:
     runner = StepRunner(manager, PageCopier(memory, swap, manager.geometry.block_bytes), wal)
     fences = FenceWatch(manager, runner.persist)
-    leases = Leases(manager, runner, fences, policy.lease_timeout_s)
+    leases = Leases(manager, runner, fences, settings.lease_timeout_s)
     scrubber = Scrubber(manager, memory, swap, runner.persist)
     service = MemdService(manager, runner, leases, fences, memory, fd_server, scrubber, generation=time.time_ns())
     return Parts(manager, runner, fences, leases, service, scrubber)

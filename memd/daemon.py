@@ -62,12 +62,12 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
                      swap: SwapMemory | None) -> None:
     """Recover, listen, say READY=1 once the pool's pages are allocated, serve until SIGTERM; everything opened
     is closed in reverse (the memory after all of it: memd.startup)."""
-    args, geometry, policy, layout = startup.args, startup.geometry, startup.policy, startup.layout
+    args, geometry, settings, layout = startup.args, startup.geometry, startup.settings, startup.layout
     async with contextlib.AsyncExitStack() as stack:
-        manager = new_manager(geometry, policy)
+        manager = new_manager(geometry, settings)
         wal = open_journal(args, state, layout, manager, memory, swap, found, stack)
         fd_server = await start_fd_server(memory, startup.sock_path, stack)
-        parts = assemble(manager, policy, memory, swap, wal, fd_server)
+        parts = assemble(manager, settings, memory, swap, wal, fd_server)
         if args.cluster_master:
             await pages_allocated(memory)                   # the store registers the pool's pages
             await join_cluster(args, memory, parts, stack)   # left after the copier's fetches are done

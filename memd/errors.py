@@ -41,6 +41,12 @@ class SessionBusy(FailedPrecondition):
     reason = "session_busy"
 
 
+class SessionTaken(AlreadyExists):
+    """A new sequence under a session's name while the session's own runs: a turn of it is in flight."""
+
+    reason = "session_busy"
+
+
 class RunningElsewhere(PermissionDenied):
     """The sequence is running on another worker: only that worker may change it until its turn ends."""
 

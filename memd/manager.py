@@ -37,7 +37,7 @@ from memd.errors import (
     NotFound,
     OpError,
     PermissionDenied,
-    SessionBusy,
+    SessionTaken,
 )
 from memd.eviction import Evictor
 from memd.invariants import violations
@@ -427,11 +427,8 @@ class KvManager:
         check_name("session id", session_id or "")
         if session_id and session_id in self.sessions:
             seq = self.seqs[self.sessions[session_id]]
-            taken = AlreadyExists(
-                f"session {session_id!r} already has sequence {seq.seq_id} ({seq.state}); resume or free it")
-            if seq.state is SeqState.RUNNING:
-                taken.reason = SessionBusy.reason              # a turn of it is in flight
-            raise taken
+            kind = SessionTaken if seq.state is SeqState.RUNNING else AlreadyExists   # running: a turn in flight
+            raise kind(f"session {session_id!r} already has sequence {seq.seq_id} ({seq.state}); resume or free it")
 
     def check_fits(self, num_tokens: int, block_size: int) -> None:
         needed = blocks_for(num_tokens, block_size)

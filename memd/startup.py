@@ -31,7 +31,7 @@ from memd.memory import (
     pool_kept,
     resolve_device,
 )
-from memd.policy import Policy
+from memd.settings import Settings
 from memd.startup_plan import Startup, StartupError
 from memd.state_dir import TMPFS, Layout, StateDir, StateError, boot_id
 from memd.swap import SwapMemory
@@ -55,11 +55,11 @@ def run(args: argparse.Namespace, geometry: PoolGeometry) -> None:
     sock_path = prepare_socket(target)
     credentials = credentials_for(args, sock_path)
     try:
-        policy = Policy.from_args(args)
+        settings = Settings.from_args(args)
         device = resolve_device(args.device)
         layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes,
-                        policy.swap_slots(geometry))
-        startup = Startup(args, geometry, policy, device, layout, target, sock_path, credentials)
+                        settings.swap_slots(geometry))
+        startup = Startup(args, geometry, settings, device, layout, target, sock_path, credentials)
         state, found = open_state(args, sock_path, layout)
         try:
             with contextlib.ExitStack() as stack:

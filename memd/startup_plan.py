@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from memd.policy import Policy
+from memd.settings import Settings
 from memd.state_dir import Layout
 from memd.token_files import Credentials
 from shared.geometry import PoolGeometry
@@ -23,7 +23,7 @@ class Startup:
 
     args: argparse.Namespace
     geometry: PoolGeometry
-    policy: Policy
+    settings: Settings
     device: str                     # "cpu" or "cuda[:N]", resolved
     layout: Layout
     target: str                     # the address to listen on

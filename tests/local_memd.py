@@ -26,7 +26,7 @@ from memd.assembly import Parts, assemble, new_manager
 from memd.errors import KvError, OpError
 from memd.leases import Notice
 from memd.memory import allocate_pool
-from memd.policy import Policy
+from memd.settings import Settings
 from memd.swap_tier import allocate_swap
 from shared.client import MemdError
 from shared.geometry import PoolGeometry
@@ -49,11 +49,11 @@ class LocalMemd:
         """A memd as `memd --device cpu FLAGS...` would start (no state directory: nothing outlives it)."""
         args = build_parser().parse_args(["--device", "cpu", *flags])
         geometry = plan(args)
-        policy = Policy.from_args(args)
+        settings = Settings.from_args(args)
         memory = allocate_pool("cpu", geometry.num_blocks, geometry.block_bytes)
-        slots = policy.swap_slots(geometry)
+        slots = settings.swap_slots(geometry)
         swap = allocate_swap(memory, slots, geometry.block_bytes) if slots else None
-        return cls(assemble(new_manager(geometry, policy), policy, memory, swap), memory, swap)
+        return cls(assemble(new_manager(geometry, settings), settings, memory, swap), memory, swap)
 
     async def attach(self, *, model: str = "default", block_size: int = 0, bytes_per_token: int = 0,
                      name: str = "local") -> LocalClient:

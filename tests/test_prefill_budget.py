@@ -18,14 +18,14 @@ SHARED = [(7 * i + 3) % 400 + 3 for i in range(41)]        # ten full blocks of 
 
 def test_held_blocks_counts_what_a_running_request_has_committed_of_the_prompt():
     running = Request(list(range(40)), greedy(4))
-    running.tokens, running.num_committed = list(range(40)), 40
+    running.seq.tokens, running.seq.committed = list(range(40)), 40
     assert held_blocks(list(range(40)) + [7], [running], 4) == 10
     assert held_blocks(list(range(22)) + [7], [running], 4) == 5      # its last token is never matched
-    running.num_committed = 13                                         # three whole blocks committed so far
+    running.seq.committed = 13                                         # three whole blocks committed so far
     assert held_blocks(list(range(40)) + [7], [running], 4) == 3
-    running.num_prompt, running.num_computed = 40, 26     # this iteration's Step commits its computed prompt
+    running.num_prompt, running.seq.computed = 40, 26     # this iteration's Step commits its computed prompt
     assert held_blocks(list(range(40)) + [7], [running], 4) == 6
-    running.num_computed = 0
+    running.seq.computed = 0
     assert held_blocks([9] + list(range(1, 40)), [running], 4) == 0
     assert held_blocks(list(range(40)), [], 4) == 0
 

@@ -73,7 +73,7 @@ async def test_a_follower_is_not_held_by_a_leader_that_is_cancelled(local_memd_f
     started = asyncio.Event()
 
     async def cancel_once_computing(ops):
-        if leader.num_computed and not started.is_set():     # the leader's first chunk is in: the follower waits
+        if leader.seq.computed and not started.is_set():     # the leader's first chunk is in: the follower waits
             started.set()
             scheduler.cancel(leader)
 

@@ -100,7 +100,7 @@ async def test_reset_forgets_a_session_and_refuses_an_unknown_one(served):
     assert stats.used_blocks == 0
     with pytest.raises(GenerationError) as err:
         await scheduler.reset("forget-me")
-    assert err.value.code == "NOT_FOUND"
+    assert err.value.code.name == "NOT_FOUND"
 
 
 async def test_reset_during_a_turn_ends_it_and_frees_the_session(served):
@@ -287,7 +287,7 @@ async def test_memd_failing_mid_step_fails_the_requests_in_it(served):
     request = Request([7, 8, 9], greedy(3))
     scheduler.submit(request)
     _, _, final = await collect(request)
-    assert final.error is not None and final.error.code == "UNAVAILABLE"
+    assert final.error is not None and final.error.code.name == "UNAVAILABLE"
 
 
 async def test_a_session_that_outgrew_the_model_is_refused_and_kept(served):
@@ -302,7 +302,7 @@ async def test_a_session_that_outgrew_the_model_is_refused_and_kept(served):
         second = Request(list(range(40, 46)), greedy(2), session_id="long")
         scheduler.submit(second)
         _, _, final = await collect(second)
-        assert final.error is not None and final.error.code == "INVALID_ARGUMENT"
+        assert final.error is not None and final.error.code.name == "INVALID_ARGUMENT"
         assert "reset the session" in final.error.message
         await assert_clean(memd, parked=1)                     # the history is still there to reset
     finally:
@@ -324,7 +324,7 @@ async def test_a_turn_whose_table_memd_disagrees_with_fails_instead_of_answering
     request = Request(list(range(3, 10)), greedy(40))       # grows past its first pages
     scheduler.submit(request)
     tokens, _, final = await collect(request)
-    assert tampered and final.error is not None and final.error.code == "INTERNAL"
+    assert tampered and final.error is not None and final.error.code.name == "INTERNAL"
     assert "committed length differs" in final.error.message and len(tokens) < 40
     client.step = original
     stats = await assert_clean(memd)
@@ -344,13 +344,13 @@ async def test_the_kv_audit_fails_a_turn_whose_pages_someone_else_wrote(local_me
         victim, struck = Request(list(range(30, 47)), greedy(30)), []
 
         async def strike(ops):
-            if not struck and any(isinstance(op, Extend) and op.seq_id == victim.seq_id for op in ops):
-                struck.append(victim.table[1])                    # a full page the victim wrote and reads
-                intruder.pool.pages[victim.table[1]] = 7
+            if not struck and any(isinstance(op, Extend) and op.seq_id == victim.seq.id for op in ops):
+                struck.append(victim.seq.table[1])                    # a full page the victim wrote and reads
+                intruder.pool.pages[victim.seq.table[1]] = 7
         on_step(client, strike)
         scheduler.submit(victim)
         tokens, _, final = await collect(victim)
-        assert struck and final.error is not None and final.error.code == "INTERNAL"
+        assert struck and final.error is not None and final.error.code.name == "INTERNAL"
         assert f"(page {struck[0]}, slot 0) changed under it" in final.error.message and len(tokens) < 30
         stats = await assert_clean(memd)
         assert stats.used_blocks == 0

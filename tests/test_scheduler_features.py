@@ -312,7 +312,7 @@ async def test_whole_history_needs_a_session(served):
     _, scheduler = served
     with pytest.raises(GenerationError, match="whole_history") as err:
         scheduler.submit(Request([1, 2, 3], greedy(3), whole_history=True))
-    assert err.value.code == "INVALID_ARGUMENT" and not scheduler.waiting
+    assert err.value.code.name == "INVALID_ARGUMENT" and not scheduler.waiting
 
 
 async def test_a_memd_that_appends_the_conversation_fails_the_turn(served):
@@ -328,7 +328,7 @@ async def test_a_memd_that_appends_the_conversation_fails_the_turn(served):
     request = Request([10, 20, 30, 40, 50, 60], greedy(3), session_id="c", whole_history=True)
     scheduler.submit(request)
     tokens, _, final = await collect(request)
-    assert tokens == [] and final.error is not None and final.error.code == "FAILED_PRECONDITION"
+    assert tokens == [] and final.error is not None and final.error.code.name == "FAILED_PRECONDITION"
     scheduler.client.step = original
     stats = await assert_clean(memd, parked=0)                   # the muddled history is freed
     assert stats.used_blocks == 0
@@ -365,7 +365,7 @@ async def test_streamed_text_is_decoded_a_token_at_a_time_and_holds_half_charact
     request = Request([1, 2, 3], greedy(cut))
     deltas = []
     for token in ids[:cut]:                      # as _forward hands each sampled token on
-        request.tokens.append(token)
+        request.seq.tokens.append(token)
         request.generated.append(token)
         scheduler._emit(request, token)
         deltas.append(request.events.get_nowait().text)

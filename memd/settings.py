@@ -1,5 +1,7 @@
-"""memd's behaviour flags, apart from its wiring: start-up sizes the swap tier
-from them before the modules memd serves with are imported (memd.startup)."""
+"""memd's settings: the numbers its policies run by (lease timeout, heat decay,
+swap ratio, idle TTL, free watermark, prefix cache on or off), read from its
+flags apart from its wiring, so that start-up can size the swap tier from them
+before the modules memd serves with are imported (memd.startup)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from shared.geometry import PoolGeometry
 
 
 @dataclass(frozen=True, slots=True)
-class Policy:
-    """The flags that shape memd's behaviour once its memory is allocated."""
+class Settings:
+    """What shapes memd's behaviour once its memory is allocated."""
 
     lease_timeout_s: float = 10.0
     heat_decay: float = 0.9
@@ -22,7 +24,7 @@ class Policy:
     prefix_cache: bool = True
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Policy:
+    def from_args(cls, args: argparse.Namespace) -> Settings:
         return cls(args.lease_timeout, args.heat_decay, args.heat_interval,
                    0.0 if args.disable_swap else args.swap_ratio, args.idle_ttl, args.free_watermark,
                    not args.no_prefix_cache)
