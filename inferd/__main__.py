@@ -147,7 +147,7 @@ async def serve(args: argparse.Namespace) -> None:
                     verify_reuse=args.verify_reuse, attention=args.attention)
     metrics = None
     if args.metrics_port or args.http:
-        metrics = InferdMetrics(engine, asyncio.get_running_loop())
+        metrics = InferdMetrics(engine, asyncio.get_running_loop(), args.served_model_name or args.model.name)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
     http = HttpFrontDoor.listen(args, engine, metrics) if args.http else None

@@ -8,6 +8,7 @@ and a client that goes away cancels what is left (its sequences park or free).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ class Completions:
     metrics: InferdMetrics | None
     remaining: int = 0
     finals: dict[int, Event] = field(default_factory=dict)
+    last_token_at: dict[int, float] = field(default_factory=dict)     # by completion: for the gaps between tokens
 
     def __post_init__(self) -> None:
         self.remaining = self.request.params.n
@@ -39,8 +41,8 @@ class Completions:
         if not self.remaining:
             return None
         event = await self.request.events.get()
-        if self.metrics is not None and (event.error is not None or event.finish_reason is not None):
-            self.metrics.finished(event)
+        if self.metrics is not None:
+            self._count(event, self.metrics)
         if event.error is not None:
             self.remaining = 0
             self.cancel(self.request)                  # n > 1: the other completions stop too
@@ -54,6 +56,18 @@ class Completions:
                      seq=self.request.seq.id, index=event.index, finish_reason=event.finish_reason,
                      **(event.usage or {}))
         return event
+
+    def _count(self, event: Event, metrics: InferdMetrics) -> None:
+        now = time.monotonic()
+        if event.token_ids:
+            last = self.last_token_at.get(event.index)
+            if last is not None:
+                metrics.token_gap(now - last)
+            elif not self.last_token_at:
+                metrics.first_token(self.request, now)
+            self.last_token_at[event.index] = now
+        if event.error is not None or event.finish_reason is not None:
+            metrics.finished(event, self.request, now)
 
     def stop(self) -> None:
         """End the request early; its completions still end as usual (finish reason "abort")."""

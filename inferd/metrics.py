@@ -1,6 +1,8 @@
-"""inferd's Prometheus metrics: requests, tokens, TTFT/TPOT, forward passes, preemptions, the batch.
+"""inferd's Prometheus metrics: requests, tokens, TTFT/TPOT, forward passes, preemptions, the batch,
+and the same under vLLM's names (`inferd.vllm_metrics`).
 
-Finished requests are counted as they finish (`finished`). The batch's state
+Requests are counted as their events are read (`inferd.completions`): the
+first token, each token after it, each completion's end. The batch's state
 lives on inferd's event loop, so a scrape reads it there, as memd's does.
 """
 
@@ -14,12 +16,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from inferd.vllm_metrics import VllmMetrics
 from shared.full_collections import metric_families
 from shared.metrics_http import serve_metrics
 
 if TYPE_CHECKING:
     from inferd.engine import WorkerEngine
-    from inferd.scheduler import Event
+    from inferd.requests import Event, Request
 
 SCRAPE_TIMEOUT_S = 5.0
 PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -27,9 +30,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class InferdMetrics(Collector):
-    def __init__(self, engine: WorkerEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: WorkerEngine, loop: asyncio.AbstractEventLoop, model_name: str) -> None:
         self.engine, self.loop = engine, loop
         self.registry = CollectorRegistry()
+        self.vllm = VllmMetrics(self.registry, model_name)
         self.requests = Counter("kvpool_inferd_requests", "completions finished, by how they ended",
                                 ["finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter("kvpool_inferd_prompt_tokens", "prompt tokens of finished completions",
@@ -58,11 +62,23 @@ class InferdMetrics(Collector):
     def serve(self, port: int, host: str) -> None:
         serve_metrics(self.registry, host, port)
 
-    def finished(self, event: Event) -> None:
+    def first_token(self, request: Request, now: float) -> None:
+        """A request's first token (of its first completion)."""
+        placed = request.seq.placed_at or now
+        self.vllm.first_token(request.num_prompt, request.num_cached, now - request.arrived,
+                              max(0.0, placed - request.arrived))
+
+    def token_gap(self, seconds: float) -> None:
+        """The time between two tokens of one completion."""
+        self.vllm.itl.observe(seconds)
+
+    def finished(self, event: Event, request: Request, now: float) -> None:
         """One completion ended (its final event)."""
         reason = "error" if event.error is not None else (event.finish_reason or "unknown")
         self.requests.labels(reason).inc()
         usage = event.usage or {}
+        self.vllm.finished(reason, int(usage.get("completion_tokens", 0)), now - request.arrived,
+                           usage.get("tpot_ms", 0.0) / 1000)
         self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
         self.cached_tokens.inc(usage.get("cached_tokens", 0))
         self.generated_tokens.inc(usage.get("completion_tokens", 0))
@@ -74,8 +90,14 @@ class InferdMetrics(Collector):
     async def reading(self) -> dict[str, Any]:
         scheduler = self.engine.scheduler
         check = scheduler.reuse_check if scheduler else None
+        client = scheduler.client if scheduler else None
+        total = client.geometry.num_blocks if client else 0
         return {
             "attached": self.engine.attached.is_set(),
+            "pool_blocks": total,
+            "block_size": self.engine.block_size,
+            "pool_usage": (total - client.free_blocks) / total if client and total else 0.0,
+            "share": sum(len(r.seq.table) for r in scheduler.running) / total if scheduler and total else 0.0,
             "running": len(scheduler.running) if scheduler else 0,
             "waiting": len(scheduler.waiting) if scheduler else 0,
             "preemptions": self.engine.preemptions + (scheduler.preemptions if scheduler else 0),
@@ -95,6 +117,11 @@ class InferdMetrics(Collector):
                                 value=r["waiting"])
         yield CounterMetricFamily("kvpool_inferd_preemptions", "running sequences given up for memory",
                                   value=r["preemptions"])
+        yield GaugeMetricFamily("kvpool_inferd_kv_cache_share",
+                                "pages this worker's running sequences hold, over the pool's (memd's, shared)",
+                                value=r["share"])
+        yield from self.vllm.families(r["running"], r["waiting"], r["pool_usage"], r["preemptions"],
+                                      r["block_size"], r["pool_blocks"])
         ahead = CounterMetricFamily("kvpool_inferd_passes_run_ahead",
                                     "decode passes the forward thread ran ahead: taken, or dropped (the batch changed)",
                                     labels=["outcome"])

@@ -19,6 +19,7 @@ first's tokens again. An op memd refuses takes its part back (`untold`,
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ class SeqProgress:
     told: int = 0                                      # history length memd knows (or a Step in flight tells it)
     committed: int = 0                                 # history memd holds as computed (its prefix cache's)
     summed: int = 0                                    # leading pages memd has (or is sent) a checksum for
+    placed_at: float = 0.0                             # when memd first placed the sequence (monotonic clock)
 
     @property
     def held(self) -> bool:
@@ -57,6 +59,7 @@ class SeqProgress:
         `tokens` it holds computed (and summed, if ever). `told`: the history memd knows, if not all of it
         (a fork child's own first token is not yet memd's)."""
         self.status = RequestStatus.RUNNING
+        self.placed_at = self.placed_at or time.monotonic()
         self.id, self.table, self.tokens = result.seq_id, BlockTable(result.block_ids), tokens
         self.computed = self.committed = result.num_committed
         self.told = len(tokens) if told is None else told
