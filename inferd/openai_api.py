@@ -47,6 +47,7 @@ from inferd.openai_schema import (
 from inferd.requests import Event, GenerationError, Request, TokenLogprob
 from inferd.sampling import BadParams, SamplingParams
 from inferd.service import checked_request_id
+from shared.command_line import kvpool_version
 from shared.http_exchange import ClientGone, check_api_key, or_disconnect, stream_body
 
 log = structlog.get_logger("inferd.http")
@@ -100,6 +101,8 @@ class OpenAIServer:
             Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),            # vLLM's (SageMaker's) name for it
+            Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
 
@@ -214,9 +217,12 @@ class OpenAIServer:
         try:
             first = await or_disconnect(http.receive, _next(reader))     # a refusal is an error status, not a stream
             if body.stream:
-                usage = body.stream_options is not None and body.stream_options.include_usage
+                options = body.stream_options
+                usage = options is not None and options.include_usage
                 streaming = True
-                return _Stream(self, reader, self._stream(reader, shape, first, usage))
+                return _Stream(self, reader, self._stream(
+                    reader, shape, first, usage, continuous=usage and options is not None and
+                    options.continuous_usage_stats))
             events = [first]
             while (event := await or_disconnect(http.receive, _next(reader))) is not None:
                 events.append(event)
@@ -226,19 +232,30 @@ class OpenAIServer:
                 reader.abandon()                       # a no-op once every completion ended
                 self.active.discard(reader)
 
-    async def _stream(self, reader: Completions, shape: _Shape, first: Event | None,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, reader: Completions, shape: _Shape, first: Event | None, include_usage: bool, *,
+                      continuous: bool = False) -> AsyncIterator[str]:
         """OpenAI's chunks: the role first (chat), the text, the finish reason on the last text chunk.
 
         A token's event says whether it ends its completion, so no chunk waits for the next one.
+        `continuous` (vLLM's continuous_usage_stats): each chunk carries its choice's usage so far.
         """
         ended: set[int] = set()                        # completions whose finish reason was sent
         sent: dict[int, int] = {}                      # characters of text sent, per completion
+        generated: dict[int, int] = {}                 # tokens so far, per completion
+
+        def usage(index: int) -> dict[str, int] | None:
+            if not continuous:
+                return None
+            prompt, done = reader.request.num_prompt, generated.get(index, 0)
+            return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
         try:
             for index in range(shape.n) if shape.chat else ():
-                yield shape.chunk_json(shape.chunk(index, {"role": "assistant", "content": ""}), include_usage)
+                yield shape.chunk_json(shape.chunk(index, {"role": "assistant", "content": ""}), include_usage,
+                                       usage(index))
             event = first
             while event is not None:
+                generated[event.index] = generated.get(event.index, 0) + len(event.token_ids)
                 if event.token_ids and (event.text or event.logprobs or event.ends):
                     chunk = shape.chunk(event.index, {"content": event.text} if shape.chat else event.text,
                                         event.logprobs, sent.get(event.index, 0))
@@ -246,11 +263,11 @@ class OpenAIServer:
                     if event.ends is not None:
                         chunk["choices"][0]["finish_reason"] = _finish_reason(event.ends)
                         ended.add(event.index)
-                    yield shape.chunk_json(chunk, include_usage)
+                    yield shape.chunk_json(chunk, include_usage, usage(event.index))
                 elif event.finish_reason is not None and event.index not in ended:   # ended with no token
                     chunk = shape.chunk(event.index, {} if shape.chat else "")
                     chunk["choices"][0]["finish_reason"] = _finish_reason(event.finish_reason)
-                    yield shape.chunk_json(chunk, include_usage)
+                    yield shape.chunk_json(chunk, include_usage, usage(event.index))
                 event = await _next(reader)
             if include_usage:
                 yield json.dumps(shape.envelope([], usage=reader.usage()))
@@ -295,6 +312,9 @@ class OpenAIServer:
         if scheduler.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def version(self, http: HttpRequest) -> Response:
+        return JSONResponse({"version": kvpool_version()})
 
     async def prometheus(self, http: HttpRequest) -> Response:
         if self.metrics is None:
@@ -370,9 +390,9 @@ class _Shape:
         choice["delta" if self.chat else "text"] = delta
         return self.envelope([choice])
 
-    def chunk_json(self, chunk: dict[str, Any], include_usage: bool) -> str:
+    def chunk_json(self, chunk: dict[str, Any], include_usage: bool, usage: dict[str, int] | None = None) -> str:
         if include_usage:
-            chunk["usage"] = None                       # as OpenAI: every chunk has it, the last one filled
+            chunk["usage"] = usage                      # as OpenAI: every chunk has it, the last one filled
         return json.dumps(chunk)
 
     def whole(self, events: list[Event], usage: dict[str, Any]) -> dict[str, Any]:

@@ -23,14 +23,8 @@ MAX_LOGPROBS = 20
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens), not only the last.
     continuous_usage_stats: bool = False
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _once(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("usage is reported once, at the end (continuous_usage_stats is not supported)")
-        return value
 
 
 class _Sampling(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -133,6 +134,36 @@ async def test_streaming_follows_openai_chunk_by_chunk(api, hf_tokenizer):
         assert "".join(c.delta.content or "" for c in mine) == hf_tokenizer.decode(ids, skip_special_tokens=True)
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     await client.close()
+
+
+async def test_continuous_usage_puts_each_choice_s_usage_so_far_on_every_chunk(api, hf_tokenizer):
+    """vLLM's stream_options.continuous_usage_stats (aiperf's --per-chunk-usage reads it)."""
+    _memd, _inferd, url = api
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY)
+    messages = [{"role": "user", "content": "Count the pages."}]
+    prompt = len(template_ids(hf_tokenizer, messages))
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, n=2, temperature=0.9, seed=1, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    await client.close()
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    for index in (0, 1):
+        mine = [c for c in chunks[:-1] if c.choices[0].index == index]
+        done = [c.usage.completion_tokens for c in mine]
+        assert done[0] == 0 and done == sorted(done) and done[-1] == 6        # the role chunk first, then growing
+        assert all(c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
+                   for c in mine)
+
+
+async def test_version_and_ping_answer_as_vllm_s_do(api):
+    _memd, _inferd, url = api
+    async with httpx.AsyncClient(timeout=10) as http:
+        version = await http.get(f"{url}/version")
+        assert version.status_code == 200 and version.json()["version"] == importlib.metadata.version("kvpool")
+        for method in ("GET", "POST"):
+            ping = await http.request(method, f"{url}/ping")
+            assert ping.status_code == 200 and ping.json() == {"status": "ok"}
 
 
 async def test_stop_strings_logprobs_and_the_completions_endpoint(api, model_judge, hf_tokenizer):

@@ -34,8 +34,6 @@ def test_nulls_are_the_defaults_and_a_reply_appended_as_the_client_dumps_it_is_a
     (CHAT | {"repetition_penalty": 1.1}, "repetition_penalty", "only 1"),
     (CHAT | {"presence_penalty": 0.5}, "presence_penalty", "only 0"),
     (CHAT | {"stream_options": {"include_usage": True}}, None, "stream: true"),
-    (CHAT | {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats", "once"),
     (CHAT | {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]},
      "messages.0.tool_calls", "not supported"),
     (CHAT | {"n": 17}, "n", "16"),
