@@ -97,6 +97,8 @@ class OpenAIServer:
         return Starlette(exception_handlers={HTTPException: _http_error}, routes=[
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions/render", self._endpoint(self.render_chat), methods=["POST"]),
+            Route("/v1/completions/render", self._endpoint(self.render_completions), methods=["POST"]),
             Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
             Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
@@ -152,17 +154,18 @@ class OpenAIServer:
     async def completions(self, http: HttpRequest, request_id: str) -> Response:
         body = parse(CompletionBody, await self._body(http))
         self._check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt_ids = self.engine.tokenizer.encode(prompt).ids
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            prompt_ids = list(prompt)                               # type: ignore[arg-type]
-        elif isinstance(prompt, list) and len(prompt) == 1:
-            only = prompt[0]
-            prompt_ids = self.engine.tokenizer.encode(only).ids if isinstance(only, str) else list(only)
-        else:
+        prompts = self._prompt_ids(body)
+        if len(prompts) != 1:
             raise ApiError(400, "one prompt per request (a batch of prompts is not supported)", param="prompt")
-        return await self._generate(http, request_id, body, prompt_ids, chat=False)
+        return await self._generate(http, request_id, body, prompts[0], chat=False)
+
+    def _prompt_ids(self, body: CompletionBody) -> list[list[int]]:
+        """The token ids of each prompt of a completions body: text, token ids, or a list of either."""
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]                                       # type: ignore[list-item]
+        return [self.engine.tokenizer.encode(p).ids if isinstance(p, str) else list(p)   # type: ignore[arg-type]
+                for p in prompt]
 
     def _chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         if self.template is None:
@@ -276,6 +279,36 @@ class OpenAIServer:
         finally:
             reader.abandon()                           # a no-op once every completion ended
         yield "[DONE]"
+
+    # ---- rendering: what a request would run, without running it ----------
+
+    async def render_chat(self, http: HttpRequest, request_id: str) -> Response:
+        """vLLM's render: the token ids a chat request would run (its template applied) and its sampling, so
+        that a router (llm-d's precise prefix routing) tokenizes as this server does."""
+        body = parse(ChatBody, await self._body(http))
+        self._check_model(body.model)
+        ids = self._chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+        return JSONResponse(self._rendered(body, ids, f"chatcmpl-{request_id}"))
+
+    async def render_completions(self, http: HttpRequest, request_id: str) -> Response:
+        """One rendered request per prompt, as vLLM's."""
+        body = parse(CompletionBody, await self._body(http))
+        self._check_model(body.model)
+        prompts = self._prompt_ids(body)
+        names = [f"cmpl-{request_id}"] if len(prompts) == 1 else [f"cmpl-{request_id}-{i}" for i in range(len(prompts))]
+        return JSONResponse([self._rendered(body, ids, name) for ids, name in zip(prompts, names, strict=True)])
+
+    def _rendered(self, body: ChatBody | CompletionBody, ids: list[int], request_id: str) -> dict[str, Any]:
+        vocab = self.engine.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        p = self._params(body, len(ids))
+        sampling = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                    "seed": p.seed, "stop": list(p.stop), "n": p.n, "ignore_eos": p.ignore_eos,
+                    "min_tokens": p.min_tokens, "logprobs": p.logprobs}
+        return {"request_id": request_id, "token_ids": ids, "sampling_params": sampling, "model": self.model_name,
+                "stream": body.stream, "stream_options": body.stream_options.model_dump() if body.stream_options
+                else None, "cache_salt": None, "output_mode": "tokens"}
 
     # ---- the rest of the API ------------------------------------------
 

@@ -156,6 +156,28 @@ async def test_continuous_usage_puts_each_choice_s_usage_so_far_on_every_chunk(a
                    for c in mine)
 
 
+async def test_render_gives_the_token_ids_a_request_would_run_and_runs_nothing(api, hf_tokenizer):
+    """vLLM's /render endpoints, through which llm-d's router tokenizes as the server does."""
+    memd, _inferd, url = api
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+    async with httpx.AsyncClient(timeout=30) as http:
+        chat = (await http.post(f"{url}/v1/chat/completions/render", headers=auth | {"x-request-id": "r1"},
+                                json={"model": MODEL, "messages": messages, "max_tokens": 7, "seed": 5})).json()
+        texts = (await http.post(f"{url}/v1/completions/render", headers=auth,
+                                 json={"model": MODEL, "prompt": ["Pages of KV", "and more"], "max_tokens": 3})).json()
+        refused = await http.post(f"{url}/v1/chat/completions/render", headers=auth,
+                                  json={"model": "other", "messages": messages})
+    assert chat["token_ids"] == template_ids(hf_tokenizer, messages) and chat["request_id"] == "chatcmpl-r1"
+    assert (chat["model"], chat["sampling_params"]["max_tokens"], chat["sampling_params"]["seed"]) == (MODEL, 7, 5)
+    assert [t["token_ids"] for t in texts] == [hf_tokenizer(p)["input_ids"] for p in ("Pages of KV", "and more")]
+    assert [t["request_id"][-2:] for t in texts] == ["-0", "-1"]
+    assert refused.status_code == 404
+    async with memd.admin() as admin:
+        stats = await admin.stats()
+    assert stats.used_blocks == 0 and sum(stats.sequences.values()) == 0          # nothing ran
+
+
 async def test_version_and_ping_answer_as_vllm_s_do(api):
     _memd, _inferd, url = api
     async with httpx.AsyncClient(timeout=10) as http:
