@@ -77,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="memory this memd contributes to the store (default: 256MiB)")
     cluster.add_argument("--cluster-replicas", type=count(), default=2,
                          help="copies of each object, on different hosts' segments (default: 2)")
+    events = p.add_argument_group("KV events (vLLM's format, for prefix-aware routers)")
+    events.add_argument("--kv-events", metavar="tcp://HOST:PORT",
+                        help="publish the pool's prefix cache and swap tier as KV events on a ZMQ PUB socket here "
+                             "(default: off)")
+    events.add_argument("--kv-events-replay", metavar="tcp://HOST:PORT",
+                        help="the replay socket (ROUTER) for subscribers that missed batches (default: the next "
+                             "port after --kv-events)")
+    events.add_argument("--kv-events-topic", default="",
+                        help="the topic every batch is sent under; {host} is this host's name (default: none, as "
+                             "vLLM's)")
     p.add_argument("--metrics-port", type=port, default=0,
                    help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")

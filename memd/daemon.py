@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import structlog
+import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -25,6 +26,7 @@ from memd.fdpass import FdServer
 from memd.host_pages import huge_pages
 from memd.interceptors import MEMD_SERVICE, RpcCounter, SerializedReplies
 from memd.journal import Recovered, WriteAheadLog
+from memd.kv_events import KvEvents, replay_endpoint_beside
 from memd.manager import KvManager
 from memd.memory import PoolMemory, ShmMemory
 from memd.metrics import MemdMetrics
@@ -85,6 +87,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
                 raise StartupError(str(exc)) from None
             parts.service.step_seconds = metrics.step_seconds
             Pacer.observe = metrics.operator_holds.observe
+        events = open_kv_events(args, manager, parts, stack)          # a taken port fails start-up too
         target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
                                                      startup.sock_path, stack)
         # What start-up made (modules, the recovered state) lives as long as memd: out of the collector's way,
@@ -101,6 +104,8 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         if (interval := watchdog_interval()) is not None:
             tasks.append(asyncio.create_task(keep_watchdog(interval, lambda: pool_status(manager)), name="watchdog"))
         stack.push_async_callback(_cancel, tasks)
+        if events is not None:
+            events.start()
         huge = huge_pages(state.pool if state is not None else None) if memory.backend == "shm" else None
         if huge is False and geometry.pool_bytes >= SLOW_SMALL_PAGES_BYTES:
             log.info("the pool is in 4 KiB pages, which the kernel allocates one at a time (seconds before READY "
@@ -118,7 +123,8 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
                  swap_non_temporal="x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""),
                  pool_pages=None if huge is None else "2 MiB" if huge else "4 KiB",
                  pool_files=len(getattr(memory, "stripes", ())) or None,
-                 metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off")
+                 metrics=f"http://{args.metrics_host}:{args.metrics_port}/metrics" if args.metrics_port else "off",
+                 kv_events=events.endpoint if events is not None else "off")
         if state is not None:
             state.served = True
         stop = stop_on_signals()              # before READY=1: a SIGTERM right after it must stop memd cleanly
@@ -128,6 +134,21 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         log.info("memd stopping")
         notify("STOPPING=1")
         await health_servicer.enter_graceful_shutdown()
+
+
+def open_kv_events(args: argparse.Namespace, manager: KvManager, parts: Parts,
+                   stack: contextlib.AsyncExitStack) -> KvEvents | None:
+    """--kv-events: bind the publisher (and its replay socket); its batches follow every committed Step."""
+    if not args.kv_events:
+        return None
+    replay = args.kv_events_replay or replay_endpoint_beside(args.kv_events)
+    try:
+        events = KvEvents(manager, args.kv_events, replay, args.kv_events_topic)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot publish KV events on {args.kv_events} (replay {replay}): {exc}") from None
+    stack.push_async_callback(events.close)
+    parts.runner.after_step.append(events.after_step)
+    return events
 
 
 async def join_cluster(args: argparse.Namespace, memory: PoolMemory, parts: Parts,

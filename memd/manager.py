@@ -306,8 +306,7 @@ class KvManager:
         indices, blocks = [index for index, _ in kept], [block for _, block in kept]
         if self.prefix_cache:
             history, stride = token_bytes(seq.token_ids[:limit * seq.block_size]), seq.block_size * TOKEN_BYTES
-            self.offer(blocks, picked(seq.hashes, indices),
-                        [history[index * stride:(index + 1) * stride] for index in indices])
+            self.offer(seq, indices, blocks, [history[index * stride:(index + 1) * stride] for index in indices])
         self.pool.set_checksums(blocks, [sums.get(block, 0) for block in blocks])
         self.note_sum_set(seq, min(indices))
 
@@ -374,7 +373,7 @@ class KvManager:
             seq.hashes = [digest for digest, _ in chain]
             if seq.state is SeqState.PARKED:
                 held = min(len(seq.block_ids), len(chain))
-                self.offer(seq.block_ids[:held], seq.hashes[:held], [chunk for _, chunk in chain[:held]])
+                self.offer(seq, range(held), seq.block_ids[:held], [chunk for _, chunk in chain[:held]])
         for pid, blocks in (fences or {}).items():
             for block in blocks:
                 self.pool.incref(block)
@@ -477,10 +476,14 @@ class KvManager:
         seq.state, seq.owner = SeqState.PARKED, None
         self._note(seq.seq_id)
 
-    def offer(self, blocks: list[int], digests: Iterable[bytes], tokens: Iterable[bytes]) -> None:
-        """Full, committed blocks join the prefix cache (unless the cache is off)."""
+    def offer(self, seq: Sequence, indices: Iterable[int], blocks: list[int], tokens: Iterable[bytes]) -> None:
+        """Full, committed blocks of `seq` (entries `indices` of its table, their hashes in `seq.hashes`) join
+        the prefix cache (unless the cache is off)."""
         if self.prefix_cache:
-            self.pool.register_n(blocks, digests, tokens)
+            hashes = seq.hashes
+            indices = list(indices)
+            self.pool.register_n(blocks, [hashes[i] for i in indices], tokens,
+                                 [hashes[i - 1] if i else b"" for i in indices], seq.model)
 
     def release_blocks(self, blocks: list[int]) -> int:
         return self.pool.release_n(blocks)

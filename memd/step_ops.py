@@ -445,9 +445,8 @@ class StepTxn:
             return                   # no page filled (most decode tokens)
         chain = self.state.hasher.chain(seq.model, seq.token_ids, seq.block_size, start,
                                   seq.hashes[-1] if seq.hashes else b"", full)
-        digests = [digest for digest, _ in chain]
-        self.state.offer(seq.block_ids[start:full], digests, [chunk for _, chunk in chain])
-        seq.hashes += digests
+        seq.hashes += [digest for digest, _ in chain]
+        self.state.offer(seq, range(start, full), seq.block_ids[start:full], [chunk for _, chunk in chain])
 
     def _keep_sums(self, seq: Sequence, first: int, sums: list[int], *, partial: bool = False) -> None:
         """The worker's checksums of pages it committed: kept with the pages, for whoever checks them later.

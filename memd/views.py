@@ -27,7 +27,8 @@ INTEGRITY_COUNTERS = ("integrity_failures", "pages_verified")
 def stats_dict(reply: pb.StatsReply) -> dict[str, Any]:
     data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     for key in ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes",
-                "generation", "bytes_per_token", "swap_total_blocks", "swap_free_blocks", "swapped_blocks"):
+                "generation", "bytes_per_token", "swap_total_blocks", "swap_free_blocks", "swapped_blocks",
+                "prefix_blocks"):
         data[key] = int(data[key])      # protobuf's JSON form writes 64-bit ints as strings
     order = {state: i for i, state in enumerate(STATE_ORDER)}
     data["sequences"] = {k: int(v) for k, v in sorted(data["sequences"].items(), key=lambda kv: order.get(kv[0], 99))}

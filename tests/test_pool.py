@@ -454,7 +454,8 @@ def apply_op(pool: BlockPool, name: str, k: int) -> None:
         pool.incref_n(run + run[:1])
     elif name == "register_n":               # some already cached, some digests taken
         run = held[k % (len(held) + 1):]
-        pool.register_n(run, [digest((k + i) % 5) for i in range(len(run))], [toks(k + i) for i in range(len(run))])
+        pool.register_n(run, [digest((k + i) % 5) for i in range(len(run))], [toks(k + i) for i in range(len(run))],
+                        [b""] * len(run), "")
     elif name == "set_checksums":            # one of them twice
         run = held[k % (len(held) + 1):]
         pool.set_checksums(run + run[:1], [k + i for i in range(len(run) + len(run[:1]))])
@@ -589,7 +590,7 @@ def test_a_run_leaves_the_pool_as_the_same_blocks_one_by_one(setup, n, data):
     for block, d, chunk in zip(offered, digests, chunks, strict=True):
         one.register(block, d, chunk)
         one.set_checksum(block, block + 1)
-    run.register_n(offered, digests, chunks)
+    run.register_n(offered, digests, chunks, [b""] * len(offered), "")
     run.set_checksums(offered, [block + 1 for block in offered])
     assert without_times(run) == without_times(one)
     assert pool_violations(run) == []

@@ -111,7 +111,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes", "workers", "sequences", "counters", "backend", "device", "generation", "uptime_s", "bytes_per_token", "block_size", "swap_total_blocks", "swap_free_blocks", "swapped_blocks", "rpcs", "draining", "cluster")
+    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_bytes", "pool_bytes", "workers", "sequences", "counters", "backend", "device", "generation", "uptime_s", "bytes_per_token", "block_size", "swap_total_blocks", "swap_free_blocks", "swapped_blocks", "rpcs", "draining", "cluster", "prefix_blocks")
     class SequencesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class StatsReply(_message.Message):
     RPCS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     used_blocks: int
@@ -175,7 +176,8 @@ class StatsReply(_message.Message):
     rpcs: _containers.ScalarMap[str, int]
     draining: bool
     cluster: str
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., swapped_blocks: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., cluster: _Optional[str] = ...) -> None: ...
+    prefix_blocks: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., sequences: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., generation: _Optional[int] = ..., uptime_s: _Optional[float] = ..., bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., swapped_blocks: _Optional[int] = ..., rpcs: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., cluster: _Optional[str] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("skip_blocks", "state", "worker_id", "packed_blocks")

@@ -1,0 +1,280 @@
+"""memd's prefix cache and swap tier as KV events, in vLLM's wire format (`memd --kv-events tcp://HOST:PORT`).
+
+Routers that route a request to where its prefix is cached (llm-d's KV-cache
+indexer, Dynamo's KV router, SGLang's router, kvroute) subscribe to an
+engine's KV events. memd owns the pages of every worker of its host, so one
+publisher covers them all: a block here is reusable by any of them.
+
+What is published, in vLLM's `KVEventBatch` of `BlockStored`, `BlockRemoved`
+and `AllBlocksCleared`:
+- medium "GPU": a full block joined the pool's prefix cache (its hash, its
+  parent's, its token ids, its block size), or left it (its page was handed
+  out for new content, or failed a check). "GPU" is vLLM's name for an
+  engine's own KV cache, which its CPU build uses as well: here, memd's pool,
+  on a GPU or in shared memory.
+- medium "CPU": a sequence's full blocks reached the swap tier, or left it (a
+  block two swapped sequences share is stored once, and removed with the
+  last of them).
+- `AllBlocksCleared` first, when memd starts: whatever a subscriber kept of an
+  earlier memd is gone; the blocks memd recovered follow as `BlockStored`.
+
+A block's hash is the prefix cache's own (keyed, per memd run), in vLLM's
+int form, the digest's last 8 bytes, as vLLM's are its own: a subscriber
+indexes the token ids and parent links the events carry (llm-d's indexer
+does). The events of a change are sent once the change is committed: after
+each Step, and after whatever else changes the cache (eviction, swap-outs),
+within `FLUSH_S`.
+
+On the wire, as vLLM's ZmqEventPublisher: a PUB socket sending (topic,
+8-byte big-endian sequence number, msgpack batch) and a ROUTER socket that
+replays the batches still buffered from a sequence number on, then an end
+marker (sequence number -1), to a subscriber that missed some.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from array import array
+from collections import Counter, deque
+from typing import Any
+
+import msgpack
+import structlog
+import zmq
+import zmq.asyncio
+
+from memd.kv_state import KvState
+from memd.sequences import TOKEN_BYTES, Sequence
+
+log = structlog.get_logger("memd.kv_events")
+
+FLUSH_S = 0.01                 # changes outside Steps (evictions, swap-outs) are sent within this
+REPLAY_BATCHES = 10_000        # batches kept for replay, as vLLM's buffer_steps
+HIGH_WATER_MARK = 100_000      # batches queued for slow subscribers before PUB drops them, as vLLM's
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+POOL_MEDIUM, SWAP_MEDIUM = "GPU", "CPU"
+
+
+def event_hash(digest: bytes) -> int:
+    """vLLM's int form of a block hash: the last 8 bytes of the digest, big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def _token_ids(chunk: bytes) -> list[int]:
+    return array("I", chunk).tolist()
+
+
+class _Stored:
+    """One block to announce: its digest, its parent's (b"": none), its token bytes."""
+
+    __slots__ = ("digest", "parent", "tokens")
+
+    def __init__(self, digest: bytes, parent: bytes, tokens: bytes) -> None:
+        self.digest, self.parent, self.tokens = digest, parent, tokens
+
+
+class KvEvents:
+    """The publisher: diffs what the pool's prefix cache and the swap tier hold against what it announced."""
+
+    def __init__(self, manager: KvState, endpoint: str, replay_endpoint: str | None = None,
+                 topic: str = "") -> None:
+        self.manager, self.topic = manager, topic.format(host=socket.gethostname())
+        self.context = zmq.asyncio.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(endpoint)
+        self.endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.replay: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint:
+            self.replay = self.context.socket(zmq.ROUTER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.bind(replay_endpoint)
+            self.replay_endpoint = self.replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.next_seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
+        self.dropped = 0
+        # What subscribers were told: the pool's cached blocks (by block), the swap tier's (by sequence,
+        # with a count per digest: a block two sequences share is announced once).
+        self.pooled: dict[int, bytes] = {}
+        self.swapped: dict[int, list[bytes]] = {}
+        self.swap_count: Counter[bytes] = Counter()
+        self.blocks: set[int] = set(range(manager.pool.num_blocks))     # all of it, at the first flush
+        self.seqs: set[int] = set(manager.seqs)
+        manager.pool.watches.append(self.blocks)
+        manager.watches.append(self.seqs)
+        self.cleared = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._flushing(), name="kv-events"))
+        if self.replay is not None:
+            self._tasks.append(asyncio.create_task(self._replaying(), name="kv-events-replay"))
+        log.info("publishing KV events", endpoint=self.endpoint, replay=self.replay_endpoint, topic=self.topic)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        m = self.manager
+        m.pool.watches[:] = [w for w in m.pool.watches if w is not self.blocks]
+        m.watches[:] = [w for w in m.watches if w is not self.seqs]
+        self.context.destroy(linger=0)
+
+    async def _flushing(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)        # the period changes outside Steps wait for, at most
+            self.flush()
+
+    def after_step(self, _outcome: object) -> None:
+        self.flush()
+
+    # ---- what changed ---------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Announce what changed since the last flush, as one batch (none if nothing did)."""
+        events: list[dict[str, Any]] = []
+        if not self.cleared:
+            events.append({"type": "AllBlocksCleared"})
+            self.cleared = True
+        if self.blocks:
+            events += self._pool_changes()
+        if self.seqs:
+            events += self._swap_changes()
+        if events:
+            self._send(events)
+
+    def _pool_changes(self) -> list[dict[str, Any]]:
+        pool, pooled = self.manager.pool, self.pooled
+        changed = list(self.blocks)
+        self.blocks.clear()
+        removed, stored = [], []
+        hash_of, tokens_of, origin_of, num_blocks = pool.hash_of, pool.tokens_of, pool.origin_of, pool.num_blocks
+        for block in changed:
+            if block >= num_blocks:
+                continue                             # the free queue's sentinel
+            old, new = pooled.get(block), hash_of[block]
+            if old == new:
+                continue
+            if old is not None:
+                removed.append(old)
+                del pooled[block]
+            if new is not None:
+                pooled[block] = new
+                parent = (origin_of[block] or (b"", ""))[0]
+                stored.append(_Stored(new, parent, tokens_of[block] or b""))
+        return self._removed(removed, POOL_MEDIUM) + self._stored(stored, POOL_MEDIUM)
+
+    def _swap_changes(self) -> list[dict[str, Any]]:
+        seqs, count = self.manager.seqs, self.swap_count
+        changed = list(self.seqs)
+        self.seqs.clear()
+        removed, stored = [], []
+        for seq_id in changed:
+            old = self.swapped.pop(seq_id, [])
+            seq = seqs.get(seq_id)
+            new = _swapped_blocks(seq) if seq is not None else []
+            if old == [s.digest for s in new]:
+                if old:
+                    self.swapped[seq_id] = old
+                continue
+            for digest in old:
+                count[digest] -= 1
+                if not count[digest]:
+                    del count[digest]
+                    removed.append(digest)
+            for block in new:
+                count[block.digest] += 1
+                if count[block.digest] == 1:
+                    stored.append(block)
+            if new:
+                self.swapped[seq_id] = [s.digest for s in new]
+        # Removals first: a digest one sequence let go and another took in the same flush ends up stored.
+        return self._removed(removed, SWAP_MEDIUM) + self._stored(stored, SWAP_MEDIUM)
+
+    @staticmethod
+    def _removed(digests: list[bytes], medium: str) -> list[dict[str, Any]]:
+        if not digests:
+            return []
+        return [{"type": "BlockRemoved", "block_hashes": [event_hash(d) for d in digests], "medium": medium}]
+
+    @staticmethod
+    def _stored(blocks: list[_Stored], medium: str) -> list[dict[str, Any]]:
+        """BlockStored events, parents before children, a chain of blocks in one event where they form one."""
+        by_digest = {b.digest: b for b in blocks}
+        ordered: list[_Stored] = []
+        placed: set[bytes] = set()
+        for block in blocks:
+            chain = []
+            while block.digest not in placed:
+                chain.append(block)
+                placed.add(block.digest)
+                parent = by_digest.get(block.parent)
+                if parent is None:
+                    break
+                block = parent
+            ordered += reversed(chain)
+        events: list[dict[str, Any]] = []
+        for block in ordered:
+            size = len(block.tokens) // TOKEN_BYTES
+            last = events[-1] if events else None
+            if last is not None and last["_tail"] == block.parent and last["block_size"] == size:
+                last["block_hashes"].append(event_hash(block.digest))
+                last["token_ids"] += _token_ids(block.tokens)
+                last["_tail"] = block.digest
+                continue
+            events.append({"type": "BlockStored", "block_hashes": [event_hash(block.digest)],
+                           "parent_block_hash": event_hash(block.parent) if block.parent else None,
+                           "token_ids": _token_ids(block.tokens), "block_size": size, "lora_id": None,
+                           "medium": medium, "lora_name": None, "_tail": block.digest})
+        for event in events:
+            del event["_tail"]
+        return events
+
+    # ---- the wire ---------------------------------------------------------------------------------------
+
+    def _send(self, events: list[dict[str, Any]]) -> None:
+        payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
+        seq = self.next_seq
+        self.next_seq += 1
+        self.buffer.append((seq, payload))
+        try:
+            self.pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1                    # no subscriber keeps up: it can replay what it missed
+
+    async def _replaying(self) -> None:
+        """Answer replay requests: [client id, b"", first sequence number (8 bytes, big-endian)]."""
+        assert self.replay is not None
+        while True:
+            frames = await self.replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("a KV-event replay request of an unknown shape was ignored", frames=len(frames))
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await self.replay.send_multipart([client, b"", self.topic.encode(), seq.to_bytes(8, "big"),
+                                                      payload])
+            await self.replay.send_multipart([client, b"", b"", END_OF_REPLAY, b""])
+
+
+def _swapped_blocks(seq: Sequence) -> list[_Stored]:
+    """A sequence's full blocks in the swap tier (none unless its pages are there)."""
+    if not seq.slots:
+        return []
+    count = min(len(seq.slots), len(seq.hashes))
+    raw, stride = seq.token_ids[:count * seq.block_size].tobytes(), seq.block_size * TOKEN_BYTES
+    return [_Stored(seq.hashes[i], seq.hashes[i - 1] if i else b"", raw[i * stride:(i + 1) * stride])
+            for i in range(count)]
+
+
+def replay_endpoint_beside(endpoint: str) -> str | None:
+    """The replay endpoint memd opens next to `tcp://HOST:PORT` by default: the next port."""
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}" if endpoint.startswith("tcp://") and port.isdigit() and int(port) else None
