@@ -17,8 +17,10 @@ from urllib.parse import urlsplit
 import httpx
 import structlog
 import uvloop
+import zmq.asyncio
 
 from kvroute.directory import SessionDirectory
+from kvroute.kv_index import EventSource, parse_source
 from kvroute.metrics import RouteMetrics
 from kvroute.proxy import Router
 from kvroute.workers import Workers
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-slack", type=number(int, at_least=0), default=8, metavar="REQUESTS",
                    help="how many more requests than the least loaded worker the worker a prompt's prefix hashes "
                         "to may have and still take it (default: 8)")
+    p.add_argument("--kv-events", action="append", default=[], metavar="tcp://HOST:PORT[=URL,...]",
+                   help="a memd's KV events (memd --kv-events): a request without a session goes to the worker "
+                        "whose pool holds most of its prompt's leading blocks (within --balance-slack), its prompt "
+                        "tokenized by a worker's /render; the workers on that memd's pool are those named after =, "
+                        "or else those on the same host. Once per memd (default: route by the prompt's text)")
     p.add_argument("--health-interval", type=number(float, above=0), default=1.0, metavar="SECONDS",
                    help="how often each worker's /health and /metrics are read (default: 1)")
     cluster = p.add_argument_group("session directory in the cluster store (Mooncake; needs kvpool[cluster])")
@@ -70,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 class StartupError(RuntimeError):
     """kvroute cannot start as configured; one line says why."""
+
+
+def event_sources(args: argparse.Namespace) -> list[EventSource]:
+    try:
+        return [parse_source(text, args.worker) for text in args.kv_events]
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -99,8 +113,13 @@ async def serve(args: argparse.Namespace) -> None:
             del client.headers[name]
         workers = Workers(args.worker, client, args.health_interval)
         directory = SessionDirectory(store, args.session_ttl)
-        router = Router(workers, directory, RouteMetrics(workers, directory), client, api_key=args.api_key or None,
-                        slack=args.balance_slack)
+        sources = event_sources(args)
+        router = Router(workers, directory, RouteMetrics(workers, directory, sources), client,
+                        api_key=args.api_key or None, slack=args.balance_slack, sources=sources)
+        context = zmq.asyncio.Context()
+        stack.callback(context.destroy, 0)
+        subscribed = [asyncio.create_task(source.run(context), name=f"kv-events {source.endpoint}")
+                      for source in sources]
         await workers.check_all()
         checking = asyncio.create_task(workers.run(), name="worker-checks")
         server = EmbeddedServer(router.app(), own_headers=False)     # listening already: no connection refused
@@ -112,13 +131,14 @@ async def serve(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, stop.set)
         log.info("kvroute ready", http=address_of(sock), workers=[w.url for w in workers.all],
                  up=[w.url for w in workers.up()], directory="cluster store" if store is not None else "memory",
+                 kv_events=[source.endpoint for source in sources] or "off",
                  pid=os.getpid())
         notify("READY=1", f"STATUS=routing to {len(workers.all)} workers on {address_of(sock)}")
         interval = watchdog_interval()
         watchdog = asyncio.create_task(keep_watchdog(interval)) if interval is not None else None
         await stop.wait()
         notify("STOPPING=1")
-        for task in (watchdog, checking):
+        for task in (watchdog, checking, *subscribed):
             if task is not None:
                 task.cancel()
         server.should_exit = True

@@ -10,17 +10,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute.directory import SessionDirectory
+from kvroute.kv_index import EventSource
 from kvroute.workers import Workers
 
-REASONS = ("affinity", "prefix", "load", "failover")
+REASONS = ("affinity", "kv", "prefix", "load", "failover")
 
 
 class RouteMetrics(Collector):
-    def __init__(self, workers: Workers, directory: SessionDirectory) -> None:
-        self.workers, self.directory = workers, directory
+    def __init__(self, workers: Workers, directory: SessionDirectory, sources: list[EventSource] | None = None) -> None:
+        self.workers, self.directory, self.sources = workers, directory, sources or []
         self.registry = CollectorRegistry()
         self.requests = Counter("kvpool_route_requests", "requests sent to a worker, by why it was chosen: "
-                                "affinity (it holds the session), prefix (the prompt's leading text hashes to it), "
+                                "affinity (it holds the session), kv (its pool holds most of the prompt's leading "
+                                "blocks, by its memd's KV events), prefix (the prompt's leading text hashes to it), "
                                 "load (the least loaded), failover (another worker failed or left)",
                                 ["worker", "reason"], registry=self.registry)
         self.upstream_errors = Counter("kvpool_route_upstream_errors", "requests a worker could not take "
@@ -45,3 +47,17 @@ class RouteMetrics(Collector):
         yield load
         yield CounterMetricFamily("kvpool_route_directory_errors", "session directory reads and writes the "
                                   "cluster store did not answer", value=self.directory.errors)
+        if self.sources:
+            blocks = GaugeMetricFamily("kvpool_route_kv_blocks", "blocks in a pool's prefix cache, by its memd's KV "
+                                       "events", labels=["events"])
+            batches = CounterMetricFamily("kvpool_route_kv_batches", "KV-event batches read from a memd",
+                                          labels=["events"])
+            gaps = CounterMetricFamily("kvpool_route_kv_gaps", "times a memd's KV events were caught up from its "
+                                       "replay socket (batches missed, or a new memd)", labels=["events"])
+            for source in self.sources:
+                blocks.add_metric([source.endpoint], len(source.index.key_of))
+                batches.add_metric([source.endpoint], source.batches)
+                gaps.add_metric([source.endpoint], source.gaps)
+            yield blocks
+            yield batches
+            yield gaps

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvroute.directory import SessionDirectory
+from kvroute.kv_index import EventSource, keys
 from kvroute.metrics import RouteMetrics
 from kvroute.placement import place, prefix_key
 from kvroute.workers import Worker, Workers
@@ -35,6 +36,7 @@ from shared.http_exchange import ApiError, ClientGone, check_api_key, or_disconn
 log = structlog.get_logger("kvroute")
 
 SESSION_HEADER = "x-session-id"
+RENDER_TIMEOUT_S = 5.0           # a worker's /render that takes longer: the request is placed by its text
 WORKER_HEADER = "x-kvroute-worker"       # which worker answered: for operators and tests
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
                         "transfer-encoding", "upgrade", "host", "content-length"})
@@ -47,9 +49,11 @@ def error(status: int, message: str, *, code: str | None = None) -> JSONResponse
 
 class Router:
     def __init__(self, workers: Workers, directory: SessionDirectory, metrics: RouteMetrics,
-                 client: httpx.AsyncClient, *, api_key: str | None, slack: int) -> None:
+                 client: httpx.AsyncClient, *, api_key: str | None, slack: int,
+                 sources: list[EventSource] | None = None) -> None:
         self.workers, self.directory, self.metrics, self.client = workers, directory, metrics, client
         self.api_key, self.slack = api_key, slack
+        self.sources = sources or []             # --kv-events: each pool's blocks, from its memd
 
     def app(self) -> Starlette:
         return Starlette(exception_handlers={HTTPException: _http_error}, routes=[
@@ -87,10 +91,51 @@ class Router:
         model = str(body.get("model", "")) if isinstance(body, dict) else ""
         key = prefix_key(body)
         choice = await self._place(key, session, model)
+        if choice is not None and choice[1] in ("prefix", "load") and self.sources and body is not None:
+            choice = await self._place_by_blocks(http, raw) or choice
         if choice is None:
             return self._unplaced()
         worker, reason = choice
         return await self._forward(http, raw, worker, reason, key=key, session=session, model=model)
+
+    async def _place_by_blocks(self, http: HttpRequest, raw: bytes) -> tuple[Worker, str] | None:
+        """--kv-events: the worker whose pool holds the longest run of the prompt's leading blocks, if its load
+        is within the slack of the least loaded's; None to place by the text rule."""
+        up = self.workers.up()
+        tokens = await self._render(http, raw, up)
+        if tokens is None:
+            return None
+        best, holders = 0, []
+        for source in self.sources:
+            size = source.index.block_size
+            if not size:
+                continue
+            matched = source.index.matched(keys(tokens, size))
+            on = [w for w in up if w.url in source.workers]
+            if matched > best and on:
+                best, holders = matched, on
+            elif matched == best and matched:
+                holders += on
+        if not holders:
+            return None
+        chosen = min(holders, key=lambda w: w.load)
+        return (chosen, "kv") if chosen.load <= min(w.load for w in up) + self.slack else None
+
+    async def _render(self, http: HttpRequest, raw: bytes, up: list[Worker]) -> list[int] | None:
+        """The prompt's token ids, as the workers tokenize it: their /render endpoint (any of them, the same)."""
+        worker = min(up, key=lambda w: w.load)
+        headers = [(k, v) for k, v in _end_to_end(http.headers.raw) if k.lower() in (b"authorization",
+                                                                                     b"content-type")]
+        try:
+            answer = await self.client.post(f"{worker.url}{http.url.path}/render", content=raw, headers=headers,
+                                            timeout=RENDER_TIMEOUT_S)
+            rendered = answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            rendered = None
+        if isinstance(rendered, list):
+            rendered = rendered[0] if len(rendered) == 1 else None
+        tokens = rendered.get("token_ids") if isinstance(rendered, dict) else None
+        return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
 
     async def anywhere(self, http: HttpRequest, raw: bytes) -> Response:
         """/v1/models, /tokenize, /detokenize: any worker answers the same."""

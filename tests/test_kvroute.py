@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from memd.cluster import session_key
+from shared.launch import free_port
 from tests.conftest import Daemon, start_daemon
 from tests.test_inferd_service import memctl, memd_state, wait_until
 from tests.test_memd_restart import memd_flags
@@ -270,6 +271,43 @@ async def released(host: Host, url: str, parked: int) -> None:
         states, _, ok = await memd_state(host.memd)
         return states["running"] == 0 and states["parked"] == parked and ok and not await worker_load(url, host.url)
     await wait_until(check)
+
+
+@pytest.mark.processes
+async def test_kv_events_route_a_prompt_to_the_pool_holding_its_blocks_where_its_text_would_not(
+        host_factory, router_factory, hf_tokenizer):
+    """Two system prompts that begin alike and part after it: the text rule sends both to the one worker their
+    opening hashes to; the index built from each memd's KV events sends each to the pool that holds it."""
+    ports = [free_port(), free_port()]
+    hosts = [await host_factory(str(i), "--kv-events", f"tcp://127.0.0.1:{port}") for i, port in enumerate(ports)]
+    events = [flag for host, port in zip(hosts, ports, strict=True)
+              for flag in ("--kv-events", f"tcp://127.0.0.1:{port}={host.url}")]
+    _router, url = await router_factory("router", hosts, *events)
+    opening = SYSTEM[:400]                       # the text rule reads far less than this
+    systems = [opening + " Answer as the billing desk.", opening + " Answer as the support desk."]
+    for host, system in zip(hosts, systems, strict=True):       # each pool computes one of them, directly
+        client = openai.AsyncOpenAI(base_url=f"{host.url}/v1", api_key="none", max_retries=0)
+        await client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+        await client.close()
+
+    async def indexed() -> bool:
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{url}/metrics")).text
+        held = [float(v) for v in re.findall(r'kvpool_route_kv_blocks\{events="[^"]+"\} ([0-9.e+]+)', text)]
+        return len(held) == 2 and all(held)
+    await wait_until(indexed)
+    for _ in range(2):
+        for host, system in zip(hosts, systems, strict=True):
+            answer, worker = await chat(url, None, [{"role": "system", "content": system},
+                                                    {"role": "user", "content": "Where is my invoice?"}], 2)
+            prompt = template_ids(hf_tokenizer, [{"role": "system", "content": system}])
+            assert worker == host.url                            # the pool that holds the system prompt
+            assert answer.usage.prompt_tokens_details.cached_tokens >= len(prompt) // 16 * 16 - 16
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{url}/metrics")).text
+    assert sum(float(v) for v in re.findall(r'kvpool_route_requests_total\{[^}]*reason="kv"[^}]*\} ([0-9.e+]+)',
+                                            text)) == 4
 
 
 @pytest.mark.processes
