@@ -20,6 +20,20 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def free_port_pair() -> int:
+    """A port P on 127.0.0.1 with P + 1 free as well: memd's --kv-events and the replay socket beside it."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe, socket.socket() as beside:
+            try:
+                probe.bind(("127.0.0.1", port))
+                beside.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise OSError("no two free ports side by side on 127.0.0.1")
+
+
 def free_ports(count: int) -> list[int]:
     """`count` different free ports: each probe stays bound until all are picked, or the kernel may hand the
     same port out twice (a Mooncake master given one port for its RPC and its metadata server failed so)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from shared.client import MemdClient
-from shared.launch import free_port
+from shared.launch import free_port_pair
 from shared.ops import Free, Open, Park
 from tests.test_vllm_metrics import PROBE, vllm_python
 
@@ -92,7 +92,7 @@ async def holds(index: Index, memd, sent: list[list[int]], swapped: int) -> None
 
 
 async def test_vllms_decoder_indexes_memds_events_to_what_memd_holds(memd_factory):
-    port = free_port()
+    port = free_port_pair()
     memd = await memd_factory("--device", "cpu", "--pool-bytes", "256KiB", "--block-bytes", "4KiB",
                               "--swap-ratio", "1.0", "--kv-events", f"tcp://127.0.0.1:{port}")
     probe = await asyncio.create_subprocess_exec(

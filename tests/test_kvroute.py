@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from memd.cluster import session_key
-from shared.launch import free_port
+from shared.launch import free_port_pair
 from tests.conftest import Daemon, start_daemon
 from tests.test_inferd_service import memctl, memd_state, wait_until
 from tests.test_memd_restart import memd_flags
@@ -278,7 +278,7 @@ async def test_kv_events_route_a_prompt_to_the_pool_holding_its_blocks_where_its
         host_factory, router_factory, hf_tokenizer):
     """Two system prompts that begin alike and part after it: the text rule sends both to the one worker their
     opening hashes to; the index built from each memd's KV events sends each to the pool that holds it."""
-    ports = [free_port(), free_port()]
+    ports = [free_port_pair(), free_port_pair()]
     hosts = [await host_factory(str(i), "--kv-events", f"tcp://127.0.0.1:{port}") for i, port in enumerate(ports)]
     events = [flag for host, port in zip(hosts, ports, strict=True)
               for flag in ("--kv-events", f"tcp://127.0.0.1:{port}={host.url}")]
