@@ -90,21 +90,15 @@ class Router:
         session = http.headers.get(SESSION_HEADER) or None
         model = str(body.get("model", "")) if isinstance(body, dict) else ""
         key = prefix_key(body)
-        choice = await self._place(key, session, model)
-        if choice is not None and choice[1] in ("prefix", "load") and self.sources and body is not None:
-            choice = await self._place_by_blocks(http, raw) or choice
+        choice = await self._place(key, session, model, http if body is not None else None, raw)
         if choice is None:
             return self._unplaced()
         worker, reason = choice
         return await self._forward(http, raw, worker, reason, key=key, session=session, model=model)
 
-    async def _place_by_blocks(self, http: HttpRequest, raw: bytes) -> tuple[Worker, str] | None:
+    def _place_by_blocks(self, tokens: list[int], up: list[Worker]) -> tuple[Worker, str] | None:
         """--kv-events: the worker whose pool holds the longest run of the prompt's leading blocks, if its load
         is within the slack of the least loaded's; None to place by the text rule."""
-        up = self.workers.up()
-        tokens = await self._render(http, raw, up)
-        if tokens is None:
-            return None
         best, holders = 0, []
         for source in self.sources:
             size = source.index.block_size
@@ -145,7 +139,11 @@ class Router:
         worker = place(None, up, self.slack).worker
         return await self._forward(http, raw, worker, "load", key=None, session=None, model="", counted=False)
 
-    async def _place(self, key: bytes | None, session: str | None, model: str) -> tuple[Worker, str] | None:
+    async def _place(self, key: bytes | None, session: str | None, model: str, http: HttpRequest | None = None,
+                     raw: bytes = b"") -> tuple[Worker, str] | None:
+        """The session's worker, else by the pools' blocks (--kv-events), else by text and load. Whatever is
+        awaited comes first: loads are read where the choice is made, with nothing awaited before the request
+        is counted in flight, so requests arriving together see one another."""
         up = self.workers.up()
         if not up:
             return None
@@ -155,7 +153,13 @@ class Router:
             if worker is not None and worker.up:
                 return worker, "affinity"
             if worker is not None:                               # its worker left: the KV comes from the store
-                return place(key, up, self.slack).worker, "failover"
+                return place(key, self.workers.up() or up, self.slack).worker, "failover"
+        tokens = await self._render(http, raw, up) if self.sources and http is not None else None
+        up = self.workers.up()
+        if not up:
+            return None
+        if tokens is not None and (by_blocks := self._place_by_blocks(tokens, up)) is not None:
+            return by_blocks
         placed = place(key, up, self.slack)
         return placed.worker, placed.reason
 

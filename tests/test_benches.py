@@ -147,6 +147,15 @@ def test_the_gpu_decode_bench_runs_on_the_cpu(tmp_path):
     assert read["argmax_agree_4"] == 1.0 and read["max_logit_diff_4"] < 1e-3     # fp32: the same attention
 
 
+def test_the_route_bench_runs_and_routes_by_the_pools_blocks_only_with_kv_events():
+    report = quick("bench_route.py")
+    text, kv = report["runs"]["text"], report["runs"]["kv"]
+    assert not any(key.endswith(" kv") for key in text["routed"])               # no events: the text rule
+    assert sum(v for key, v in kv["routed"].items() if key.endswith(" kv")) > 0
+    assert 0 <= text["cached_share"] <= 1 and 0 < kv["cached_share"] <= 1
+    assert text["ttft_p50_ms"] > 0 and kv["ttft_p50_ms"] > 0
+
+
 @pytest.mark.timeout(600)          # two vLLM starts (~50 s each on 2 cores) and two of kvpool
 def test_the_peer_bench_runs_both_servers_and_they_decode_the_same_tokens():
     # vLLM comes from the venv `.ci/run` set up (bench/peer_engines.py), or is set up here on first use.
