@@ -204,7 +204,8 @@ class OpenAIServer:
         scheduler = self._scheduler()
         session = http.headers.get(SESSION_HEADER) or None
         params = self._params(body, len(prompt_ids))
-        request = Request(prompt_ids, params, session_id=session, whole_history=session is not None)
+        request = Request(prompt_ids, params, session_id=session, whole_history=session is not None,
+                          cache_salt=body.cache_salt)
         request.request_id = request_id
         try:
             scheduler.submit(request)
@@ -308,7 +309,7 @@ class OpenAIServer:
                     "min_tokens": p.min_tokens, "logprobs": p.logprobs}
         return {"request_id": request_id, "token_ids": ids, "sampling_params": sampling, "model": self.model_name,
                 "stream": body.stream, "stream_options": body.stream_options.model_dump() if body.stream_options
-                else None, "cache_salt": None, "output_mode": "tokens"}
+                else None, "cache_salt": body.cache_salt, "output_mode": "tokens"}
 
     # ---- the rest of the API ------------------------------------------
 

@@ -18,6 +18,7 @@ from shared.http_exchange import ApiError
 MAX_SEED = 2**63 - 1          # torch generators take a signed 64-bit seed
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_SALT = 128
 
 
 class StreamOptions(BaseModel):
@@ -51,6 +52,16 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    # vLLM's: the prompt's prefix-cache namespace. A prompt never reuses K/V cached under another salt (or
+    # none), here or in the cluster store: one tenant cannot time another's prompts by their cache hits.
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, salt: str | None) -> str | None:
+        if salt is not None and (not salt or len(salt) > MAX_SALT or any(c in salt for c in "@/\\\0")):
+            raise ValueError(f"1 to {MAX_SALT} characters, none of @ / \\ or NUL (as vLLM takes it)")
+        return salt
 
     @field_validator("stop")
     @classmethod

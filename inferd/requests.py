@@ -55,6 +55,7 @@ class Request:
     # With session_id: prompt_ids are the whole conversation (a stateless client resends it each turn), not
     # the new turn's tokens; memd keeps what the session's history shares with it.
     whole_history: bool = False
+    cache_salt: str | None = None                      # vLLM's: its prefix-cache namespace (memd's Open.cache_salt)
     arrived: float = field(default_factory=time.monotonic)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     seq: SeqProgress = field(default_factory=SeqProgress)   # its sequence, in the pool and in memd's books

@@ -435,10 +435,10 @@ class Scheduler:
         if preempted and request.seq.held:
             return Resume(request.seq.id, reserve=reserve)    # swapped back in, or recomputed if dropped
         if preempted:                                       # memd forgot it: start over from the history
-            return Open(request.seq.tokens, reserve=reserve)
+            return Open(request.seq.tokens, reserve=reserve, cache_salt=request.cache_salt)
         return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
                     continue_session=request.session_id is not None, turn_id=request.turn_id,
-                    whole_history=request.whole_history)
+                    whole_history=request.whole_history, cache_salt=request.cache_salt)
 
     def _reserve(self, request: Request) -> int:
         """Writable positions to ask for past the known tokens: the lookahead, capped by what may still come.

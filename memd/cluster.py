@@ -39,7 +39,7 @@ import msgpack
 import structlog
 
 from memd.manager import KvManager
-from memd.sequences import RemoteSession, SeqState
+from memd.sequences import RemoteSession, SeqState, prefix_space
 from memd.step_outcome import StepOutcome
 from shared.cluster_store import ClusterError, ClusterStore, StoreUnreachable
 
@@ -80,7 +80,7 @@ def parse_record(data: bytes) -> RemoteSession | None:
     try:
         r = msgpack.unpackb(data, raw=False)
         remote = RemoteSession(str(r["model"]), int(r["block_size"]), [int(t) for t in r["tokens"]],
-                               [str(k) for k in r["keys"]], [int(c) for c in r["checksums"]])
+                               [str(k) for k in r["keys"]], [int(c) for c in r["checksums"]], str(r.get("salt", "")))
     except Exception:
         return None
     if r.get("v") != RECORD_VERSION or remote.block_size <= 0 or len(remote.keys) != len(remote.checksums) \
@@ -88,7 +88,8 @@ def parse_record(data: bytes) -> RemoteSession | None:
             or any(not 0 <= t < 2**32 for t in remote.token_ids) or not all(0 < c < 2**64 for c in remote.checksums):
         return None
     # The keys must be those of these tokens: K/V is never taken for tokens it was not computed for.
-    if remote.keys != block_keys(remote.model, remote.token_ids, remote.block_size, len(remote.keys)):
+    if remote.keys != block_keys(prefix_space(remote.model, remote.salt), remote.token_ids, remote.block_size,
+                                 len(remote.keys)):
         return None
     return remote
 
@@ -190,12 +191,12 @@ class ClusterTier:
         if seq is None or seq.state is not SeqState.PARKED:
             return
         # All of it taken now: the session may be resumed, rewound or freed while the store is busy.
-        bs, model, tokens = seq.block_size, seq.model, list(seq.token_ids)
+        bs, model, salt, tokens = seq.block_size, seq.model, seq.salt, list(seq.token_ids)
         pages = list(seq.block_ids[:seq.num_full_blocks])
         sums = [m.pool.checksum[p] for p in pages]
         if 0 in sums:
             pages, sums = pages[:sums.index(0)], sums[:sums.index(0)]    # only what can be checked on arrival
-        keys = block_keys(model, tokens, bs, len(pages))
+        keys = block_keys(prefix_space(model, salt), tokens, bs, len(pages))
         present = await self.store.exists(keys)
         todo = [i for i, there in enumerate(present) if not there]
         codes = await self.store.put_pages([keys[i] for i in todo], [pages[i] for i in todo])
@@ -213,7 +214,7 @@ class ClusterTier:
         m.counters["cluster_errors"] += sum(1 for code in codes if code != 0)
         upto = present.index(False) if False in present else len(present)
         record = {"v": RECORD_VERSION, "model": model, "block_size": bs, "tokens": tokens,
-                  "keys": keys[:upto], "checksums": sums[:upto]}
+                  "keys": keys[:upto], "checksums": sums[:upto], "salt": salt}
         if await self.store.put(session_key(session), msgpack.packb(record)) != 0:
             raise RuntimeError("the store refused the session record")
         log.info("published a session to the cluster store", session=session, blocks=upto,

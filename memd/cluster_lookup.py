@@ -20,7 +20,7 @@ import structlog
 from memd.cluster import LOOKUP_TIMEOUT_S, block_keys, parse_record, session_key, sum_key
 from memd.kv_state import Worker
 from memd.manager import KvManager
-from memd.sequences import RemoteLookups, RemotePrefix
+from memd.sequences import RemoteLookups, RemotePrefix, prefix_space
 from shared.cluster_store import ClusterStore
 from shared.ops import Op, Open
 
@@ -83,13 +83,14 @@ class Lookups:
         tokens = op.token_ids
         limit = (len(tokens) - 1) // bs if tokens else 0
         local = 0
-        for digest, chunk in m.hasher.walk(worker.model, tokens, bs, 0, b"", limit):
+        space = prefix_space(worker.model, op.cache_salt or "")
+        for digest, chunk in m.hasher.walk(space, tokens, bs, 0, b"", limit):
             if m.pool.lookup(digest, chunk) is None:
                 break
             local += 1
         if local >= limit:
             return
-        keys = block_keys(worker.model, tokens, bs, limit)[local:]
+        keys = block_keys(space, tokens, bs, limit)[local:]
         sums = []
         for value in await self.store.get_many([sum_key(k) for k in keys]):
             if len(value) != 8 or not int.from_bytes(value, "little"):

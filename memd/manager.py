@@ -369,7 +369,7 @@ class KvManager:
                 self.swap.claim(seq.slots)
                 for slot in seq.slots:
                     self.swap.checksum[slot] = (slot_checksums or {}).get(slot, 0)
-            chain = self.hasher.chain(seq.model, seq.token_ids, seq.block_size, 0, b"", seq.num_full_blocks)
+            chain = self.hasher.chain(seq.prefix_space, seq.token_ids, seq.block_size, 0, b"", seq.num_full_blocks)
             seq.hashes = [digest for digest, _ in chain]
             if seq.state is SeqState.PARKED:
                 held = min(len(seq.block_ids), len(chain))

@@ -29,6 +29,7 @@ from memd.journal import (
     MODEL,
     OWNER_PID,
     PENDING,
+    SALT,
     SESSION,
     SLOT_SUMS,
     SLOTS,
@@ -195,10 +196,10 @@ def _parse(seq_id: int, r: list) -> tuple[Sequence, int] | None:
                        session_id=r[SESSION] or None, last_access=float(r[LAST_ACCESS]),
                        heat=float(r[HEAT]), heat_at=float(r[HEAT_AT]), slots=[int(s) for s in r[SLOTS]],
                        turn_start=int(r[TURN_START]), interrupted=bool(r[MID_TURN]),
-                       turn_id=r[TURN_ID] if len(r) > TURN_ID else "")
+                       turn_id=r[TURN_ID] if len(r) > TURN_ID else "", salt=r[SALT] if len(r) > SALT else "")
         if not isinstance(r[MODEL], str) or not isinstance(r[SESSION], str | None) \
-                or not isinstance(seq.turn_id, str):
-            raise TypeError("model, session and turn id must be strings")
+                or not isinstance(seq.turn_id, str) or not isinstance(seq.salt, str):
+            raise TypeError("model, session, turn id and salt must be strings")
     except Exception:        # any record that makes no sense is skipped
         return None
     if seq.block_size <= 0 or not 0 <= seq.num_committed <= len(seq.token_ids) \

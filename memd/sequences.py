@@ -90,6 +90,12 @@ class Sequence:
     turn_start: int = 0                 # tokens of history before the turn now running (or last run) began
     interrupted: bool = False           # that turn never ended: its worker died, or memd did
     turn_id: str = ""                   # the client's name for that turn: sent again, it replaces the turn
+    salt: str = ""                      # its prefix-cache namespace within its model (Open.cache_salt)
+
+    @property
+    def prefix_space(self) -> str:
+        """What its blocks' hashes and cluster keys cover beside their tokens: the model, and the salt if any."""
+        return prefix_space(self.model, self.salt)
 
     @property
     def num_full_blocks(self) -> int:
@@ -236,6 +242,11 @@ class PrefixHasher:
         return list(self.walk(model, token_ids, block_size, start, parent, stop))
 
 
+def prefix_space(model: str, salt: str) -> str:
+    """A model's prefix cache, or a salted part of it: blocks of one space never serve another's."""
+    return f"{model}\0salt\0{salt}" if salt else model
+
+
 def _head(model: str, num_tokens: int) -> bytes:
     """What a block hash covers between its parent and its tokens: the model, and how many tokens."""
     return model.encode() + b"\0" + num_tokens.to_bytes(4, "little")
@@ -250,6 +261,7 @@ class RemoteSession:
     token_ids: list[int]
     keys: list[str]               # store keys of its leading full blocks
     checksums: list[int]          # their workers' checksums
+    salt: str = ""                # the cache salt it was opened with: its keys cover it
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +282,14 @@ class RemoteLookups:
 
 
 MAX_NAME = 256                  # characters of a session id, model or worker name
+
+
+MAX_SALT = 128                  # characters of a cache salt, as vLLM takes them
+
+
+def check_salt(salt: str) -> None:
+    if len(salt) > MAX_SALT or "\0" in salt:
+        raise InvalidArgument(f"a cache salt is at most {MAX_SALT} characters, none of them NUL")
 
 
 def check_name(what: str, value: str) -> None:

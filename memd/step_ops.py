@@ -31,6 +31,7 @@ from memd.sequences import (
     Sequence,
     blocks_for,
     check_name,
+    check_salt,
     token_bytes,
 )
 from memd.step_outcome import Eviction, StepOutcome, SwappedIn
@@ -99,13 +100,14 @@ class StepTxn:
     def _open(self, op: Open) -> OpResult:
         worker = self.worker
         check_name("turn id", op.turn_id or "")
+        check_salt(op.cache_salt or "")
         if op.whole_history and not (op.continue_session and op.session_id and op.token_ids):
             raise InvalidArgument("whole_history names a session's whole conversation: give session_id, "
                                   "continue_session and its token ids")
         if op.continue_session and op.session_id and op.session_id not in self.state.sessions \
                 and (remote := self.remote.sessions.get(op.session_id)) is not None \
                 and (remote.model, remote.block_size) == (worker.model, worker.block_size):
-            self._fetch_session(op.session_id, remote)
+            self._fetch_session(op.session_id, remote)     # with the salt it was published under
         if op.continue_session and op.session_id in self.state.sessions:
             held = self.state.seqs[self.state.sessions[op.session_id]]
             if held.preempted_by is not None:         # a turn in flight, waiting for pages: not a new turn's
@@ -116,7 +118,8 @@ class StepTxn:
         self.state.check_session_free(op.session_id)
         self.state.check_fits(len(op.token_ids) + op.reserve, worker.block_size)
         seq = Sequence(self.state.new_seq_id(), worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
-                       [], 0, array("I", op.token_ids), session_id=op.session_id or None, turn_id=op.turn_id or "")
+                       [], 0, array("I", op.token_ids), session_id=op.session_id or None, turn_id=op.turn_id or "",
+                       salt=op.cache_salt or "")
         self._create(seq)
         cached = self._match_prefix(seq)
         if (prefix := self.remote.prefixes.get(id(op))) is not None:
@@ -136,7 +139,7 @@ class StepTxn:
         if len(remote.keys) > self.state.pool.num_free:        # before the sequence takes an id
             raise PoolExhausted(len(remote.keys), self.state.pool.num_free)
         seq = Sequence(self.state.new_seq_id(), remote.model, remote.block_size, None, SeqState.PARKED, [], 0,
-                       array("I", remote.token_ids), session_id=session)
+                       array("I", remote.token_ids), session_id=session, salt=remote.salt)
         self._create(seq)
         self._fetch_blocks(seq, remote.keys, remote.checksums)
         self.counters["cluster_sessions_fetched"] += 1
@@ -161,7 +164,7 @@ class StepTxn:
         self.outcome.effects += map(Fetch, keys, blocks, checksums)
         self.outcome.swapped_in.append(SwappedIn(seq, list(range(first, first + len(blocks))), blocks))
         parent = seq.hashes[-1] if seq.hashes else b""
-        chain = self.state.hasher.chain(seq.model, seq.token_ids, bs, first, parent, len(seq.block_ids))
+        chain = self.state.hasher.chain(seq.prefix_space, seq.token_ids, bs, first, parent, len(seq.block_ids))
         seq.hashes += [digest for digest, _ in chain]
         seq.num_committed = len(seq.block_ids) * bs
         if keys:
@@ -321,7 +324,7 @@ class StepTxn:
         if history is None or (len(history) - 1) // bs <= index:
             return False
         chunk = token_bytes(history[index * bs:(index + 1) * bs])
-        digest = self.state.hasher.block_hash(seq.hashes[index - 1] if index else b"", seq.model, chunk)
+        digest = self.state.hasher.block_hash(seq.hashes[index - 1] if index else b"", seq.prefix_space, chunk)
         return self.state.pool.lookup(digest, chunk) is not None
 
     def _copy_on_write(self, seq: Sequence, index: int) -> bool:
@@ -382,7 +385,7 @@ class StepTxn:
             raise PoolExhausted(1, 0)
         child = Sequence(self.state.new_seq_id(), parent.model, parent.block_size, parent.owner, SeqState.RUNNING,
                          list(parent.block_ids[:full]), parent.num_committed, array("I", parent.token_ids),
-                         list(parent.hashes), op.session_id or None, turn_start=parent.turn_start)
+                         list(parent.hashes), op.session_id or None, turn_start=parent.turn_start, salt=parent.salt)
         self.state.pool.incref_n(child.block_ids)
         if partial:
             # The only block either side will write: copy it now rather than share it.
@@ -416,7 +419,7 @@ class StepTxn:
             return seq.num_committed
         limit = (len(seq.token_ids) - 1) // bs if seq.token_ids else 0
         hits = []
-        for digest, chunk in self.state.hasher.walk(seq.model, seq.token_ids, bs, start,
+        for digest, chunk in self.state.hasher.walk(seq.prefix_space, seq.token_ids, bs, start,
                                                     seq.hashes[-1] if seq.hashes else b"", limit):
             block = self.state.pool.lookup(digest, chunk)
             if block is None:
@@ -443,7 +446,7 @@ class StepTxn:
         start, full = len(seq.hashes), seq.num_full_blocks
         if full == start:
             return                   # no page filled (most decode tokens)
-        chain = self.state.hasher.chain(seq.model, seq.token_ids, seq.block_size, start,
+        chain = self.state.hasher.chain(seq.prefix_space, seq.token_ids, seq.block_size, start,
                                   seq.hashes[-1] if seq.hashes else b"", full)
         seq.hashes += [digest for digest, _ in chain]
         self.state.offer(seq, range(start, full), seq.block_ids[start:full], [chunk for _, chunk in chain])

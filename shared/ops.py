@@ -27,6 +27,9 @@ class Open:
     # With continue_session: token_ids are the whole conversation (a stateless client resends it every turn);
     # memd keeps the longest prefix the session's history shares with it, with its K/V, and replaces the rest.
     whole_history: bool = False
+    # A new sequence's prefix-cache namespace (vLLM's cache_salt): its blocks are found by, and find, only
+    # sequences of the same salt, here and in the cluster store. A continued session keeps its own.
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

@@ -139,10 +139,10 @@ def _flag(value: Any, name: str) -> bool:
 
 
 def _open(f: list) -> ops.Open:
-    token_ids, reserve, session_id, continue_session, turn_id, whole_history = _fields(f, 6, "open")
+    token_ids, reserve, session_id, continue_session, turn_id, whole_history, cache_salt = _fields(f, 7, "open")
     return ops.Open(_ints(token_ids, "I", "token_ids"), _int(reserve, U32, "reserve"),
                     _text(session_id, "session_id"), _flag(continue_session, "continue_session"),
-                    _text(turn_id, "turn_id"), _flag(whole_history, "whole_history"))
+                    _text(turn_id, "turn_id"), _flag(whole_history, "whole_history"), _text(cache_salt, "cache_salt"))
 
 
 def _extend(f: list) -> ops.Extend:

@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 from memd.cluster import block_keys, session_key
+from memd.sequences import prefix_space
 from shared.launch import free_port
 from tests.store_master import Store
 from tests.test_inferd_service import inferctl, memctl
@@ -162,6 +163,34 @@ async def test_a_new_session_fetches_the_prefix_another_host_published(
     assert counters["cluster_prefix_blocks"] == counters["cluster_hits"] == reused // 16
 
 
+async def test_a_salted_prefix_in_the_store_serves_only_its_salt(store, memd_factory, inferd_factory, model_dir):
+    """vLLM's cache_salt across hosts: blocks published under a salt are fetched by that salt's prompts only."""
+    openai = pytest.importorskip("openai")
+    hosts = []
+    for name in ("a", "b"):
+        memd = await memd_factory(*memd_flags(model_dir), *store.flags(), name=f"memd-{name}")
+        inferd = await inferd_factory(model_dir, memd.address, "--http", "127.0.0.1:0", "--served-model-name", "tiny",
+                                      name=f"inferd-{name}")
+        hosts.append((memd, f"http://{(await inferd.log.wait_for('inferd ready'))['http']}/v1"))
+
+    async def cached(url: str, salt: str, session: str) -> int:
+        client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+        reply = await client.completions.create(model="tiny", prompt=PROMPT * 3, max_tokens=2,
+                                                extra_body={"cache_salt": salt},
+                                                extra_headers={"X-Session-Id": session})
+        await client.close()
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    (memd_a, url_a), (memd_b, url_b) = hosts
+    assert await cached(url_a, "team-a", "chat") == 0
+    await memd_a.log.wait_for("published a session to the cluster store", session="chat")
+    assert await cached(url_b, "team-b", "other") == 0                 # the same prompt, another salt
+    assert await cached(url_b, "team-a", "third") > 0                  # its own salt: fetched from the store
+    async with memd_b.admin() as admin:
+        counters = (await admin.stats()).counters
+    assert counters["cluster_prefix_blocks"] > 0
+
+
 def test_a_record_whose_keys_are_not_its_tokens_is_never_trusted():
     from memd.cluster import RECORD_VERSION, parse_record
 
@@ -173,6 +202,10 @@ def test_a_record_whose_keys_are_not_its_tokens_is_never_trusted():
                 {"v": RECORD_VERSION + 1}, {"tokens": tokens[:20]}):
         assert parse_record(msgpack.packb({**record, **bad})) is None, bad
     assert parse_record(b"not msgpack \xff") is None
+    salted = {**record, "salt": "team-a", "keys": block_keys(prefix_space("m", "team-a"), tokens, 16, 2)}
+    assert parse_record(msgpack.packb(salted)).salt == "team-a"
+    assert parse_record(msgpack.packb({**salted, "salt": "team-b"})) is None     # keys of another salt
+    assert parse_record(msgpack.packb({**record, "salt": "team-a"})) is None     # unsalted keys
 
 
 async def test_a_store_that_dies_costs_a_turn_at_most_the_lookup_deadline_and_no_error(

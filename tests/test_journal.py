@@ -524,3 +524,24 @@ def test_a_table_swapped_out_and_in_is_written_whole_again(tmp_path):
     fresh = recovered(state)
     assert as_recovered(fresh) == expected_after_restart(manager)
     assert [fresh.pool.checksum[b] for b in fresh.seqs[opened.seq_id].block_ids] == [71, 72]   # its full pages
+
+
+def test_a_salted_prefix_serves_only_its_salt_before_and_after_a_restart(tmp_path):
+    """vLLM's cache_salt: a prompt never finds blocks cached under another salt, or under none; a salted
+    sequence keeps its salt through the journal, and with it whose prompts its blocks serve."""
+    state, manager, wal, worker = journaled(tmp_path)
+    prompt = list(range(100, 100 + 3 * BLOCK_SIZE + 1))
+    opened, = manager.step(worker, [Open(prompt, session_id="kept", cache_salt="team-a")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=len(prompt))])
+
+    def hits(m: KvManager, worker_id: int, salt: str | None) -> int:
+        tried, = m.step(worker_id, [Open(prompt, cache_salt=salt)]).results
+        m.step(worker_id, [Free(tried.seq_id)])
+        return tried.num_cached
+
+    assert [hits(manager, worker, salt) for salt in ("team-b", None, "team-a")] == [0, 0, 3 * BLOCK_SIZE]
+    wal.flush(manager)
+    fresh = recovered(state)
+    again = attach(fresh, "m")
+    assert fresh.seqs[fresh.sessions["kept"]].salt == "team-a"
+    assert [hits(fresh, again, salt) for salt in ("team-b", None, "team-a")] == [0, 0, 3 * BLOCK_SIZE]

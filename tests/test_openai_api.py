@@ -178,6 +178,26 @@ async def test_render_gives_the_token_ids_a_request_would_run_and_runs_nothing(a
     assert stats.used_blocks == 0 and sum(stats.sequences.values()) == 0          # nothing ran
 
 
+async def test_a_cache_salt_keeps_a_prompt_from_any_other_salt_s_cached_blocks(api, hf_tokenizer):
+    """vLLM's cache_salt: the same prompt under another salt (or none) is computed again, under its own reused."""
+    _memd, _inferd, url = api
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]
+    whole = len(template_ids(hf_tokenizer, messages)) // 16 * 16
+
+    async def cached(salt: str | None) -> int:
+        reply = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                     extra_body={"cache_salt": salt} if salt else {})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert [await cached(salt) for salt in ("team-a", "team-b", None)] == [0, 0, 0]
+    assert await cached("team-a") >= whole - 16 > 0 and await cached(None) >= whole - 16
+    with pytest.raises(openai.BadRequestError) as refused:
+        await cached("team/a")
+    assert refused.value.body["param"] == "cache_salt"
+    await client.close()
+
+
 async def test_version_and_ping_answer_as_vllm_s_do(api):
     _memd, _inferd, url = api
     async with httpx.AsyncClient(timeout=10) as http:
