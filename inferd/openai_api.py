@@ -47,6 +47,7 @@ from inferd.openai_schema import (
 from inferd.requests import Event, GenerationError, Request, TokenLogprob
 from inferd.sampling import BadParams, SamplingParams
 from inferd.service import checked_request_id
+from shared.client import MemdError
 from shared.command_line import kvpool_version
 from shared.http_exchange import ClientGone, check_api_key, or_disconnect, stream_body
 
@@ -105,6 +106,7 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/ping", self.health, methods=["GET", "POST"]),            # vLLM's (SageMaker's) name for it
             Route("/version", self.version, methods=["GET"]),
+            Route("/reset_prefix_cache", self._endpoint(self.reset_prefix_cache), methods=["POST"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
 
@@ -346,6 +348,18 @@ class OpenAIServer:
         if scheduler.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def reset_prefix_cache(self, http: HttpRequest, request_id: str) -> Response:
+        """vLLM's: the cached prefixes of this worker's model leave memd's prefix cache (a load test's clean
+        start: aiperf --reset-kv-cache). Sessions keep their pages, other models their cache. Behind the API
+        key, like every call that changes something."""
+        scheduler = self._scheduler()
+        try:
+            blocks = await scheduler.client.reset_prefix_cache()
+        except MemdError as err:
+            raise ApiError(503, f"memd did not reset the prefix cache: {err.message}") from None
+        log.info("prefix cache reset", request=request_id, blocks=blocks)
+        return JSONResponse({"success": True, "blocks": blocks})
 
     async def version(self, http: HttpRequest) -> Response:
         return JSONResponse({"version": kvpool_version()})

@@ -268,6 +268,16 @@ class MemdService(pb_grpc.MemdServicer):
         draining = sorted(w for w in m.workers if self.leases.is_draining(w))
         return pb.DrainReply(worker_ids=draining, running=self.leases.running_on(targets))
 
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheReply:
+        try:
+            worker = self.manager.worker(request.worker_id, request.lease)
+        except KvError as err:
+            await _abort(context, err)
+        blocks = self.manager.forget_cached(worker.model)
+        log.info("cached prefixes reset", worker=worker.worker_id, model=worker.model, blocks=blocks)
+        return pb.ResetPrefixCacheReply(blocks=blocks)
+
     async def Scrub(self, request: pb.ScrubRequest, context: grpc.aio.ServicerContext) -> pb.ScrubReply:
         if not 0 <= request.rate_bytes_s < float("inf"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rate_bytes_s must be a finite number from 0 "

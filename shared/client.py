@@ -276,6 +276,15 @@ class MemdClient:
             self.pool.close()
         await self._channel.close()
 
+    async def reset_prefix_cache(self) -> int:
+        """This worker's model's cached prefixes leave memd's prefix cache; returns how many blocks did."""
+        try:
+            reply = await self._stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(
+                worker_id=self.worker_id, lease=self._lease), metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise MemdError.from_rpc(err) from None
+        return int(reply.blocks)
+
     async def __aenter__(self) -> MemdClient:
         return self
 

@@ -928,3 +928,21 @@ def test_a_resumed_session_counts_its_own_kv_apart_from_prefix_hits():
     assert resumed.num_cached == 6
     assert m.counters["session_hit_tokens"] == 6 and m.counters["prefix_hit_tokens"] == 0
     assert m.violations() == []
+
+
+def test_forgetting_a_models_cached_prefixes_leaves_other_models_and_every_page_alone():
+    m = new_manager()
+    mine, other = attach(m, "m"), attach(m, "other")
+    prompt = list(range(3 * BLOCK_SIZE + 1))
+    for worker in (mine, other):
+        cached, = m.step(worker, [Open(prompt)]).results
+        m.step(worker, [Free(cached.seq_id, commit_to=len(prompt))])
+    kept, = m.step(mine, [Open(prompt, session_id="kept")]).results
+    m.step(mine, [Park(kept.seq_id, commit_to=len(prompt))])
+    tables = {s.seq_id: list(s.block_ids) for s in m.seqs.values()}
+    assert m.forget_cached("m") == 3
+    again, = m.step(mine, [Open(prompt)]).results
+    theirs, = m.step(other, [Open(prompt)]).results
+    assert (again.num_cached, theirs.num_cached) == (0, 3 * BLOCK_SIZE)
+    assert {s.seq_id: list(s.block_ids) for s in m.seqs.values() if s.seq_id in tables} == tables
+    assert m.violations() == []

@@ -198,6 +198,34 @@ async def test_a_cache_salt_keeps_a_prompt_from_any_other_salt_s_cached_blocks(a
     await client.close()
 
 
+async def test_reset_prefix_cache_forgets_cached_prefixes_and_keeps_sessions(api, hf_tokenizer):
+    """vLLM's POST /reset_prefix_cache (aiperf --reset-kv-cache): a prompt cached before is computed again after
+    it, while a parked session's next turn still finds its own K/V."""
+    memd, _inferd, url = api
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]
+
+    async def cached(session: str | None = None, more: list | None = None) -> int:
+        reply = await client.chat.completions.create(model=MODEL, messages=messages + (more or []), max_tokens=2,
+                                                     extra_headers={"X-Session-Id": session} if session else {})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    await cached()
+    await cached("kept")
+    assert await cached() > 0
+    async with httpx.AsyncClient(timeout=30) as http:
+        refused = await http.post(f"{url}/reset_prefix_cache", headers={"Authorization": "Bearer wrong"})
+        reset = await http.post(f"{url}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
+    assert refused.status_code == 401
+    assert reset.status_code == 200 and reset.json()["success"] and reset.json()["blocks"] > 0
+    assert await cached() == 0                                        # forgotten: computed again
+    later = [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Again"}]
+    assert await cached("kept", later) >= 16                          # the session's own pages stayed
+    async with memd.admin() as admin:
+        assert (await admin.check()).ok
+    await client.close()
+
+
 async def test_version_and_ping_answer_as_vllm_s_do(api):
     _memd, _inferd, url = api
     async with httpx.AsyncClient(timeout=10) as http:

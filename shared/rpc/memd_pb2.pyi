@@ -335,6 +335,20 @@ class DrainReply(_message.Message):
     running: int
     def __init__(self, worker_ids: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ...) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("worker_id", "lease")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    lease: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., lease: _Optional[bytes] = ...) -> None: ...
+
+class ResetPrefixCacheReply(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
 class ScrubRequest(_message.Message):
     __slots__ = ("rate_bytes_s",)
     RATE_BYTES_S_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.ScrubRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.ScrubReply.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/kvpool.memd.v1.Memd/ResetPrefixCache',
+                request_serializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheReply.FromString,
+                _registered_method=True)
 
 
 class MemdServicer:
@@ -149,6 +154,14 @@ class MemdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """A worker's model's blocks leave the prefix cache: no new prompt finds them. Pages stay where they are (a
+        parked session resumes from its own); another model's cache is untouched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +209,11 @@ def add_MemdServicer_to_server(servicer, server):
                     servicer.Scrub,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.ScrubRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.ScrubReply.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +459,33 @@ class Memd:
             '/kvpool.memd.v1.Memd/Scrub',
             shared_dot_rpc_dot_memd__pb2.ScrubRequest.SerializeToString,
             shared_dot_rpc_dot_memd__pb2.ScrubReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.memd.v1.Memd/ResetPrefixCache',
+            shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheRequest.SerializeToString,
+            shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheReply.FromString,
             options,
             channel_credentials,
             insecure,
