@@ -12,6 +12,7 @@ never passed off as complete.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,6 +32,7 @@ from kvroute.kv_index import EventSource, keys
 from kvroute.metrics import RouteMetrics
 from kvroute.placement import place, prefix_key
 from kvroute.workers import Worker, Workers
+from shared.command_line import kvpool_version
 from shared.http_exchange import ApiError, ClientGone, check_api_key, or_disconnect, stream_body
 
 log = structlog.get_logger("kvroute")
@@ -62,7 +64,12 @@ class Router:
             Route("/v1/models", self._guarded(self.anywhere), methods=["GET"]),
             Route("/tokenize", self._guarded(self.anywhere), methods=["POST"]),
             Route("/detokenize", self._guarded(self.anywhere), methods=["POST"]),
+            Route("/v1/chat/completions/render", self._guarded(self.anywhere), methods=["POST"]),
+            Route("/v1/completions/render", self._guarded(self.anywhere), methods=["POST"]),
+            Route("/reset_prefix_cache", self._guarded(self.everywhere), methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
 
@@ -138,6 +145,28 @@ class Router:
             return self._unplaced()
         worker = place(None, up, self.slack).worker
         return await self._forward(http, raw, worker, "load", key=None, session=None, model="", counted=False)
+
+    async def everywhere(self, http: HttpRequest, raw: bytes) -> Response:
+        """/reset_prefix_cache: every worker's, each host's pool forgets its cached prefixes; 200 once all did."""
+        up = self.workers.up()
+        if not up:
+            return self._unplaced()
+        headers = [(k, v) for k, v in _end_to_end(http.headers.raw) if k.lower() == b"authorization"]
+
+        async def one(worker: Worker) -> tuple[str, int, Any]:
+            try:
+                answer = await self.client.post(f"{worker.url}{http.url.path}", headers=headers, content=raw,
+                                                timeout=RENDER_TIMEOUT_S)
+                return worker.url, answer.status_code, answer.json()
+            except (httpx.HTTPError, ValueError) as exc:
+                return worker.url, 502, {"error": _describe(exc)}
+
+        answers = await asyncio.gather(*(one(w) for w in up))
+        ok = all(status == 200 for _, status, _ in answers)
+        blocks = sum(body.get("blocks", 0) for _, status, body in answers if status == 200 and isinstance(body, dict))
+        status = 200 if ok else next(s for _, s, _ in answers if s != 200)
+        return JSONResponse({"success": ok, "blocks": blocks, "workers": {url: s for url, s, _ in answers}},
+                            status_code=status)
 
     async def _place(self, key: bytes | None, session: str | None, model: str, http: HttpRequest | None = None,
                      raw: bytes = b"") -> tuple[Worker, str] | None:
@@ -230,6 +259,9 @@ class Router:
         ok = any(w.up for w in self.workers.all)
         return JSONResponse({"status": "ok" if ok else "no worker is up", "workers": workers},
                             status_code=200 if ok else 503)
+
+    async def version(self, http: HttpRequest) -> Response:
+        return JSONResponse({"version": kvpool_version()})
 
     async def prometheus(self, http: HttpRequest) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

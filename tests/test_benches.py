@@ -156,6 +156,19 @@ def test_the_route_bench_runs_and_routes_by_the_pools_blocks_only_with_kv_events
     assert text["ttft_p50_ms"] > 0 and kv["ttft_p50_ms"] > 0
 
 
+@pytest.mark.timeout(600)
+def test_aiperf_and_inference_perf_run_against_inferd_and_kvroute_without_a_failed_request():
+    # aiperf and inference-perf come from the venvs `.ci/run` set up (bench/load_tools.py), or are set up here.
+    report = quick("bench_load_tools.py")
+    assert report["failed"] == 0
+    runs = report["runs"]
+    assert set(runs) == {f"{target} {tool}" for target in ("inferd", "kvroute")
+                         for tool in ("aiperf", "inference-perf shared_prefix", "inference-perf sharegpt",
+                                      "bench_http_chat")}
+    assert all(r["ok"] > 0 and r["exit"] == 0 and r["ttft_p50_ms"] > 0 for r in runs.values())
+    assert runs["inferd aiperf"]["server_metrics"] and runs["inferd aiperf"]["cached_share"] > 0
+
+
 @pytest.mark.timeout(600)          # two vLLM starts (~50 s each on 2 cores) and two of kvpool
 def test_the_peer_bench_runs_both_servers_and_they_decode_the_same_tokens():
     # vLLM comes from the venv `.ci/run` set up (bench/peer_engines.py), or is set up here on first use.

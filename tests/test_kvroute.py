@@ -311,6 +311,30 @@ async def test_kv_events_route_a_prompt_to_the_pool_holding_its_blocks_where_its
 
 
 @pytest.mark.processes
+async def test_kvroute_resets_every_pool_and_serves_render_version_and_ping(host_factory, router_factory,
+                                                                           hf_tokenizer):
+    """What load tools call besides completions: aiperf's --reset-kv-cache must reach every host's pool."""
+    hosts = [await host_factory("a"), await host_factory("b")]
+    _router, url = await router_factory("router", hosts)
+    for host in hosts:                                           # each pool caches a prompt of its own
+        client = openai.AsyncOpenAI(base_url=f"{host.url}/v1", api_key="none", max_retries=0)
+        await client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=1)
+        await client.close()
+    async with httpx.AsyncClient(timeout=30) as http:
+        reset = await http.post(f"{url}/reset_prefix_cache")
+        rendered = await http.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "Hello"})
+        version, ping = await http.get(f"{url}/version"), await http.post(f"{url}/ping")
+    assert reset.status_code == 200 and reset.json()["success"] and reset.json()["blocks"] > 0
+    assert reset.json()["workers"] == {host.url: 200 for host in hosts}
+    for host in hosts:
+        _states, _, ok = await memd_state(host.memd)
+        async with host.memd.admin() as admin:
+            assert (await admin.stats()).prefix_blocks == 0 and ok
+    assert rendered.json()[0]["token_ids"] == hf_tokenizer("Hello")["input_ids"]
+    assert version.json()["version"] and ping.status_code == 200
+
+
+@pytest.mark.processes
 @pytest.mark.parametrize(("flags", "says"), [
     (("--worker", "localhost:8000"), "expected a worker's base URL"),
     (("--worker", "http://127.0.0.1:1", "--balance-slack", "-2"), "must be a whole number at least 0"),
