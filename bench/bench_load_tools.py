@@ -63,17 +63,19 @@ def serving(target: str, model_dir: Path, work: Path) -> Iterator[str]:
     """The target's base URL (http://HOST:PORT), its daemons started fresh and stopped after."""
     procs: list[subprocess.Popen[bytes]] = []
     log = open(work / "daemons.log", "a")     # noqa: SIM115 (closed below, after the daemons)
+    # Sockets (and with them memd's state directories) of their own: a fresh memd recovers nothing.
+    name = f"{target}-{len(list(work.glob(f'memd-{target}-*-0.sock*')))}"
     try:
         workers, events = [], []
         for host in range(1 if target == "inferd" else 2):
-            memd_addr, http, events_port = f"unix:{work / f'memd-{target}-{host}.sock'}", free_port(), \
+            memd_addr, http, events_port = f"unix:{work / f'memd-{name}-{host}.sock'}", free_port(), \
                 free_port_pair()
             procs.append(spawn_ready(["memd", "--device", "cpu", "--model", str(model_dir), "--block-size", "16",
                                       "--pool-bytes", "64MiB", "--listen", memd_addr, "--kv-events",
                                       f"tcp://127.0.0.1:{events_port}", "--log-format", "json"],
                                      work, stderr=log.fileno()))
             procs.append(spawn_ready(["inferd", "serve", "--model", str(model_dir), "--memd", memd_addr,
-                                      "--listen", f"unix:{work / f'inferd-{target}-{host}.sock'}",
+                                      "--listen", f"unix:{work / f'inferd-{name}-{host}.sock'}",
                                       "--http", f"127.0.0.1:{http}", "--served-model-name", "tiny",
                                       "--log-format", "json"], work, stderr=log.fileno()))
             workers += ["--worker", f"http://127.0.0.1:{http}"]
