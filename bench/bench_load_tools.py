@@ -203,10 +203,17 @@ def main() -> int:
         work = Path(tmp)
         model_dir = make_tiny_model(work / "tiny", **shape["model"])
         try:
-            for target in TARGETS:
+            # --quick: kvroute alone (its workers are inferds), one start for every tool: it checks that
+            # they all run through, not their figures.
+            for target in ("kvroute",) if args.quick else TARGETS:
                 with serving(target, model_dir, work) as url:
                     runs[f"{target} aiperf"] = run_aiperf(url, model_dir, work / f"aiperf-{target}", shape)
                     runs[f"{target} bench_http_chat"] = run_http_chat(url, shape)
+                    if args.quick:
+                        for data in ("shared_prefix", "sharegpt"):
+                            runs[f"{target} inference-perf {data}"] = run_inference_perf(
+                                url, model_dir, work / f"inference-perf-{target}-{data}", shape, data)
+                        continue
                 # Fresh servers for each inference-perf run: it names its sessions the same every run
                 # ("user_session_N"), and a second run's chats would continue the first's.
                 for data in ("shared_prefix", "sharegpt"):
