@@ -83,8 +83,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--http", metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                             "/v1/models, /health, /metrics, /tokenize, /detokenize) here (default: off)")
-    serve.add_argument("--api-key", help="the key HTTP clients must send (Authorization: Bearer KEY); "
-                                         "$INFERD_API_KEY works too (default: none)")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help="the key HTTP clients must send (Authorization: Bearer KEY); "
+                                        "$INFERD_API_KEY works too (default: none)")
+    keys.add_argument("--api-keys", type=Path, metavar="FILE",
+                      help="tenants, each with its keys, in TOML ([tenants.NAME] keys = [...]): each tenant's "
+                           "sessions and cached prefixes are its own (docs/operations.md, Tenants)")
     serve.add_argument("--served-model-name", help="the model name HTTP clients use (default: the --model "
                                                    "directory's name)")
     serve.add_argument("--chat-template", type=Path, metavar="FILE",
@@ -223,7 +227,7 @@ async def _serve(args: argparse.Namespace, engine: WorkerEngine, server: grpc.ai
 IGNORED = (
     Ignored("metrics_host", "metrics are off without --metrics-port", without="metrics_port"),
     *(Ignored(flag, "it configures the HTTP API, which is off without --http", without="http")
-      for flag in ("api_key", "served_model_name", "chat_template")),
+      for flag in ("api_key", "api_keys", "served_model_name", "chat_template")),
 )
 
 

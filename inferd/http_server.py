@@ -19,6 +19,7 @@ from inferd.engine import WorkerEngine
 from inferd.metrics import InferdMetrics
 from inferd.openai_api import OpenAIServer
 from shared.http_listener import EmbeddedServer, HttpListenError, address_of, bind_http
+from shared.tenants import Tenants, TenantsError
 
 log = structlog.get_logger("inferd.http")
 
@@ -44,8 +45,12 @@ class HttpFrontDoor:
         if template is None:
             log.warning("the checkpoint has no chat template: /v1/chat/completions answers 400 "
                         "(give --chat-template FILE)", model=str(args.model))
+        try:
+            tenants = Tenants.load(args.api_keys) if args.api_keys else Tenants.single(args.api_key or None)
+        except TenantsError as exc:
+            raise HttpStartError(str(exc)) from None
         api = OpenAIServer(engine, served_model_name=args.served_model_name or args.model.name,
-                           api_key=args.api_key or None, template=template, metrics=metrics)
+                           tenants=tenants, template=template, metrics=metrics)
         try:
             sock = bind_http(args.http)
         except HttpListenError as exc:

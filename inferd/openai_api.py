@@ -49,7 +49,8 @@ from inferd.sampling import BadParams, SamplingParams
 from inferd.service import checked_request_id
 from shared.client import MemdError
 from shared.command_line import kvpool_version
-from shared.http_exchange import ClientGone, check_api_key, or_disconnect, stream_body
+from shared.http_exchange import ClientGone, or_disconnect, stream_body
+from shared.tenants import Tenant, Tenants
 
 log = structlog.get_logger("inferd.http")
 
@@ -82,9 +83,9 @@ def _finish_reason(reason: str) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, engine: WorkerEngine, *, served_model_name: str, api_key: str | None,
+    def __init__(self, engine: WorkerEngine, *, served_model_name: str, tenants: Tenants,
                  template: ChatTemplate | None, metrics: InferdMetrics | None) -> None:
-        self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
+        self.engine, self.model_name, self.tenants = engine, served_model_name, tenants
         self.template, self.metrics = template, metrics
         self.created = int(time.time())
         self.active: set[Completions] = set()       # requests with an exchange in flight
@@ -107,6 +108,7 @@ class OpenAIServer:
             Route("/ping", self.health, methods=["GET", "POST"]),            # vLLM's (SageMaker's) name for it
             Route("/version", self.version, methods=["GET"]),
             Route("/reset_prefix_cache", self._endpoint(self.reset_prefix_cache), methods=["POST"]),
+            Route("/v1/sessions/{session_id:path}", self._endpoint(self.forget_session), methods=["DELETE"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
 
@@ -121,7 +123,7 @@ class OpenAIServer:
                     request_id = checked_request_id(http.headers.get("x-request-id"))
                 except GenerationError as err:
                     raise ApiError(400, err.message, param="x-request-id") from None
-                check_api_key(http.headers.get("authorization", ""), self.api_key)
+                http.state.tenant = self.tenants.caller(http.headers.get("authorization", ""))
                 response = await handler(http, request_id)
             except ApiError as err:
                 response = JSONResponse(err.body(), status_code=err.status)
@@ -204,10 +206,11 @@ class OpenAIServer:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
         scheduler = self._scheduler()
-        session = http.headers.get(SESSION_HEADER) or None
+        tenant: Tenant = http.state.tenant
+        session = tenant.session(http.headers.get(SESSION_HEADER) or None)
         params = self._params(body, len(prompt_ids))
         request = Request(prompt_ids, params, session_id=session, whole_history=session is not None,
-                          cache_salt=body.cache_salt)
+                          cache_salt=tenant.salt(body.cache_salt))
         request.request_id = request_id
         try:
             scheduler.submit(request)
@@ -353,6 +356,9 @@ class OpenAIServer:
         """vLLM's: the cached prefixes of this worker's model leave memd's prefix cache (a load test's clean
         start: aiperf --reset-kv-cache). Sessions keep their pages, other models their cache. Behind the API
         key, like every call that changes something."""
+        if not http.state.tenant.admin:
+            raise ApiError(403, "resetting the prefix cache is for an admin tenant (admin = true)",
+                           code="permission_denied")
         scheduler = self._scheduler()
         try:
             blocks = await scheduler.client.reset_prefix_cache()
@@ -360,6 +366,16 @@ class OpenAIServer:
             raise ApiError(503, f"memd did not reset the prefix cache: {err.message}") from None
         log.info("prefix cache reset", request=request_id, blocks=blocks)
         return JSONResponse({"success": True, "blocks": blocks})
+
+    async def forget_session(self, http: HttpRequest, request_id: str) -> Response:
+        """kvpool's: forget a session (X-Session-Id): a turn in flight ends, memd frees its K/V. Only the
+        caller's own sessions are found: another tenant's is a 404, as one that does not exist."""
+        name = http.path_params["session_id"]
+        try:
+            await self._scheduler().reset(http.state.tenant.session(name))
+        except GenerationError as err:
+            raise _api_error(err) from None
+        return JSONResponse({"id": name, "object": "session", "deleted": True})
 
     async def version(self, http: HttpRequest) -> Response:
         return JSONResponse({"version": kvpool_version()})

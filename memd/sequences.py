@@ -284,7 +284,7 @@ class RemoteLookups:
 MAX_NAME = 256                  # characters of a session id, model or worker name
 
 
-MAX_SALT = 128                  # characters of a cache salt, as vLLM takes them
+MAX_SALT = 256                  # characters of a salt: a tenant's name, then the 128 of a request's cache_salt
 
 
 def check_salt(salt: str) -> None:
