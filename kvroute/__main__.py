@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -30,6 +31,7 @@ from shared.flag_types import number
 from shared.http_listener import EmbeddedServer, HttpListenError, address_of, bind_http
 from shared.logs import configure
 from shared.notify import keep_watchdog, notify, watchdog_interval
+from shared.tenants import Tenants, TenantsError
 
 log = structlog.get_logger("kvroute")
 KEEPALIVE_S = 4.0        # under uvicorn's 5 s: kvroute never reuses a connection the worker is closing
@@ -48,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http", required=True, metavar="HOST:PORT", help="where to serve the OpenAI-compatible API")
     p.add_argument("--worker", type=worker_url, action="append", required=True, metavar="URL",
                    help="an inferd HTTP endpoint (inferd serve --http), e.g. http://10.0.0.5:8000; once per worker")
-    p.add_argument("--api-key", default=os.environ.get("KVROUTE_API_KEY"),
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-keys", type=Path, metavar="FILE",
+                      help="tenants in TOML, as inferd's --api-keys (the workers take the same file): a tenant's "
+                           "sessions are its own in the session directory too")
+    keys.add_argument("--api-key", default=os.environ.get("KVROUTE_API_KEY"),
                    help="the key clients must send (Authorization: Bearer KEY), passed on to the workers as it is; "
                         "$KVROUTE_API_KEY works too (default: none)")
     p.add_argument("--session-ttl", type=number(float, above=0), default=3600.0, metavar="SECONDS",
@@ -88,6 +94,10 @@ def event_sources(args: argparse.Namespace) -> list[EventSource]:
 
 async def serve(args: argparse.Namespace) -> None:
     try:
+        tenants = Tenants.load(args.api_keys) if args.api_keys else Tenants.single(args.api_key or None)
+    except TenantsError as exc:
+        raise StartupError(str(exc)) from None
+    try:
         sock = bind_http(args.http)
     except HttpListenError as exc:
         raise StartupError(str(exc)) from None
@@ -115,7 +125,7 @@ async def serve(args: argparse.Namespace) -> None:
         directory = SessionDirectory(store, args.session_ttl)
         sources = event_sources(args)
         router = Router(workers, directory, RouteMetrics(workers, directory, sources), client,
-                        api_key=args.api_key or None, slack=args.balance_slack, sources=sources)
+                        tenants=tenants, slack=args.balance_slack, sources=sources)
         context = zmq.asyncio.Context()
         stack.callback(context.destroy, 0)
         subscribed = [asyncio.create_task(source.run(context), name=f"kv-events {source.endpoint}")

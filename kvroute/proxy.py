@@ -33,7 +33,8 @@ from kvroute.metrics import RouteMetrics
 from kvroute.placement import place, prefix_key
 from kvroute.workers import Worker, Workers
 from shared.command_line import kvpool_version
-from shared.http_exchange import ApiError, ClientGone, check_api_key, or_disconnect, stream_body
+from shared.http_exchange import ApiError, ClientGone, or_disconnect, stream_body
+from shared.tenants import Tenants
 
 log = structlog.get_logger("kvroute")
 
@@ -51,10 +52,10 @@ def error(status: int, message: str, *, code: str | None = None) -> JSONResponse
 
 class Router:
     def __init__(self, workers: Workers, directory: SessionDirectory, metrics: RouteMetrics,
-                 client: httpx.AsyncClient, *, api_key: str | None, slack: int,
+                 client: httpx.AsyncClient, *, tenants: Tenants, slack: int,
                  sources: list[EventSource] | None = None) -> None:
         self.workers, self.directory, self.metrics, self.client = workers, directory, metrics, client
-        self.api_key, self.slack = api_key, slack
+        self.tenants, self.slack = tenants, slack
         self.sources = sources or []             # --kv-events: each pool's blocks, from its memd
 
     def app(self) -> Starlette:
@@ -67,6 +68,7 @@ class Router:
             Route("/v1/chat/completions/render", self._guarded(self.anywhere), methods=["POST"]),
             Route("/v1/completions/render", self._guarded(self.anywhere), methods=["POST"]),
             Route("/reset_prefix_cache", self._guarded(self.everywhere), methods=["POST"]),
+            Route("/v1/sessions/{session_id:path}", self._guarded(self.everywhere), methods=["DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ping", self.health, methods=["GET", "POST"]),
             Route("/version", self.version, methods=["GET"]),
@@ -77,7 +79,7 @@ class Router:
                  ) -> Callable[[HttpRequest], Awaitable[Response]]:
         async def run(http: HttpRequest) -> Response:
             try:
-                check_api_key(http.headers.get("authorization", ""), self.api_key)
+                http.state.tenant = self.tenants.caller(http.headers.get("authorization", ""))
             except ApiError as refused:
                 return JSONResponse(refused.body(), status_code=refused.status)
             try:
@@ -94,7 +96,8 @@ class Router:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None                                          # forwarded as it is: the worker says what is wrong
-        session = http.headers.get(SESSION_HEADER) or None
+        # The directory keeps a tenant's sessions under its name, as memd does (the worker names it itself).
+        session = http.state.tenant.session(http.headers.get(SESSION_HEADER) or None)
         model = str(body.get("model", "")) if isinstance(body, dict) else ""
         key = prefix_key(body)
         choice = await self._place(key, session, model, http if body is not None else None, raw)
@@ -147,7 +150,8 @@ class Router:
         return await self._forward(http, raw, worker, "load", key=None, session=None, model="", counted=False)
 
     async def everywhere(self, http: HttpRequest, raw: bytes) -> Response:
-        """/reset_prefix_cache: every worker's, each host's pool forgets its cached prefixes; 200 once all did."""
+        """/reset_prefix_cache: every worker's, each host's pool forgets its cached prefixes; 200 once all did.
+        DELETE /v1/sessions/NAME: every worker's memd is asked; 200 if one had it, else the workers' 404."""
         up = self.workers.up()
         if not up:
             return self._unplaced()
@@ -155,13 +159,19 @@ class Router:
 
         async def one(worker: Worker) -> tuple[str, int, Any]:
             try:
-                answer = await self.client.post(f"{worker.url}{http.url.path}", headers=headers, content=raw,
-                                                timeout=RENDER_TIMEOUT_S)
+                answer = await self.client.request(http.method, f"{worker.url}{http.url.path}", headers=headers,
+                                                   content=raw, timeout=RENDER_TIMEOUT_S)
                 return worker.url, answer.status_code, answer.json()
             except (httpx.HTTPError, ValueError) as exc:
                 return worker.url, 502, {"error": _describe(exc)}
 
         answers = await asyncio.gather(*(one(w) for w in up))
+        if http.method == "DELETE":
+            found = [body for _, status, body in answers if status == 200]
+            if found:
+                return JSONResponse(found[0])
+            status = next((s for _, s, _ in answers if s != 404), 404)
+            return JSONResponse(answers[0][2], status_code=status)
         ok = all(status == 200 for _, status, _ in answers)
         blocks = sum(body.get("blocks", 0) for _, status, body in answers if status == 200 and isinstance(body, dict))
         status = 200 if ok else next(s for _, s, _ in answers if s != 200)

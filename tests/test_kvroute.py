@@ -311,6 +311,47 @@ async def test_kv_events_route_a_prompt_to_the_pool_holding_its_blocks_where_its
 
 
 @pytest.mark.processes
+async def test_kvroute_keeps_each_tenants_sessions_apart(memd_factory, inferd_factory, model_dir, router_factory,
+                                                        tmp_path):
+    """--api-keys on kvroute and its workers: one tenant's session name is not another's, in the directory too."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text("[tenants.acme]\nkeys = ['sk-acme']\n[tenants.globex]\nkeys = ['sk-globex']\n")
+    hosts = []
+    for name in ("a", "b"):
+        memd = await memd_factory(*memd_flags(model_dir), name=f"memd-{name}")
+        inferd = await inferd_factory(model_dir, memd.address, "--http", "127.0.0.1:0", "--served-model-name", MODEL,
+                                      "--api-keys", str(keys), name=f"inferd-{name}")
+        hosts.append(Host(memd, inferd, f"http://{(await inferd.log.wait_for('inferd ready'))['http']}"))
+    _router, url = await router_factory("router", hosts, "--api-keys", str(keys))
+
+    async def turn(key: str, session: str) -> None:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        await client.chat.completions.create(model=MODEL, max_tokens=2, extra_headers={"X-Session-Id": session},
+                                             messages=[{"role": "user", "content": f"Hello from {key}"}])
+        await client.close()
+
+    async def affinity() -> float:
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{url}/metrics")).text
+        return sum(float(v) for v in re.findall(
+            r'kvpool_route_requests_total\{[^}]*reason="affinity"[^}]*\} ([0-9.e+]+)', text))
+
+    await turn("sk-acme", "chat")                      # remembered at once (no store: this kvroute's memory)
+    before = await affinity()
+    await turn("sk-globex", "chat")                   # another tenant's "chat": no entry of its own yet
+    assert await affinity() == before
+    await turn("sk-acme", "chat")                      # acme's own entry
+    assert await affinity() == before + 1
+    async with httpx.AsyncClient(timeout=30) as http:
+        other = await http.delete(f"{url}/v1/sessions/only-acme", headers={"Authorization": "Bearer sk-globex"})
+        await turn("sk-acme", "only-acme")
+        still = await http.delete(f"{url}/v1/sessions/only-acme", headers={"Authorization": "Bearer sk-globex"})
+        mine = await http.delete(f"{url}/v1/sessions/only-acme", headers={"Authorization": "Bearer sk-acme"})
+        nobody = await http.delete(f"{url}/v1/sessions/only-acme", headers={"Authorization": "Bearer sk-x"})
+    assert (other.status_code, still.status_code, mine.status_code, nobody.status_code) == (404, 404, 200, 401)
+
+
+@pytest.mark.processes
 async def test_kvroute_resets_every_pool_and_serves_render_version_and_ping(host_factory, router_factory,
                                                                            hf_tokenizer):
     """What load tools call besides completions: aiperf's --reset-kv-cache must reach every host's pool."""
