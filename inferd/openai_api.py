@@ -210,7 +210,7 @@ class OpenAIServer:
         session = tenant.session(http.headers.get(SESSION_HEADER) or None)
         params = self._params(body, len(prompt_ids))
         request = Request(prompt_ids, params, session_id=session, whole_history=session is not None,
-                          cache_salt=tenant.salt(body.cache_salt))
+                          cache_salt=tenant.salt(body.cache_salt), tenant=tenant.name or None)
         request.request_id = request_id
         try:
             scheduler.submit(request)

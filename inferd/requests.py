@@ -56,6 +56,7 @@ class Request:
     # the new turn's tokens; memd keeps what the session's history shares with it.
     whole_history: bool = False
     cache_salt: str | None = None                      # vLLM's: its prefix-cache namespace (memd's Open.cache_salt)
+    tenant: str | None = None                          # whose it is (shared.tenants): memd counts its pages for it
     arrived: float = field(default_factory=time.monotonic)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     seq: SeqProgress = field(default_factory=SeqProgress)   # its sequence, in the pool and in memd's books

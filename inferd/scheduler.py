@@ -435,10 +435,10 @@ class Scheduler:
         if preempted and request.seq.held:
             return Resume(request.seq.id, reserve=reserve)    # swapped back in, or recomputed if dropped
         if preempted:                                       # memd forgot it: start over from the history
-            return Open(request.seq.tokens, reserve=reserve, cache_salt=request.cache_salt)
+            return Open(request.seq.tokens, reserve=reserve, cache_salt=request.cache_salt, tenant=request.tenant)
         return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
                     continue_session=request.session_id is not None, turn_id=request.turn_id,
-                    whole_history=request.whole_history, cache_salt=request.cache_salt)
+                    whole_history=request.whole_history, cache_salt=request.cache_salt, tenant=request.tenant)
 
     def _reserve(self, request: Request) -> int:
         """Writable positions to ask for past the known tokens: the lookahead, capped by what may still come.
@@ -629,8 +629,8 @@ class Scheduler:
                             num_prompt=parent.num_prompt, num_cached=parent.num_cached, fork_of=parent,
                             first_token_at=now,
                             cancel_reason=parent.cancel_reason,      # a cancel that came during the prefill
-                            generator=generator, generated=[token],
-                            seq=SeqProgress(tokens=[*parent.seq.tokens, token]))
+                            generator=generator, generated=[token], cache_salt=parent.cache_salt,
+                            tenant=parent.tenant, seq=SeqProgress(tokens=[*parent.seq.tokens, token]))
             children.append(child)
         logprobs: list[TokenLogprob | None] = [None] * len(children)
         if p.logprobs is not None and children:       # one row for every child: one log_softmax

@@ -80,7 +80,8 @@ def parse_record(data: bytes) -> RemoteSession | None:
     try:
         r = msgpack.unpackb(data, raw=False)
         remote = RemoteSession(str(r["model"]), int(r["block_size"]), [int(t) for t in r["tokens"]],
-                               [str(k) for k in r["keys"]], [int(c) for c in r["checksums"]], str(r.get("salt", "")))
+                               [str(k) for k in r["keys"]], [int(c) for c in r["checksums"]], str(r.get("salt", "")),
+                               str(r.get("tenant", "")))
     except Exception:
         return None
     if r.get("v") != RECORD_VERSION or remote.block_size <= 0 or len(remote.keys) != len(remote.checksums) \
@@ -214,7 +215,7 @@ class ClusterTier:
         m.counters["cluster_errors"] += sum(1 for code in codes if code != 0)
         upto = present.index(False) if False in present else len(present)
         record = {"v": RECORD_VERSION, "model": model, "block_size": bs, "tokens": tokens,
-                  "keys": keys[:upto], "checksums": sums[:upto], "salt": salt}
+                  "keys": keys[:upto], "checksums": sums[:upto], "salt": salt, "tenant": seq.tenant}
         if await self.store.put(session_key(session), msgpack.packb(record)) != 0:
             raise RuntimeError("the store refused the session record")
         log.info("published a session to the cluster store", session=session, blocks=upto,

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("after").complete = shtab.FILE
     sub.add_parser("workers", parents=[as_json], help="attached workers: running sequences, drain, last heartbeat")
     seqs = sub.add_parser("sequences", parents=[as_json], help="sequences with their state, owner, size and heat")
+    sub.add_parser("tenants", parents=[as_json], help="per tenant (inferd --api-keys): sequences by state, pool "
+                                                      "pages held, swap slots filled")
     seqs.add_argument("--state", choices=views.STATE_ORDER)
     seqs.add_argument("--worker", type=worker_id, metavar="ID", help="only those running on this worker")
     evict = sub.add_parser("evict", parents=[as_json],
@@ -136,6 +138,9 @@ async def run(args: argparse.Namespace, target: str) -> int:
             reply = await admin.snapshot(blocks=False, state=args.state or "", worker_id=args.worker or 0)
             rows = views.sequences_list(reply)
             show(args, rows, views.render_sequences(rows))
+        elif args.command == "tenants":
+            rows = views.tenants_list(await admin.snapshot(blocks=False))
+            show(args, rows, views.render_tenants(rows))
         elif args.command == "evict":
             reply = await admin.evict(seq_id=args.seq, session_id=args.session, idle_s=args.idle, blocks=args.blocks,
                                       worker_id=args.worker, mode=args.mode or "swap")

@@ -34,6 +34,7 @@ from memd.journal import (
     SLOT_SUMS,
     SLOTS,
     STATE,
+    TENANT,
     TOKENS,
     TURN_ID,
     TURN_START,
@@ -196,10 +197,11 @@ def _parse(seq_id: int, r: list) -> tuple[Sequence, int] | None:
                        session_id=r[SESSION] or None, last_access=float(r[LAST_ACCESS]),
                        heat=float(r[HEAT]), heat_at=float(r[HEAT_AT]), slots=[int(s) for s in r[SLOTS]],
                        turn_start=int(r[TURN_START]), interrupted=bool(r[MID_TURN]),
-                       turn_id=r[TURN_ID] if len(r) > TURN_ID else "", salt=r[SALT] if len(r) > SALT else "")
+                       turn_id=r[TURN_ID] if len(r) > TURN_ID else "", salt=r[SALT] if len(r) > SALT else "",
+                       tenant=r[TENANT] if len(r) > TENANT else "")
         if not isinstance(r[MODEL], str) or not isinstance(r[SESSION], str | None) \
-                or not isinstance(seq.turn_id, str) or not isinstance(seq.salt, str):
-            raise TypeError("model, session, turn id and salt must be strings")
+                or not isinstance(seq.turn_id, str) or not isinstance(seq.salt, str) or not isinstance(seq.tenant, str):
+            raise TypeError("model, session, turn id, salt and tenant must be strings")
     except Exception:        # any record that makes no sense is skipped
         return None
     if seq.block_size <= 0 or not 0 <= seq.num_committed <= len(seq.token_ids) \

@@ -91,6 +91,7 @@ class Sequence:
     interrupted: bool = False           # that turn never ended: its worker died, or memd did
     turn_id: str = ""                   # the client's name for that turn: sent again, it replaces the turn
     salt: str = ""                      # its prefix-cache namespace within its model (Open.cache_salt)
+    tenant: str = ""                    # whose it is (Open.tenant): "" for no tenant
 
     @property
     def prefix_space(self) -> str:
@@ -262,6 +263,7 @@ class RemoteSession:
     keys: list[str]               # store keys of its leading full blocks
     checksums: list[int]          # their workers' checksums
     salt: str = ""                # the cache salt it was opened with: its keys cover it
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,6 +168,7 @@ class SnapshotView:
         row.block_ids.extend(s.block_ids)
         row.last_access, row.heat = s.last_access, self.state.heat(s, self.taken_at)
         row.swapped_blocks = s.swapped_blocks
+        row.tenant = s.tenant
 
 
 class Holders:

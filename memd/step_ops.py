@@ -101,6 +101,7 @@ class StepTxn:
         worker = self.worker
         check_name("turn id", op.turn_id or "")
         check_salt(op.cache_salt or "")
+        check_name("tenant", op.tenant or "")
         if op.whole_history and not (op.continue_session and op.session_id and op.token_ids):
             raise InvalidArgument("whole_history names a session's whole conversation: give session_id, "
                                   "continue_session and its token ids")
@@ -119,7 +120,7 @@ class StepTxn:
         self.state.check_fits(len(op.token_ids) + op.reserve, worker.block_size)
         seq = Sequence(self.state.new_seq_id(), worker.model, worker.block_size, worker.worker_id, SeqState.RUNNING,
                        [], 0, array("I", op.token_ids), session_id=op.session_id or None, turn_id=op.turn_id or "",
-                       salt=op.cache_salt or "")
+                       salt=op.cache_salt or "", tenant=op.tenant or "")
         self._create(seq)
         cached = self._match_prefix(seq)
         if (prefix := self.remote.prefixes.get(id(op))) is not None:
@@ -139,7 +140,7 @@ class StepTxn:
         if len(remote.keys) > self.state.pool.num_free:        # before the sequence takes an id
             raise PoolExhausted(len(remote.keys), self.state.pool.num_free)
         seq = Sequence(self.state.new_seq_id(), remote.model, remote.block_size, None, SeqState.PARKED, [], 0,
-                       array("I", remote.token_ids), session_id=session, salt=remote.salt)
+                       array("I", remote.token_ids), session_id=session, salt=remote.salt, tenant=remote.tenant)
         self._create(seq)
         self._fetch_blocks(seq, remote.keys, remote.checksums)
         self.counters["cluster_sessions_fetched"] += 1
@@ -385,7 +386,8 @@ class StepTxn:
             raise PoolExhausted(1, 0)
         child = Sequence(self.state.new_seq_id(), parent.model, parent.block_size, parent.owner, SeqState.RUNNING,
                          list(parent.block_ids[:full]), parent.num_committed, array("I", parent.token_ids),
-                         list(parent.hashes), op.session_id or None, turn_start=parent.turn_start, salt=parent.salt)
+                         list(parent.hashes), op.session_id or None, turn_start=parent.turn_start, salt=parent.salt,
+                         tenant=parent.tenant)
         self.state.pool.incref_n(child.block_ids)
         if partial:
             # The only block either side will write: copy it now rather than share it.

@@ -98,6 +98,30 @@ def sequences_list(reply: pb.SnapshotReply) -> list[dict[str, Any]]:
             for s in sorted(reply.sequences, key=lambda s: s.seq_id)]
 
 
+def tenants_list(reply: pb.SnapshotReply) -> list[dict[str, Any]]:
+    """Per tenant: its sequences by state, the pool pages they hold (a page two of its sequences share once; a
+    page two tenants' sequences share counts for each), the swap slots they fill. "" is the sequences of none."""
+    rows: dict[str, dict[str, Any]] = {}
+    pages: dict[str, set[int]] = {}
+    for s in reply.sequences:
+        row = rows.setdefault(s.tenant, {"tenant": s.tenant, "sequences": 0, "sessions": 0, "running": 0,
+                                         "parked": 0, "swapped": 0, "dropped": 0, "pages": 0, "swap_slots": 0})
+        row["sequences"] += 1
+        row["sessions"] += bool(s.session_id)
+        row[s.state] = row.get(s.state, 0) + 1
+        row["swap_slots"] += s.swapped_blocks
+        pages.setdefault(s.tenant, set()).update(s.block_ids)
+    for tenant, row in rows.items():
+        row["pages"] = len(pages[tenant])
+    return [rows[t] for t in sorted(rows)]
+
+
+def render_tenants(rows: list[dict[str, Any]]) -> str:
+    shown = [{**row, "tenant": row["tenant"] or "(none)"} for row in rows]
+    return table(shown, ["tenant", "sequences", "sessions", "running", "parked", "swapped", "dropped", "pages",
+                         "swap_slots"], "no sequence")
+
+
 def table(rows: list[dict[str, Any]], columns: list[str], empty: str) -> str:
     """Aligned columns, numbers to the right; `empty` when there are no rows."""
     if not rows:

@@ -30,6 +30,9 @@ class Open:
     # A new sequence's prefix-cache namespace (vLLM's cache_salt): its blocks are found by, and find, only
     # sequences of the same salt, here and in the cluster store. A continued session keeps its own.
     cache_salt: str | None = None
+    # Whose the new sequence is (the HTTP API's tenant, shared.tenants): memd counts its pages for it. A
+    # continued session keeps its own.
+    tenant: str | None = None
 
 
 @dataclass(slots=True)

@@ -139,10 +139,12 @@ def _flag(value: Any, name: str) -> bool:
 
 
 def _open(f: list) -> ops.Open:
-    token_ids, reserve, session_id, continue_session, turn_id, whole_history, cache_salt = _fields(f, 7, "open")
+    token_ids, reserve, session_id, continue_session, turn_id, whole_history, cache_salt, tenant = \
+        _fields(f, 8, "open")
     return ops.Open(_ints(token_ids, "I", "token_ids"), _int(reserve, U32, "reserve"),
                     _text(session_id, "session_id"), _flag(continue_session, "continue_session"),
-                    _text(turn_id, "turn_id"), _flag(whole_history, "whole_history"), _text(cache_salt, "cache_salt"))
+                    _text(turn_id, "turn_id"), _flag(whole_history, "whole_history"), _text(cache_salt, "cache_salt"),
+                    _text(tenant, "tenant"))
 
 
 def _extend(f: list) -> ops.Extend:

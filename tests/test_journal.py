@@ -531,7 +531,7 @@ def test_a_salted_prefix_serves_only_its_salt_before_and_after_a_restart(tmp_pat
     sequence keeps its salt through the journal, and with it whose prompts its blocks serve."""
     state, manager, wal, worker = journaled(tmp_path)
     prompt = list(range(100, 100 + 3 * BLOCK_SIZE + 1))
-    opened, = manager.step(worker, [Open(prompt, session_id="kept", cache_salt="team-a")]).results
+    opened, = manager.step(worker, [Open(prompt, session_id="kept", cache_salt="team-a", tenant="acme")]).results
     manager.step(worker, [Park(opened.seq_id, commit_to=len(prompt))])
 
     def hits(m: KvManager, worker_id: int, salt: str | None) -> int:
@@ -543,5 +543,6 @@ def test_a_salted_prefix_serves_only_its_salt_before_and_after_a_restart(tmp_pat
     wal.flush(manager)
     fresh = recovered(state)
     again = attach(fresh, "m")
-    assert fresh.seqs[fresh.sessions["kept"]].salt == "team-a"
+    kept = fresh.seqs[fresh.sessions["kept"]]
+    assert (kept.salt, kept.tenant) == ("team-a", "acme")
     assert [hits(fresh, again, salt) for salt in ("team-b", None, "team-a")] == [0, 0, 3 * BLOCK_SIZE]

@@ -23,7 +23,7 @@ names = st.one_of(st.none(), st.text(min_size=1, max_size=12))
 target = st.one_of(st.tuples(ids, st.none()), st.tuples(st.none(), st.text(min_size=1, max_size=12)))
 
 operations = st.one_of(
-    st.builds(ops.Open, tokens, small, names, st.booleans(), names, st.booleans(), names),
+    st.builds(ops.Open, tokens, small, names, st.booleans(), names, st.booleans(), names, names),
     st.builds(ops.Extend, ids, tokens, small, small, small, sums),
     st.builds(ops.Park, ids, tokens, small, st.booleans(), small, sums),
     target.flatmap(lambda t: st.builds(ops.Resume, st.just(t[0]), st.just(t[1]), small)),
@@ -74,13 +74,15 @@ MALFORMED = {
     "a length past 32 bits": (msgpack.packb([[4, [2**64 - 1, None, 0]], [2, [7, [], 2**32, 0, 0, []]]]),
                               1, "commit_to must be an integer from 0 to 4294967295"),
     "a float": (msgpack.packb([[2, [7, [1], 1.5, 1, 0, []]]]), 0, "commit_to must be an integer"),
-    "a token past 32 bits": (msgpack.packb([[1, [[1, 2**32], 0, None, False, None, False, None]]]), 0, "token_ids"),
+    "a token past 32 bits": (msgpack.packb([[1, [[1, 2**32], 0, None, False, None, False, None, None]]]), 0,
+                             "token_ids"),
     "a token that is text": (msgpack.packb([[2, [7, ["1"], 1, 1, 0, []]]]), 0, "append must hold integers"),
     "a negative checksum": (msgpack.packb([[3, [7, [], 1, False, 0, [-1]]]]), 0, "page_sums"),
     "a session id that is a number": (msgpack.packb([[6, [7, 5]]]), 0, "session_id must be a string"),
     "a flag that is a number": (msgpack.packb([[3, [7, [], 1, 1, 0, []]]]), 0, "preempt must be true or false"),
-    "a list that is a string": (msgpack.packb([[1, ["abc", 0, None, False, None, False, None]]]), 0, "token_ids"),
-    "a salt that is a number": (msgpack.packb([[1, [[1], 0, None, False, None, False, 7]]]), 0, "cache_salt"),
+    "a list that is a string": (msgpack.packb([[1, ["abc", 0, None, False, None, False, None, None]]]), 0, "token_ids"),
+    "a salt that is a number": (msgpack.packb([[1, [[1], 0, None, False, None, False, 7, None]]]), 0, "cache_salt"),
+    "a tenant that is a number": (msgpack.packb([[1, [[1], 0, None, False, None, False, None, 7]]]), 0, "tenant"),
 }
 
 

@@ -3,6 +3,7 @@ client against memd + inferd processes; the file is checked, a bad one refused i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -10,6 +11,7 @@ import pytest
 
 from shared.http_exchange import ApiError
 from shared.tenants import Tenants, TenantsError
+from tests.test_memctl import memctl
 from tests.test_openai_api import SYSTEM
 
 openai = pytest.importorskip("openai")
@@ -118,9 +120,18 @@ async def test_tenants_own_their_sessions_and_cached_prefixes(memd_factory, infe
         wrong = await http.delete(f"{url}/v1/sessions/mine", headers={"Authorization": "Bearer sk-nobody"})
         assert wrong.status_code == 401
     async with memd.admin() as admin:
-        sessions = {s.session_id for s in (await admin.snapshot(blocks=False)).sequences if s.session_id}
+        sequences = (await admin.snapshot(blocks=False)).sequences
         assert (await admin.check()).ok
-    assert sessions == {"acme/only-acme", "globex/mine"}
+    assert {(s.session_id, s.tenant) for s in sequences if s.session_id} == {("acme/only-acme", "acme"),
+                                                                           ("globex/mine", "globex")}
+    rc, out, err = await memctl("--address", memd.address, "tenants", "--json")
+    assert rc == 0, err
+    rows = {row["tenant"]: row for row in json.loads(out)}
+    assert rows["acme"]["sessions"] == rows["globex"]["sessions"] == 1 and rows["acme"]["parked"] == 1
+    held = {s.tenant: set() for s in sequences}
+    for s in sequences:
+        held[s.tenant].update(s.block_ids)
+    assert all(rows[t]["pages"] == len(pages) > 0 for t, pages in held.items() if t)
     for client in clients.values():
         await client.close()
 

@@ -210,7 +210,7 @@ class BlockRow(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., ref_count: _Optional[int] = ..., last_access: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., heat: _Optional[float] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SeqRow(_message.Message):
-    __slots__ = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "block_ids", "model", "last_access", "heat", "swapped_blocks")
+    __slots__ = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "block_ids", "model", "last_access", "heat", "swapped_blocks", "tenant")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class SeqRow(_message.Message):
     LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: str
     state: str
@@ -233,7 +234,8 @@ class SeqRow(_message.Message):
     last_access: float
     heat: float
     swapped_blocks: int
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ..., heat: _Optional[float] = ..., swapped_blocks: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ..., heat: _Optional[float] = ..., swapped_blocks: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class WorkerRow(_message.Message):
     __slots__ = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running", "draining")
