@@ -200,11 +200,14 @@ class OpenAIServer:
             raise ApiError(503, "not attached to memd (it is down or restarting); retry shortly")
         return scheduler
 
+    def _check_vocab(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param=param)
+
     async def _generate(self, http: HttpRequest, request_id: str, body: ChatBody | CompletionBody,
                         prompt_ids: list[int], *, chat: bool) -> Response:
-        vocab = self.engine.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        self._check_vocab(prompt_ids, "prompt")
         scheduler = self._scheduler()
         tenant: Tenant = http.state.tenant
         session = tenant.session(http.headers.get(SESSION_HEADER) or None)
@@ -305,9 +308,7 @@ class OpenAIServer:
         return JSONResponse([self._rendered(body, ids, name) for ids, name in zip(prompts, names, strict=True)])
 
     def _rendered(self, body: ChatBody | CompletionBody, ids: list[int], request_id: str) -> dict[str, Any]:
-        vocab = self.engine.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        self._check_vocab(ids, "prompt")
         p = self._params(body, len(ids))
         sampling = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
                     "seed": p.seed, "stop": list(p.stop), "n": p.n, "ignore_eos": p.ignore_eos,
@@ -338,9 +339,7 @@ class OpenAIServer:
     async def detokenize(self, http: HttpRequest, request_id: str) -> Response:
         body = parse(DetokenizeBody, await self._body(http))
         self._check_model(body.model)
-        vocab = self.engine.config.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        self._check_vocab(body.tokens, "tokens")
         return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     async def health(self, http: HttpRequest) -> Response:

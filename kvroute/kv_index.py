@@ -27,6 +27,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from shared.kv_event_endpoints import replay_beside, tcp_host_port
+
 log = structlog.get_logger("kvroute.kv_index")
 
 POOL_MEDIUM = "GPU"
@@ -172,13 +174,14 @@ def parse_source(text: str, workers: list[str]) -> EventSource:
     """`tcp://HOST:PORT[=URL,URL...]`: a memd's KV events and the workers on its pool (by default those whose
     URL names the same host). The replay socket is the next port, as memd opens it by default."""
     endpoint, _, named = text.partition("=")
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not endpoint.startswith("tcp://") or not host or not port.isdigit():
+    found, replay = tcp_host_port(endpoint), replay_beside(endpoint)
+    if found is None or replay is None:
         raise ValueError(f"expected tcp://HOST:PORT[=WORKER_URL,...], not {text!r}")
+    host = found[0]
     urls = [u.rstrip("/") for u in named.split(",") if u] if named else \
         [w for w in workers if w.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]") == host.strip("[]")]
     unknown = [u for u in urls if u not in workers]
     if unknown or not urls:
         raise ValueError(f"--kv-events {text}: " + (f"{', '.join(unknown)} is not a --worker" if unknown else
                                                      "no --worker on that host: name them (=URL,URL)"))
-    return EventSource(endpoint, f"tcp://{host}:{int(port) + 1}", urls)
+    return EventSource(endpoint, replay, urls)

@@ -67,8 +67,8 @@ class Router:
             Route("/detokenize", self._guarded(self.anywhere), methods=["POST"]),
             Route("/v1/chat/completions/render", self._guarded(self.anywhere), methods=["POST"]),
             Route("/v1/completions/render", self._guarded(self.anywhere), methods=["POST"]),
-            Route("/reset_prefix_cache", self._guarded(self.everywhere), methods=["POST"]),
-            Route("/v1/sessions/{session_id:path}", self._guarded(self.everywhere), methods=["DELETE"]),
+            Route("/reset_prefix_cache", self._guarded(self.reset_prefix_cache), methods=["POST"]),
+            Route("/v1/sessions/{session_id:path}", self._guarded(self.forget_session), methods=["DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ping", self.health, methods=["GET", "POST"]),
             Route("/version", self.version, methods=["GET"]),
@@ -128,10 +128,9 @@ class Router:
     async def _render(self, http: HttpRequest, raw: bytes, up: list[Worker]) -> list[int] | None:
         """The prompt's token ids, as the workers tokenize it: their /render endpoint (any of them, the same)."""
         worker = min(up, key=lambda w: w.load)
-        headers = [(k, v) for k, v in _end_to_end(http.headers.raw) if k.lower() in (b"authorization",
-                                                                                     b"content-type")]
         try:
-            answer = await self.client.post(f"{worker.url}{http.url.path}/render", content=raw, headers=headers,
+            answer = await self.client.post(f"{worker.url}{http.url.path}/render", content=raw,
+                                            headers=_passed_on(http, b"authorization", b"content-type"),
                                             timeout=RENDER_TIMEOUT_S)
             rendered = answer.json() if answer.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
@@ -149,13 +148,34 @@ class Router:
         worker = place(None, up, self.slack).worker
         return await self._forward(http, raw, worker, "load", key=None, session=None, model="", counted=False)
 
-    async def everywhere(self, http: HttpRequest, raw: bytes) -> Response:
-        """/reset_prefix_cache: every worker's, each host's pool forgets its cached prefixes; 200 once all did.
-        DELETE /v1/sessions/NAME: every worker's memd is asked; 200 if one had it, else the workers' 404."""
+    async def reset_prefix_cache(self, http: HttpRequest, raw: bytes) -> Response:
+        """Every worker's: each host's pool forgets its cached prefixes; 200 once all did."""
+        answers = await self._ask_every_worker(http, raw)
+        if answers is None:
+            return self._unplaced()
+        ok = all(status == 200 for _, status, _ in answers)
+        blocks = sum(body.get("blocks", 0) for _, status, body in answers if status == 200 and isinstance(body, dict))
+        status = 200 if ok else next(s for _, s, _ in answers if s != 200)
+        return JSONResponse({"success": ok, "blocks": blocks, "workers": {url: s for url, s, _ in answers}},
+                            status_code=status)
+
+    async def forget_session(self, http: HttpRequest, raw: bytes) -> Response:
+        """DELETE /v1/sessions/NAME: every worker's memd is asked; 200 if one had it, else the workers' 404."""
+        answers = await self._ask_every_worker(http, raw)
+        if answers is None:
+            return self._unplaced()
+        found = [body for _, status, body in answers if status == 200]
+        if found:
+            return JSONResponse(found[0])
+        status = next((s for _, s, _ in answers if s != 404), 404)
+        return JSONResponse(answers[0][2], status_code=status)
+
+    async def _ask_every_worker(self, http: HttpRequest, raw: bytes) -> list[tuple[str, int, Any]] | None:
+        """The request sent to every worker that is up, at once: (url, status, JSON body) each; None if none is."""
         up = self.workers.up()
         if not up:
-            return self._unplaced()
-        headers = [(k, v) for k, v in _end_to_end(http.headers.raw) if k.lower() == b"authorization"]
+            return None
+        headers = _passed_on(http, b"authorization")
 
         async def one(worker: Worker) -> tuple[str, int, Any]:
             try:
@@ -165,18 +185,7 @@ class Router:
             except (httpx.HTTPError, ValueError) as exc:
                 return worker.url, 502, {"error": _describe(exc)}
 
-        answers = await asyncio.gather(*(one(w) for w in up))
-        if http.method == "DELETE":
-            found = [body for _, status, body in answers if status == 200]
-            if found:
-                return JSONResponse(found[0])
-            status = next((s for _, s, _ in answers if s != 404), 404)
-            return JSONResponse(answers[0][2], status_code=status)
-        ok = all(status == 200 for _, status, _ in answers)
-        blocks = sum(body.get("blocks", 0) for _, status, body in answers if status == 200 and isinstance(body, dict))
-        status = 200 if ok else next(s for _, s, _ in answers if s != 200)
-        return JSONResponse({"success": ok, "blocks": blocks, "workers": {url: s for url, s, _ in answers}},
-                            status_code=status)
+        return list(await asyncio.gather(*(one(w) for w in up)))
 
     async def _place(self, key: bytes | None, session: str | None, model: str, http: HttpRequest | None = None,
                      raw: bytes = b"") -> tuple[Worker, str] | None:
@@ -315,6 +324,11 @@ def _end_to_end(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The headers a proxy passes on: not hop-by-hop ones, nor those the Connection header names."""
     named = {token.strip().lower() for k, v in raw if k.lower() == b"connection" for token in v.split(b",")}
     return [(k, v) for k, v in raw if k.decode("latin-1").lower() not in HOP_BY_HOP and k.lower() not in named]
+
+
+def _passed_on(http: HttpRequest, *names: bytes) -> list[tuple[bytes, bytes]]:
+    """The client's headers of these names (lower case) that a proxy passes on, for a call of kvroute's own."""
+    return [(k, v) for k, v in _end_to_end(http.headers.raw) if k.lower() in names]
 
 
 def _describe(exc: BaseException) -> str:

@@ -26,7 +26,7 @@ from memd.fdpass import FdServer
 from memd.host_pages import huge_pages
 from memd.interceptors import MEMD_SERVICE, RpcCounter, SerializedReplies
 from memd.journal import Recovered, WriteAheadLog
-from memd.kv_events import KvEvents, replay_endpoint_beside
+from memd.kv_events import KvEvents
 from memd.manager import KvManager
 from memd.memory import PoolMemory, ShmMemory
 from memd.metrics import MemdMetrics
@@ -42,6 +42,7 @@ from shared import address as addr
 from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
 from shared.decoding import RequestDecoder
 from shared.full_collections import freeze_long_lived
+from shared.kv_event_endpoints import replay_beside
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
 from shared.rpc import memd_pb2_grpc as pb_grpc
@@ -141,7 +142,7 @@ def open_kv_events(args: argparse.Namespace, manager: KvManager, parts: Parts,
     """--kv-events: bind the publisher (and its replay socket); its batches follow every committed Step."""
     if not args.kv_events:
         return None
-    replay = args.kv_events_replay or replay_endpoint_beside(args.kv_events)
+    replay = args.kv_events_replay or replay_beside(args.kv_events)
     try:
         events = KvEvents(manager, args.kv_events, replay, args.kv_events_topic)
     except zmq.ZMQError as exc:

@@ -272,9 +272,3 @@ def _swapped_blocks(seq: Sequence) -> list[_Stored]:
     raw, stride = seq.token_ids[:count * seq.block_size].tobytes(), seq.block_size * TOKEN_BYTES
     return [_Stored(seq.hashes[i], seq.hashes[i - 1] if i else b"", raw[i * stride:(i + 1) * stride])
             for i in range(count)]
-
-
-def replay_endpoint_beside(endpoint: str) -> str | None:
-    """The replay endpoint memd opens next to `tcp://HOST:PORT` by default: the next port."""
-    host, _, port = endpoint.rpartition(":")
-    return f"{host}:{int(port) + 1}" if endpoint.startswith("tcp://") and port.isdigit() and int(port) else None
