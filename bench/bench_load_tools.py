@@ -43,10 +43,10 @@ from typing import Any
 
 import bench_http_chat
 import load_tools
+from kv_hosts import serving
 from tables import table
 
 from inferd.tiny import CORPUS, make_tiny_model
-from shared.launch import free_port, free_port_pair, spawn_ready
 
 FULL = {"conversations": 16, "turns": 3, "concurrency": 4, "system": 400, "context": 100, "question": 40,
         "output": 16, "groups": 4, "rate": 4.0, "seconds": 10,
@@ -59,39 +59,11 @@ SESSION_HEADER = "X-Session-Id"
 
 
 @contextmanager
-def serving(target: str, model_dir: Path, work: Path) -> Iterator[str]:
-    """The target's base URL (http://HOST:PORT), its daemons started fresh and stopped after."""
-    procs: list[subprocess.Popen[bytes]] = []
-    log = open(work / "daemons.log", "a")     # noqa: SIM115 (closed below, after the daemons)
-    # Sockets (and with them memd's state directories) of their own: a fresh memd recovers nothing.
-    name = f"{target}-{len(list(work.glob(f'memd-{target}-*-0.sock*')))}"
-    try:
-        workers, events = [], []
-        for host in range(1 if target == "inferd" else 2):
-            memd_addr, http, events_port = f"unix:{work / f'memd-{name}-{host}.sock'}", free_port(), \
-                free_port_pair()
-            procs.append(spawn_ready(["memd", "--device", "cpu", "--model", str(model_dir), "--block-size", "16",
-                                      "--pool-bytes", "64MiB", "--listen", memd_addr, "--kv-events",
-                                      f"tcp://127.0.0.1:{events_port}", "--log-format", "json"],
-                                     work, stderr=log.fileno()))
-            procs.append(spawn_ready(["inferd", "serve", "--model", str(model_dir), "--memd", memd_addr,
-                                      "--listen", f"unix:{work / f'inferd-{name}-{host}.sock'}",
-                                      "--http", f"127.0.0.1:{http}", "--served-model-name", "tiny",
-                                      "--log-format", "json"], work, stderr=log.fileno()))
-            workers += ["--worker", f"http://127.0.0.1:{http}"]
-            events += ["--kv-events", f"tcp://127.0.0.1:{events_port}=http://127.0.0.1:{http}"]
-        if target == "inferd":
-            yield workers[1]
-            return
-        port = free_port()
-        procs.append(spawn_ready(["kvroute", "--http", f"127.0.0.1:{port}", *workers, *events,
-                                  "--log-format", "json"], work, stderr=log.fileno()))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            proc.wait(timeout=30)
-        log.close()
+def target(name: str, model_dir: Path, work: Path) -> Iterator[str]:
+    """The target's base URL: one host's inferd, or kvroute in front of two hosts (by their KV events)."""
+    with serving(work, model_dir, hosts=1 if name == "inferd" else 2, pool="64MiB", kvroute=name == "kvroute") \
+            as url:
+        yield url
 
 
 def run_aiperf(url: str, model_dir: Path, out: Path, shape: dict[str, Any]) -> dict[str, Any]:
@@ -205,21 +177,21 @@ def main() -> int:
         try:
             # --quick: kvroute alone (its workers are inferds), one start for every tool: it checks that
             # they all run through, not their figures.
-            for target in ("kvroute",) if args.quick else TARGETS:
-                with serving(target, model_dir, work) as url:
-                    runs[f"{target} aiperf"] = run_aiperf(url, model_dir, work / f"aiperf-{target}", shape)
-                    runs[f"{target} bench_http_chat"] = run_http_chat(url, shape)
+            for name in ("kvroute",) if args.quick else TARGETS:
+                with target(name, model_dir, work) as url:
+                    runs[f"{name} aiperf"] = run_aiperf(url, model_dir, work / f"aiperf-{name}", shape)
+                    runs[f"{name} bench_http_chat"] = run_http_chat(url, shape)
                     if args.quick:
                         for data in ("shared_prefix", "sharegpt"):
-                            runs[f"{target} inference-perf {data}"] = run_inference_perf(
-                                url, model_dir, work / f"inference-perf-{target}-{data}", shape, data)
+                            runs[f"{name} inference-perf {data}"] = run_inference_perf(
+                                url, model_dir, work / f"inference-perf-{name}-{data}", shape, data)
                         continue
                 # Fresh servers for each inference-perf run: it names its sessions the same every run
                 # ("user_session_N"), and a second run's chats would continue the first's.
                 for data in ("shared_prefix", "sharegpt"):
-                    with serving(target, model_dir, work) as url:
-                        runs[f"{target} inference-perf {data}"] = run_inference_perf(
-                            url, model_dir, work / f"inference-perf-{target}-{data}", shape, data)
+                    with target(name, model_dir, work) as url:
+                        runs[f"{name} inference-perf {data}"] = run_inference_perf(
+                            url, model_dir, work / f"inference-perf-{name}-{data}", shape, data)
         except (subprocess.SubprocessError, OSError, RuntimeError, KeyError) as exc:
             print(f"bench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             print("--- daemons.log\n" + "".join((work / "daemons.log").read_text().splitlines(True)[-12:]),

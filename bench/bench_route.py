@@ -40,10 +40,11 @@ from typing import Any
 
 import httpx
 import openai
+from bench_http_chat import pct
+from kv_hosts import serving
 from tables import table
 
 from inferd.tiny import CORPUS, make_tiny_model
-from shared.launch import free_port, free_port_pair, spawn_ready
 
 FULL = {"prompts": 8, "users": 4, "slack": 2, "max_tokens": 8, "opening": 200, "own": 2400, "pool": "12MiB",
         "model": {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seed": 0}}
@@ -111,37 +112,9 @@ async def load(url: str, shape: dict[str, Any], mode: str, seed: int) -> Run:
 
 
 def run_mode(mode: str, model_dir: Path, work: Path, shape: dict[str, Any], seed: int) -> Run:
-    procs: list[subprocess.Popen[bytes]] = []
-    with open(work / "daemons.log", "a") as log:
-        try:
-            workers, events = [], []
-            for host in range(2):
-                memd_addr, http, events_port = f"unix:{work / f'memd-{mode}-{host}.sock'}", free_port(), \
-                    free_port_pair()
-                procs.append(spawn_ready(["memd", "--device", "cpu", "--model", str(model_dir), "--block-size", "16",
-                                          "--pool-bytes", shape["pool"], "--listen", memd_addr, "--kv-events",
-                                          f"tcp://127.0.0.1:{events_port}", "--log-format", "json"],
-                                         work, stderr=log.fileno()))
-                procs.append(spawn_ready(["inferd", "serve", "--model", str(model_dir), "--memd", memd_addr,
-                                          "--listen", f"unix:{work / f'inferd-{mode}-{host}.sock'}",
-                                          "--http", f"127.0.0.1:{http}", "--served-model-name", "tiny",
-                                          "--threads", "1", "--log-format", "json"], work, stderr=log.fileno()))
-                workers += ["--worker", f"http://127.0.0.1:{http}"]
-                events += ["--kv-events", f"tcp://127.0.0.1:{events_port}=http://127.0.0.1:{http}"]
-            port = free_port()
-            procs.append(spawn_ready(["kvroute", "--http", f"127.0.0.1:{port}", *workers, "--balance-slack",
-                                      str(shape["slack"]), *(events if mode == "kv" else []), "--log-format",
-                                      "json"], work, stderr=log.fileno()))
-            return asyncio.run(load(f"http://127.0.0.1:{port}", shape, mode, seed))
-        finally:
-            for proc in reversed(procs):
-                proc.terminate()
-                proc.wait(timeout=30)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+    with serving(work, model_dir, hosts=2, pool=shape["pool"], kvroute=True, route_by_events=mode == "kv",
+                 inferd_flags=("--threads", "1"), kvroute_flags=("--balance-slack", str(shape["slack"]))) as url:
+        return asyncio.run(load(url, shape, mode, seed))
 
 
 def summary(run: Run) -> dict[str, Any]:
