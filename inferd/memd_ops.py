@@ -103,6 +103,13 @@ class StepAttempt:
     ops: list[PendingOp]              # shrinks as memd refuses ops; the scheduler's `_inflight` is this very list
     stalled: set[Request] = field(default_factory=set)       # running sequences memd had no page for
     requeued: list[Request] = field(default_factory=list)    # admissions to put back at the head of the queue
+    # Tenants ("" for none) memd refused pages at their max (or their model's): their requests wait on their own.
+    over_quota: set[str] = field(default_factory=set)
+
+    def refused_pages(self, request: Request, err: MemdError) -> None:
+        """memd had no page for `request`: at its tenant's or model's max (reason "quota"), or the pool's."""
+        if err.reason == "quota":
+            self.over_quota.add(request.tenant or "")
 
 
 class PendingOp:
@@ -170,6 +177,7 @@ class Admit(PendingOp):
         preempted = request.status is RequestStatus.PREEMPTED
         if err.code is StatusCode.RESOURCE_EXHAUSTED:
             step.requeued.append(request)            # back to the head of the queue, in order
+            step.refused_pages(request, err)
         elif preempted and err.code is StatusCode.NOT_FOUND and request.session_id is None:
             request.seq.forgotten()                  # forgotten while it waited: recompute it all
             step.requeued.append(request)
@@ -214,6 +222,7 @@ class Grow(PendingOp):
         PageSums.unsent(self.request, self.op.sums_from, self.op.page_sums)
         if err.code is StatusCode.RESOURCE_EXHAUSTED:
             step.stalled.add(self.request)
+            step.refused_pages(self.request, err)
             return None
         return Ended(self.request, _error(err))
 
@@ -250,6 +259,7 @@ class ForkChild(PendingOp):
 
     def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         if err.code is StatusCode.RESOURCE_EXHAUSTED:
+            step.refused_pages(self.request, err)
             return Unforked(self.request)              # no page for its copy yet: the parent waits with it
         return Ended(self.request, _error(err))
 

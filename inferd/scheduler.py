@@ -22,6 +22,12 @@ head of the queue to be resumed. An operator's eviction of a running sequence
 arrives as a revocation and is answered the same way. No request fails for
 want of memory that a later step can serve.
 
+A refusal at a tenant's page max (reason "quota", memd.quotas) is the
+tenant's alone: memd already evicted that tenant's own parked sequences, so
+the worker preempts that tenant's latest running arrival, and its waiting
+requests step aside for the others' until one of its requests ends here (or
+QUOTA_RETRY_S passes).
+
 A request goes WAITING -> RUNNING (<-> PREEMPTED) -> FINISHED (`inferd.requests`);
 what each op of a Step does with memd's answer, or its refusal, is in `inferd.memd_ops`.
 """
@@ -78,6 +84,9 @@ __all__ = ["DRAINING", "Event", "GenerationError", "Request", "RequestStatus", "
 log = structlog.get_logger("inferd.scheduler")
 
 IDLE_POLL_S = 0.05     # how often waiting requests re-check memd's free pages when nothing else runs
+# How long a tenant memd refused at its max waits before its requests are tried again, unless one of its
+# requests here ends first (its pages may come back on another worker, or by memd's own evictions).
+QUOTA_RETRY_S = 0.25
 
 DRAINING = "this worker is draining (memctl drain): send the request to another worker"
 
@@ -102,6 +111,8 @@ class Scheduler:
         self._inflight: list[PendingOp] = []
         self._wake = asyncio.Event()
         self._wanted = 0                                 # free blocks the head of the queue waits for
+        # Tenants at their page max (memd.quotas), since when: their waiting requests let others pass.
+        self._over_quota: dict[str, float] = {}
         self.preemptions = 0
         self.draining = False                            # an operator's drain: admit nothing new
         self.carried: list[Request] = []                 # unstarted when memd failed: for the next attachment
@@ -271,7 +282,8 @@ class Scheduler:
                 if grows:
                     growing += math.ceil((needed + extend.reserve) / bs) - len(request.seq.table)
         admitted = self._admit(ops, self.client.free_blocks - growing)
-        stalled = await self._memd_step(ops, self._wanted)
+        step = await self._memd_step(ops, self._wanted)
+        stalled = step.stalled
         # A preempted request whose Resume memd refused is back at the head of the queue, still preempted
         # (and still naming its sequence): it runs only once a Resume succeeds.
         self.running += [r for r in admitted + forks if r.status is RequestStatus.RUNNING]
@@ -286,7 +298,10 @@ class Scheduler:
         else:
             await self.forward_thread.drop_ahead()
         if stalled or unforked:
-            self._preempt_for([r for r in stalled if r in self.running], extra=unforked)
+            stalled_here = [r for r in stalled if r in self.running]
+            at_max = [r for r in stalled_here if (r.tenant or "") in step.over_quota]
+            self._preempt_within_quota(at_max)
+            self._preempt_for([r for r in stalled_here if r not in at_max], extra=unforked)
         return bool(ops or ready or preempted or self._backlog.preempting)      # ops: those memd applied
 
     async def _check_reuse(self, admitted: list[Request]) -> None:
@@ -342,6 +357,26 @@ class Scheduler:
                 continue                                     # its children fork from it in the next Step
             short -= len(victim.seq.table) + need.get(id(victim), 0)
             self._preempt(victim)
+
+    def _preempt_within_quota(self, stalled: list[Request]) -> None:
+        """Running requests memd refused a page at their tenant's max: each such tenant gives up its own latest
+        arrival (no other tenant's request pays for it), one per iteration, as memd says how far over it is
+        only by refusing again."""
+        forking = {id(parent) for parent, _, _ in self._backlog.forks}
+        for tenant in {r.tenant or "" for r in stalled}:
+            own = [r for r in self.running if (r.tenant or "") == tenant and id(r) not in forking]
+            if own:
+                self._preempt(max(own, key=lambda r: r.arrived))
+
+    def _at_max(self, request: Request) -> bool:
+        """Its tenant was refused at its max a moment ago and has not given a page back here since."""
+        since = self._over_quota.get(request.tenant or "") if self._over_quota else None
+        if since is None:
+            return False
+        if time.monotonic() - since < QUOTA_RETRY_S:
+            return True
+        del self._over_quota[request.tenant or ""]
+        return False
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -401,8 +436,10 @@ class Scheduler:
         followers = []
         while self.waiting and self._seats(self.waiting[0]) <= seats:
             request = self.waiting[0]
-            if request.status is RequestStatus.WAITING and waits_for(request.prompt_ids, leaders, self.block_size):
-                followers.append(self.waiting.popleft())
+            behind_leader = request.status is RequestStatus.WAITING and waits_for(request.prompt_ids, leaders,
+                                                                                  self.block_size)
+            if behind_leader or self._at_max(request):
+                followers.append(self.waiting.popleft())         # waits; those behind it go first
                 continue
             need = math.ceil((len(request.seq.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
             held = held_blocks(request.prompt_ids, self.running, self.block_size) \
@@ -450,10 +487,10 @@ class Scheduler:
             return 1
         return max(1, min(self.lookahead, request.params.max_tokens - len(request.generated)))
 
-    async def _memd_step(self, ops: list[PendingOp], wanted_blocks: int = 0) -> set[Request]:
+    async def _memd_step(self, ops: list[PendingOp], wanted_blocks: int = 0) -> StepAttempt:
         """Run the iteration's page operations as one Step; an op memd refuses is taken out and the rest retried.
 
-        Returns the running requests memd had no page for.
+        Returns what memd left to do: the running requests it had no page for, the tenants it refused at their max.
         """
         if ops:
             await self.forward_thread.drop_ahead()         # its pass writes into pages these ops may change
@@ -467,7 +504,9 @@ class Scheduler:
             raise
         self._inflight = []
         self.waiting.extendleft(reversed(step.requeued))          # back to the head of the queue, in order
-        return step.stalled
+        now = time.monotonic()
+        self._over_quota.update(dict.fromkeys(step.over_quota, now))
+        return step
 
     def _summed(self, pending: PendingOp) -> PendingOp:
         """A Park gets its page sums as it is sent, not when it was queued: a pass the forward thread ran
@@ -694,6 +733,7 @@ class Scheduler:
     def _end(self, request: Request, *, reason: str | None = None, error: GenerationError | None = None,
              keep: bool = False) -> None:
         """Leave the batch: queue the sequence's Park (a session keeps its history) or Free."""
+        self._over_quota.pop(request.tenant or "", None)      # its pages come back: its tenant's next may fit
         request.seq.finished()
         if request in self.running:
             self.running.remove(request)

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: a fresh one at every start, next to the socket: SOCKET.token)")
     p.add_argument("--admin-token-file", type=Path,
                    help="the admin token (owner-only), as --token-file (default: SOCKET.admin-token)")
+    p.add_argument("--quotas", type=Path, metavar="FILE",
+                   help="page quotas per tenant and model (TOML: [tenants.NAME] / [models.NAME] with "
+                        "guaranteed_pages, max_pages); memctl quota changes them at run time")
     p.add_argument("--state-dir", type=Path,
                    help="where the pool file, swap file and journal live, so parked sessions outlive a memd crash "
                         "or restart; put it on tmpfs; 'none' = keep nothing (default: SOCKET.state beside a Unix "

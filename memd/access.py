@@ -3,7 +3,7 @@
 Every Memd call presents a token (shared.tokens). The worker token, readable
 by memd's group, admits workers and read-only tools; the admin token, readable
 by memd's user only, also admits the calls that change or reveal other
-tenants' state: Snapshot, Evict, Drain, Scrub. A refused call reaches no handler, so
+tenants' state: Snapshot, Evict, Drain, Scrub, Quotas, SetQuota. A refused call reaches no handler, so
 it changes nothing. Health checks and reflection stay open: probes and
 grpcurl need no secret, and they reveal none.
 
@@ -25,7 +25,7 @@ from shared.tokens import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_KEY
 
 log = structlog.get_logger("memd")
 
-ADMIN_METHODS = frozenset({"Snapshot", "Evict", "Drain", "Scrub"})
+ADMIN_METHODS = frozenset({"Snapshot", "Evict", "Drain", "Scrub", "Quotas", "SetQuota"})
 # How each method streams, (requests, replies): a refusal must be a handler of the same kind.
 _KINDS = {m.name: (m.client_streaming, m.server_streaming)
           for m in pb.DESCRIPTOR.services_by_name["Memd"].methods}

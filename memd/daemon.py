@@ -30,6 +30,7 @@ from memd.kv_events import KvEvents
 from memd.manager import KvManager
 from memd.memory import PoolMemory, ShmMemory
 from memd.metrics import MemdMetrics
+from memd.quotas import QuotaError, Quotas
 from memd.recovery import restore
 from memd.scrub import Scrubber
 from memd.service import MemdService
@@ -68,6 +69,11 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
     args, geometry, settings, layout = startup.args, startup.geometry, startup.settings, startup.layout
     async with contextlib.AsyncExitStack() as stack:
         manager = new_manager(geometry, settings)
+        try:
+            manager.quotas = Quotas.load(args.quotas, state.path if state is not None else None,
+                                         geometry.num_blocks)
+        except QuotaError as exc:
+            raise StartupError(str(exc)) from None
         wal = open_journal(args, state, layout, manager, memory, swap, found, stack)
         fd_server = await start_fd_server(memory, startup.sock_path, stack)
         parts = assemble(manager, settings, memory, swap, wal, fd_server)

@@ -29,6 +29,7 @@ from memd import integrity
 from memd.errors import InvalidArgument, NotFound
 from memd.integrity import Where
 from memd.pool import picked
+from memd.quotas import Key, keys_of
 from memd.sequences import EvictionReason, SeqState, Sequence, SwapOut
 
 if TYPE_CHECKING:
@@ -75,25 +76,69 @@ class Evictor:
     def plan(self, now: float, exclude: frozenset[int] = frozenset()) -> list[tuple[Sequence, int, bool]]:
         """Evictable parked sequences, coldest first: (sequence, blocks its eviction frees, worth evicting).
 
-        A block shared only among evictable sequences (forks of one prompt) is
-        freed with the last of them, so it counts for that one, and the others
-        are worth evicting on the way. A block a running sequence also holds is
-        never freed by eviction.
+        With quotas, sequences of holders past their max come first, and one
+        whose eviction would take a holder below its guaranteed pages is not
+        worth evicting (`memd.quotas`). A block shared only among evictable
+        sequences (forks of one prompt) is freed with the last of them, so it
+        counts for that one, and the others are worth evicting on the way. A
+        block a running sequence (or a protected one) also holds is never
+        freed by eviction.
         """
         candidates = self.coldest_parked(now, exclude)
-        held = Counter(block for seq in candidates for block in seq.block_ids)
+        protected: set[int] = set()
+        quotas = self.m.quotas
+        if quotas.table:
+            pages = quotas.pages(self.m.seqs.values())
+            candidates.sort(key=lambda s: not quotas.over_max(s, pages))      # stable: heat within each
+            for seq in candidates:
+                if quotas.protected(seq, pages):
+                    protected.add(seq.seq_id)
+                else:
+                    pages.take(seq)
+        going = [seq for seq in candidates if seq.seq_id not in protected]
+        held = Counter(block for seq in going for block in seq.block_ids)
         left = held.copy()
         ref, out = self.m.pool.ref, []
         for seq in candidates:
+            if seq.seq_id in protected:
+                out.append((seq, 0, False))
+                continue
             gain, worth = 0, False
             for block in seq.block_ids:
-                reclaimable = held[block] == ref[block]      # no holder outside the candidates
+                reclaimable = held[block] == ref[block]      # no holder outside those going
                 worth = worth or reclaimable
                 left[block] -= 1
                 if reclaimable and left[block] == 0:
                     gain += 1
             out.append((seq, gain, worth))
         return out
+
+    def own_plan(self, key: Key, now: float, exclude: frozenset[int] = frozenset()) -> list[tuple[Sequence, int]]:
+        """A holder's own evictable parked sequences, coldest first, each with the pages the holder stops
+        holding when it goes (those none of its other sequences hold)."""
+        pages = self.m.quotas.pages(self.m.seqs.values(), [key])
+        out = []
+        for seq in self.coldest_parked(now, exclude):
+            if key in keys_of(seq):
+                out.append((seq, pages.gain(key, seq)))
+                pages.take(seq)
+        return out
+
+    def within_quota(self, key: Key, short: int, *, reason: EvictionReason,
+                     exclude: frozenset[int] = frozenset(), whole: bool = True) -> Evicted | None:
+        """Evict a holder's own coldest parked sequences until it holds `short` pages fewer (counting its
+        swap-outs in flight); None if all of them would not be enough and `whole` (nothing is evicted then)."""
+        pending = self.m.quotas.pages([job.seq for job in self.m.swap_jobs.values()], [key]).usage(key)
+        plan = self.own_plan(key, time.monotonic(), exclude)
+        if whole and pending + sum(gain for _, gain in plan) < short:
+            return None
+        target, done = short - pending, Evicted()
+        for seq, gain in plan:
+            if target <= 0:
+                break
+            done.add(self.evict(seq, "swap", reason))
+            target -= gain
+        return done
 
     def reclaimable(self, exclude: frozenset[int] = frozenset(),
                     plan: list[tuple[Sequence, int, bool]] | None = None) -> int:
@@ -171,6 +216,7 @@ class Evictor:
         m.counters["swap_out_blocks"] += len(job.slots)
         if job.reason:
             m.counters[job.reason.counter] += 1
+            m.quotas.evictions.update(keys_of(seq))
         return True
 
     def abort_swap_out(self, job: SwapOut) -> None:
@@ -189,6 +235,7 @@ class Evictor:
         m.counters["drops"] += 1
         if reason:
             m.counters[reason.counter] += 1
+            m.quotas.evictions.update(keys_of(seq))
         return Evicted(dropped=[seq.seq_id], blocks_freed=freed)
 
     def make_room(self, blocks: int, *, reason: EvictionReason, mode: str = "swap",
@@ -228,6 +275,9 @@ class Evictor:
                 del m.revoked[seq_id]
             if seq is not None and m.evictable(seq):
                 done.add(self.evict(seq, mode, EvictionReason.FORCED))     # its worker died before giving it up
+        if m.quotas.capped:            # an operator lowered a max: the holder's own coldest go first
+            for key, over in m.quotas.over(m.quotas.pages(m.seqs.values())):
+                done.add(self.within_quota(key, over, reason=EvictionReason.QUOTA, whole=False) or Evicted())
         short = self.watermark_blocks - m.pool.num_free
         if short > 0:
             done.add(self.make_room(short, reason=EvictionReason.PRESSURE))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from memd.pool import BlockPool, SwapSlots, UndoLog
+from memd.quotas import Quotas
 from memd.sequences import PrefixHasher, Sequence, SwapOut
 
 
@@ -45,6 +46,7 @@ class KvState(Protocol):
     heat_decay: float
     heat_interval_s: float
     watches: list[set[int]]                 # sequences changed, per reader copying them a slice at a time
+    quotas: Quotas                          # tenants' and models' page quotas
 
     def find(self, seq_id: int | None, session_id: str | None) -> Sequence: ...
 

@@ -44,6 +44,7 @@ from memd.invariants import violations
 from memd.kv_state import Worker
 from memd.page_effects import Fetch, PageEffect, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog, picked
+from memd.quotas import Key, QuotaExceeded, Quotas, keys_of
 from memd.sequences import (
     TOKEN_BYTES,
     PrefixHasher,
@@ -91,7 +92,8 @@ class KvManager:
 
     def __init__(self, geometry: PoolGeometry, *, hash_key: bytes | None = None,
                  heat_decay: float = 0.9, heat_interval_s: float = 10.0, swap_slots: int = 0,
-                 idle_ttl_s: float = 0.0, watermark_blocks: int = 0, prefix_cache: bool = True) -> None:
+                 idle_ttl_s: float = 0.0, watermark_blocks: int = 0, prefix_cache: bool = True,
+                 quotas: Quotas | None = None) -> None:
         self.geometry = geometry
         # Off (memd --no-prefix-cache): no block is ever offered to or found in the prefix cache;
         # a session's own parked sequence is still resumed. For measuring what the cache is worth.
@@ -125,6 +127,7 @@ class KvManager:
         # Pages a worker that may still be running could write late (its turns' unwritten tails), kept
         # from reuse by the pid of that worker until it exits or attaches again (memd.fences watches).
         self.fences: dict[int, list[int]] = {}
+        self.quotas = quotas or Quotas()
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
 
     # ---- workers -------------------------------------------------------
@@ -214,12 +217,20 @@ class KvManager:
         txn = StepTxn(self, worker, UndoLog(), remote or RemoteLookups())
         out = txn.outcome
         self.pool.undo = txn.undo
+        ran: list[Op] = []
         try:
             for index, op in enumerate(ops):
+                txn.op_index = index
+                ran.append(op)
                 try:
                     out.results.append(txn.run(op))
                 except KvError as exc:
                     raise OpError(index, _describe(op), exc) from None
+            if self.quotas.capped:
+                try:
+                    self.quotas.check_growth(self.seqs.values(), _grown(txn.touched, txn.pages_before))
+                except QuotaExceeded as exc:
+                    raise OpError(exc.index, _describe(ran[exc.index]), exc) from None
         except BaseException:
             txn.undo.rollback()
             raise
@@ -568,6 +579,17 @@ class KvManager:
     def _touch(self, seq: Sequence, now: float) -> None:
         seq.heat = self.heat(seq, now) + 1.0
         seq.heat_at = seq.last_access = now
+
+
+def _grown(touched: dict[int, Sequence], pages_before: dict[int, tuple[int, int]]) -> dict[Key, int]:
+    """Holders whose sequences took pages in a Step, each with the first op that touched one of those."""
+    grown: dict[Key, int] = {}
+    for seq_id, seq in touched.items():
+        before, index = pages_before.get(seq_id, (len(seq.block_ids), 0))
+        if len(seq.block_ids) > before:
+            for key in keys_of(seq):
+                grown[key] = min(grown.get(key, index), index)
+    return grown
 
 
 def _describe(op: Op) -> str:

@@ -59,7 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("workers", parents=[as_json], help="attached workers: running sequences, drain, last heartbeat")
     seqs = sub.add_parser("sequences", parents=[as_json], help="sequences with their state, owner, size and heat")
     sub.add_parser("tenants", parents=[as_json], help="per tenant (inferd --api-keys): sequences by state, pool "
-                                                      "pages held, swap slots filled")
+                                                      "pages held, quota, swap slots filled, evictions")
+    quota = sub.add_parser("quota", parents=[as_json], help="page quotas per tenant and model: list, or set one now",
+                           description="With no KIND: every tenant and model with a quota or a sequence. With "
+                                       "KIND NAME: set its quota now (kept across memd restarts), or --clear it "
+                                       "back to memd --quotas's.")
+    quota.add_argument("kind", nargs="?", choices=["tenant", "model"])
+    quota.add_argument("name", nargs="?")
+    quota.add_argument("--guaranteed", type=number(int, at_least=0, at_most=UINT64_MAX), default=0, metavar="PAGES",
+                       help="pages others' pressure never evicts its parked sequences below (default: 0)")
+    quota.add_argument("--max", type=number(int, at_least=0, at_most=UINT64_MAX), default=0, metavar="PAGES",
+                       help="pages it may hold at most; its own coldest go first, then its requests wait "
+                            "(default: 0, no max)")
+    quota.add_argument("--clear", action="store_true", help="forget the quota set at run time")
     seqs.add_argument("--state", choices=views.STATE_ORDER)
     seqs.add_argument("--worker", type=worker_id, metavar="ID", help="only those running on this worker")
     evict = sub.add_parser("evict", parents=[as_json],
@@ -139,8 +151,16 @@ async def run(args: argparse.Namespace, target: str) -> int:
             rows = views.sequences_list(reply)
             show(args, rows, views.render_sequences(rows))
         elif args.command == "tenants":
-            rows = views.tenants_list(await admin.snapshot(blocks=False))
+            rows = views.tenants_list(await admin.snapshot(blocks=False), await admin.quotas())
             show(args, rows, views.render_tenants(rows))
+        elif args.command == "quota":
+            if args.kind is None:
+                reply = await admin.quotas()
+            else:
+                reply = await admin.set_quota(args.kind, args.name, guaranteed_pages=args.guaranteed,
+                                              max_pages=args.max, clear=args.clear)
+            rows = views.quota_list(reply)
+            show(args, rows, views.render_quotas(rows))
         elif args.command == "evict":
             reply = await admin.evict(seq_id=args.seq, session_id=args.session, idle_s=args.idle, blocks=args.blocks,
                                       worker_id=args.worker, mode=args.mode or "swap")
@@ -189,6 +209,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with what no flag's type can see: flags that mean nothing together."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "quota":
+        if args.kind is not None and not args.name:
+            parser.error(f"quota {args.kind} needs the {args.kind}'s name")
+        if args.kind is None and (args.clear or args.guaranteed or args.max):
+            parser.error("quota --guaranteed, --max and --clear need KIND and NAME: memctl quota tenant acme --max 512")
+        if args.clear and (args.guaranteed or args.max):
+            parser.error("quota --clear goes back to memd --quotas's: give no pages with it")
     if args.command == "drain":
         if args.undo and args.wait is not None:
             parser.error("drain --wait means nothing with --undo: ending a drain returns at once")

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from memd.integrity import Where
+from memd.quotas import Holding
 from memd.sequences import EvictionReason
 from shared.full_collections import metric_families
 from shared.metrics_http import serve_metrics
@@ -88,6 +89,7 @@ class MemdMetrics(Collector):
             "swapped": m.swapped_blocks(),
             "sequences": m.state_counts(), "workers": len(m.workers), "counters": dict(m.counters),
             "rpcs": dict(self.service.rpcs),
+            "holdings": m.quotas.holdings(m.seqs.values()),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -125,8 +127,32 @@ class MemdMetrics(Collector):
         for where in Where:
             failures.add_metric([where.value], counters.get(where.counter, 0))
         yield failures
+        yield from holder_families(r["holdings"])
         rpcs = CounterMetricFamily("kvpool_memd_rpcs", "gRPC calls received, by method", labels=["method"])
         for method, count in sorted(r["rpcs"].items()):
             rpcs.add_metric([method], count)
         yield rpcs
         yield from metric_families("kvpool_memd", "memd")
+
+
+def holder_families(holdings: list[Holding]) -> Iterator[Any]:
+    """Per tenant and model (memd.quotas): pages held, quota, evictions, refusals at its max."""
+    labels = ["kind", "name"]
+    pages = GaugeMetricFamily("kvpool_memd_holder_pages", "pool pages a tenant's or model's sequences hold "
+                              "(a page two tenants share counts for each)", labels=labels)
+    guaranteed = GaugeMetricFamily("kvpool_memd_holder_guaranteed_pages",
+                                   "pages others' pressure never evicts a tenant or model below", labels=labels)
+    limit = GaugeMetricFamily("kvpool_memd_holder_max_pages", "pages a tenant or model may hold (0: no max)",
+                              labels=labels)
+    evictions = CounterMetricFamily("kvpool_memd_holder_evictions", "a tenant's or model's sequences evicted",
+                                    labels=labels)
+    refusals = CounterMetricFamily("kvpool_memd_holder_quota_refusals", "Steps refused at a tenant's or model's "
+                                   "max pages", labels=labels)
+    for h in holdings:
+        key = list(h.key)
+        pages.add_metric(key, h.pages)
+        guaranteed.add_metric(key, h.quota.guaranteed)
+        limit.add_metric(key, h.quota.max)
+        evictions.add_metric(key, h.evictions)
+        refusals.add_metric(key, h.refusals)
+    yield from (pages, guaranteed, limit, evictions, refusals)

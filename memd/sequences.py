@@ -171,6 +171,7 @@ class EvictionReason(StrEnum):
     IDLE = "idle"              # untouched for the idle TTL
     PRESSURE = "pressure"      # a Step, a waiting worker or the free-block watermark needed the pages
     FORCED = "forced"          # an operator's memctl evict
+    QUOTA = "quota"            # its tenant or model held more than its max pages (memd.quotas)
 
     @property
     def counter(self) -> str:

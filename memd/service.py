@@ -27,6 +27,7 @@ from memd.invariants import violations_between_steps
 from memd.leases import Leases, Notice, revocation
 from memd.manager import KvManager
 from memd.memory import PoolMemory
+from memd.quotas import Quota
 from memd.scrub import Scrubber
 from memd.snapshot_view import SnapshotView
 from memd.state_copy import Pacer
@@ -277,6 +278,31 @@ class MemdService(pb_grpc.MemdServicer):
         blocks = self.manager.forget_cached(worker.model)
         log.info("cached prefixes reset", worker=worker.worker_id, model=worker.model, blocks=blocks)
         return pb.ResetPrefixCacheReply(blocks=blocks)
+
+    def _holders(self) -> pb.QuotasReply:
+        return pb.QuotasReply(holders=[
+            pb.HolderRow(kind=h.key[0], name=h.key[1], guaranteed_pages=h.quota.guaranteed, max_pages=h.quota.max,
+                         pages=h.pages, evictions=h.evictions, refusals=h.refusals,
+                         set_at_run_time=h.set_at_run_time, sequences=h.sequences)
+            for h in self.manager.quotas.holdings(self.manager.seqs.values())])
+
+    async def Quotas(self, request: pb.QuotasRequest, context: grpc.aio.ServicerContext) -> pb.QuotasReply:
+        log.debug("rpc", method="Quotas")
+        return self._holders()
+
+    async def SetQuota(self, request: pb.SetQuotaRequest, context: grpc.aio.ServicerContext) -> pb.QuotasReply:
+        m = self.manager
+        quota = None if request.clear else Quota(request.guaranteed_pages, request.max_pages)
+        try:
+            if request.clear and (request.guaranteed_pages or request.max_pages):
+                raise InvalidArgument("clear forgets the quota set at run time: give no pages with it")
+            m.quotas.set(request.kind, request.name, quota, m.pool.num_blocks)
+        except KvError as err:
+            await _abort(context, err)
+        log.info("quota set", kind=request.kind, name=request.name, cleared=request.clear,
+                 guaranteed_pages=request.guaranteed_pages, max_pages=request.max_pages)
+        self.runner.wake()                  # a lowered max: the sweep evicts the holder's coldest now
+        return self._holders()
 
     async def Scrub(self, request: pb.ScrubRequest, context: grpc.aio.ServicerContext) -> pb.ScrubReply:
         if not 0 <= request.rate_bytes_s < float("inf"):

@@ -53,6 +53,9 @@ class StepTxn:
         self.touched: dict[int, Sequence] = {}
         self.counters: Counter[str] = Counter()
         self.outcome = StepOutcome()
+        self.op_index = 0                            # the op running now (set by the manager)
+        # Per sequence saved or created: its pages when the Step first touched it, and the op that did.
+        self.pages_before: dict[int, tuple[int, int]] = {}
 
     def run(self, op: Op) -> OpResult:
         match op:
@@ -86,6 +89,7 @@ class StepTxn:
         if seq.seq_id in self.saved:
             return
         self.saved.add(seq.seq_id)
+        self.pages_before[seq.seq_id] = (len(seq.block_ids), self.op_index)
         # Within a Step the lists only grow (Park journals the table it cuts), so lengths restore them.
         self.undo.record(_restore, seq, seq.state, seq.owner, len(seq.block_ids), seq.num_committed,
                          len(seq.token_ids), len(seq.hashes), seq.slots, seq.preempted_by, seq.turn_start,
@@ -94,6 +98,7 @@ class StepTxn:
     def _create(self, seq: Sequence) -> None:
         self.state.add(seq)
         self.saved.add(seq.seq_id)
+        self.pages_before[seq.seq_id] = (0, self.op_index)
         self.touched[seq.seq_id] = seq
         self.undo.record(self.state.forget, seq)
 
@@ -527,6 +532,7 @@ class StepTxn:
         if needed <= 0:
             return                   # fits: the pages it holds are enough
         self.state.check_fits(num_tokens, seq.block_size)
+        self.state.quotas.fits(seq, blocks_for(num_tokens, seq.block_size))
         blocks, dirty = self.state.pool.allocate_n(needed)
         self.outcome.effects += map(Zero, dirty)
         seq.block_ids += blocks

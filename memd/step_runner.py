@@ -28,6 +28,7 @@ from memd.eviction import Evicted
 from memd.journal import WriteAheadLog
 from memd.manager import KvManager
 from memd.page_copier import PageCopier
+from memd.quotas import QuotaExceeded
 from memd.sequences import EvictionReason, RemoteLookups, SeqState, SwapOut
 from memd.step_outcome import StepOutcome
 from shared.ops import Op
@@ -83,6 +84,10 @@ class StepRunner:
             self._pressure.set()
         return outcome
 
+    def wake(self) -> None:
+        """Sweep now rather than at the next tick (a quota changed)."""
+        self._pressure.set()
+
     def refused(self) -> None:
         """A Step was refused (here, or by the servicer that could not decode it): counted; evictions made stand."""
         self.manager.counters["steps_refused"] += 1
@@ -94,6 +99,9 @@ class StepRunner:
             try:
                 return self.manager.step(worker_id, ops, lease, remote)
             except OpError as err:
+                if isinstance(err.cause, QuotaExceeded):
+                    await self._within_quota(err, err.cause, ops)
+                    continue
                 if not isinstance(err.cause, PoolExhausted):
                     raise
                 short, evictions = err.cause.needed - err.cause.free, self.manager.evictions
@@ -107,7 +115,24 @@ class StepRunner:
                     await asyncio.wait(set(self._swap_tasks.values()), return_when=asyncio.FIRST_COMPLETED)
                 elif not evicted.blocks_freed:
                     raise
-        return self.manager.step(worker_id, ops, lease, remote)
+        try:
+            return self.manager.step(worker_id, ops, lease, remote)
+        except OpError as err:
+            if isinstance(err.cause, QuotaExceeded):
+                self.manager.quotas.refusals[err.cause.key] += 1
+            raise
+
+    async def _within_quota(self, err: OpError, cause: QuotaExceeded, ops: list[Op]) -> None:
+        """A Step would take a holder past its max: its own coldest parked sequences go (never another
+        holder's), and the Step runs again once they have; refused (and counted) when they cannot make room."""
+        evicted = self.manager.evictions.within_quota(cause.key, cause.usage - cause.limit,
+                                                      reason=EvictionReason.QUOTA, exclude=self._named(ops))
+        if evicted is None or not (evicted.jobs or evicted.dropped or self._swap_tasks):
+            self.manager.quotas.refusals[cause.key] += 1
+            raise err
+        self.start(evicted)
+        if self._swap_tasks:
+            await asyncio.wait(set(self._swap_tasks.values()), return_when=asyncio.FIRST_COMPLETED)
 
     def _named(self, ops: list[Op]) -> frozenset[int]:
         """Sequences a Step names: pressure must not evict what the Step is about to use."""

@@ -98,28 +98,50 @@ def sequences_list(reply: pb.SnapshotReply) -> list[dict[str, Any]]:
             for s in sorted(reply.sequences, key=lambda s: s.seq_id)]
 
 
-def tenants_list(reply: pb.SnapshotReply) -> list[dict[str, Any]]:
+def tenants_list(reply: pb.SnapshotReply, quotas: pb.QuotasReply) -> list[dict[str, Any]]:
     """Per tenant: its sequences by state, the pool pages they hold (a page two of its sequences share once; a
-    page two tenants' sequences share counts for each), the swap slots they fill. "" is the sequences of none."""
+    page two tenants' sequences share counts for each), the swap slots they fill, its quota, evictions and
+    refusals. "" is the sequences of none."""
     rows: dict[str, dict[str, Any]] = {}
     pages: dict[str, set[int]] = {}
+
+    def row(tenant: str) -> dict[str, Any]:
+        return rows.setdefault(tenant, {"tenant": tenant, "sequences": 0, "sessions": 0, "running": 0, "parked": 0,
+                                        "swapped": 0, "dropped": 0, "pages": 0, "swap_slots": 0,
+                                        "guaranteed_pages": 0, "max_pages": 0, "evictions": 0, "refusals": 0})
     for s in reply.sequences:
-        row = rows.setdefault(s.tenant, {"tenant": s.tenant, "sequences": 0, "sessions": 0, "running": 0,
-                                         "parked": 0, "swapped": 0, "dropped": 0, "pages": 0, "swap_slots": 0})
-        row["sequences"] += 1
-        row["sessions"] += bool(s.session_id)
-        row[s.state] = row.get(s.state, 0) + 1
-        row["swap_slots"] += s.swapped_blocks
+        r = row(s.tenant)
+        r["sequences"] += 1
+        r["sessions"] += bool(s.session_id)
+        r[s.state] = r.get(s.state, 0) + 1
+        r["swap_slots"] += s.swapped_blocks
         pages.setdefault(s.tenant, set()).update(s.block_ids)
-    for tenant, row in rows.items():
-        row["pages"] = len(pages[tenant])
+    for h in quotas.holders:
+        if h.kind == "tenant":
+            row(h.name).update(guaranteed_pages=h.guaranteed_pages, max_pages=h.max_pages, evictions=h.evictions,
+                               refusals=h.refusals)
+    for tenant, r in rows.items():
+        r["pages"] = len(pages.get(tenant, ()))
     return [rows[t] for t in sorted(rows)]
 
 
 def render_tenants(rows: list[dict[str, Any]]) -> str:
-    shown = [{**row, "tenant": row["tenant"] or "(none)"} for row in rows]
+    shown = [{**row, "tenant": row["tenant"] or "(none)", "max_pages": row["max_pages"] or "-"} for row in rows]
     return table(shown, ["tenant", "sequences", "sessions", "running", "parked", "swapped", "dropped", "pages",
-                         "swap_slots"], "no sequence")
+                         "guaranteed_pages", "max_pages", "swap_slots", "evictions", "refusals"], "no sequence")
+
+
+def quota_list(reply: pb.QuotasReply) -> list[dict[str, Any]]:
+    return [{"kind": h.kind, "name": h.name, "guaranteed_pages": h.guaranteed_pages, "max_pages": h.max_pages,
+             "pages": h.pages, "sequences": dict(h.sequences), "evictions": h.evictions, "refusals": h.refusals,
+             "set_at_run_time": h.set_at_run_time} for h in reply.holders]
+
+
+def render_quotas(rows: list[dict[str, Any]]) -> str:
+    shown = [{**row, "sequences": sum(row["sequences"].values()), "max_pages": row["max_pages"] or "-",
+              "set": "memctl" if row["set_at_run_time"] else "file"} for row in rows]
+    return table(shown, ["kind", "name", "guaranteed_pages", "max_pages", "pages", "sequences", "evictions",
+                         "refusals", "set"], "no tenant or model holds pages or has a quota")
 
 
 def table(rows: list[dict[str, Any]], columns: list[str], empty: str) -> str:

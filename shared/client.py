@@ -353,6 +353,16 @@ class MemdAdmin:
     async def check(self) -> pb.CheckReply:
         return await self._call("Check", pb.CheckRequest())  # type: ignore[return-value]
 
+    async def quotas(self) -> pb.QuotasReply:
+        return await self._call("Quotas", pb.QuotasRequest())  # type: ignore[return-value]
+
+    async def set_quota(self, kind: str, name: str, *, guaranteed_pages: int = 0, max_pages: int = 0,
+                        clear: bool = False) -> pb.QuotasReply:
+        """One tenant's or model's quota, now and across memd restarts; `clear` goes back to memd --quotas's."""
+        request = pb.SetQuotaRequest(kind=kind, name=name, guaranteed_pages=guaranteed_pages, max_pages=max_pages,
+                                     clear=clear)
+        return await self._call("SetQuota", request)  # type: ignore[return-value]
+
     async def scrub(self, rate_bytes_s: float = 0.0) -> pb.ScrubReply:
         """One scrub pass; no deadline past reaching memd, since a big pool at a low rate takes a while."""
         try:

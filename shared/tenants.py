@@ -6,6 +6,8 @@
     keys = ["sk-acme-1", "sk-acme-2"]     # any of them is acme
     shared_prefix = false                 # true: its prompts share cached blocks with other such tenants
     admin = false                         # true: it may reset the prefix cache (POST /reset_prefix_cache)
+    guaranteed_pages = 512                # memd's (memd --quotas FILE reads the same file): see memd.quotas
+    max_pages = 2048
 
 A tenant's sessions are its own: memd keeps them under the tenant's name
 (`acme/chat`), so another tenant's `chat` is another session, and naming one
@@ -24,14 +26,16 @@ from __future__ import annotations
 
 import hmac
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.http_exchange import ApiError
+from shared.toml_file import read_toml
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FIELDS = {"keys", "shared_prefix", "admin"}
+# memd's, read by memd --quotas from the same file (memd.quotas): inferd takes them and leaves them to memd.
+QUOTA_FIELDS = {"guaranteed_pages", "max_pages"}
 
 
 class TenantsError(ValueError):
@@ -73,22 +77,17 @@ class Tenants:
 
     @classmethod
     def load(cls, path: Path) -> Tenants:
-        try:
-            data = tomllib.loads(path.read_text())
-        except OSError as exc:
-            raise TenantsError(f"cannot read {path}: {exc.strerror}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise TenantsError(f"{path} is not TOML: {exc}") from None
+        data = read_toml(path, TenantsError)
         tables = data.get("tenants")
-        if set(data) - {"tenants"} or not isinstance(tables, dict) or not tables:
-            raise TenantsError(f"{path}: expected [tenants.NAME] tables and nothing else")
+        if set(data) - {"tenants", "models"} or not isinstance(tables, dict) or not tables:
+            raise TenantsError(f"{path}: expected [tenants.NAME] tables (and memd's [models.NAME]) and nothing else")
         tenants, owner = [], {}
         for name, table in tables.items():
             where = f"{path}: tenant {name!r}"
             if not NAME.fullmatch(name):
                 raise TenantsError(f"{where}: a name is 1 to 64 letters, digits, '_', '.' or '-'")
-            if not isinstance(table, dict) or set(table) - FIELDS:
-                raise TenantsError(f"{where}: its fields are {', '.join(sorted(FIELDS))}")
+            if not isinstance(table, dict) or set(table) - FIELDS - QUOTA_FIELDS:
+                raise TenantsError(f"{where}: its fields are {', '.join(sorted(FIELDS | QUOTA_FIELDS))}")
             keys, shared, admin = table.get("keys"), table.get("shared_prefix", False), table.get("admin", False)
             if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
                 raise TenantsError(f"{where}: keys must be a list of one or more non-empty strings")

@@ -46,7 +46,7 @@ async def test_stats_json_has_the_contracted_fields(memd):
     counters = stats["counters"]
     assert {k: counters[k] for k in ("swap_outs", "swap_ins", "drops", "preemptions")} == dict.fromkeys(
         ("swap_outs", "swap_ins", "drops", "preemptions"), 0)
-    assert counters["evictions"] == {"idle": 0, "pressure": 0, "forced": 0}
+    assert counters["evictions"] == {"idle": 0, "pressure": 0, "forced": 0, "quota": 0}
 
 
 async def test_stats_reads_well_in_a_terminal(memd):
@@ -87,7 +87,7 @@ async def test_evict_drop_releases_the_pages_and_keeps_the_tokens(memd):
     stats = json.loads(out)
     assert stats["used_blocks"] == 0 and stats["sequences"]["dropped"] == 1
     assert stats["counters"]["drops"] == 1 and stats["counters"]["evictions"] == {"idle": 0, "pressure": 0,
-                                                                                  "forced": 1}
+                                                                                  "forced": 1, "quota": 0}
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
         from shared.ops import Resume
         resumed, = await client.step(Resume(session_id="chat"))

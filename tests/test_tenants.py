@@ -41,7 +41,7 @@ admin = true
 @pytest.mark.parametrize(("text", "says"), [
     ("[tenants.a]\nkeys = []\n", "keys must be a list of one or more"),
     ("[tenants.a]\nkeys = ['k']\n[tenants.b]\nkeys = ['k']\n", "a key of it is 'a''s too"),
-    ("[tenants.a]\nkeys = ['k']\nquota = 3\n", "its fields are admin, keys, shared_prefix"),
+    ("[tenants.a]\nkeys = ['k']\nquota = 3\n", "its fields are admin, guaranteed_pages, keys, max_pages, "),
     ("[tenants.'a/b']\nkeys = ['k']\n", "a name is 1 to 64 letters"),
     ("[other]\nx = 1\n", "expected [tenants.NAME] tables"),
     ("keys = [", "is not TOML"),

@@ -382,3 +382,56 @@ class ScrubReply(_message.Message):
     seconds: float
     failures: _containers.RepeatedCompositeFieldContainer[ScrubFailure]
     def __init__(self, pages: _Optional[int] = ..., slots: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failures: _Optional[_Iterable[_Union[ScrubFailure, _Mapping]]] = ...) -> None: ...
+
+class QuotasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HolderRow(_message.Message):
+    __slots__ = ("kind", "name", "guaranteed_pages", "max_pages", "pages", "evictions", "refusals", "set_at_run_time", "sequences")
+    class SequencesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    SET_AT_RUN_TIME_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    guaranteed_pages: int
+    max_pages: int
+    pages: int
+    evictions: int
+    refusals: int
+    set_at_run_time: bool
+    sequences: _containers.ScalarMap[str, int]
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., guaranteed_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., set_at_run_time: _Optional[bool] = ..., sequences: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class QuotasReply(_message.Message):
+    __slots__ = ("holders",)
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[HolderRow]
+    def __init__(self, holders: _Optional[_Iterable[_Union[HolderRow, _Mapping]]] = ...) -> None: ...
+
+class SetQuotaRequest(_message.Message):
+    __slots__ = ("kind", "name", "guaranteed_pages", "max_pages", "clear")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    guaranteed_pages: int
+    max_pages: int
+    clear: bool
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., guaranteed_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., clear: _Optional[bool] = ...) -> None: ...

@@ -84,6 +84,16 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheReply.FromString,
                 _registered_method=True)
+        self.Quotas = channel.unary_unary(
+                '/kvpool.memd.v1.Memd/Quotas',
+                request_serializer=shared_dot_rpc_dot_memd__pb2.QuotasRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_memd__pb2.QuotasReply.FromString,
+                _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/kvpool.memd.v1.Memd/SetQuota',
+                request_serializer=shared_dot_rpc_dot_memd__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_memd__pb2.QuotasReply.FromString,
+                _registered_method=True)
 
 
 class MemdServicer:
@@ -162,6 +172,20 @@ class MemdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quotas(self, request, context):
+        """Per tenant and per model: its page quota, the pool pages its sequences hold, its evictions and refusals.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuota(self, request, context):
+        """Set (or clear) one tenant's or model's quota now; kept in the state directory across restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +238,16 @@ def add_MemdServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheReply.SerializeToString,
+            ),
+            'Quotas': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quotas,
+                    request_deserializer=shared_dot_rpc_dot_memd__pb2.QuotasRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_memd__pb2.QuotasReply.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=shared_dot_rpc_dot_memd__pb2.SetQuotaRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_memd__pb2.QuotasReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +520,60 @@ class Memd:
             '/kvpool.memd.v1.Memd/ResetPrefixCache',
             shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheRequest.SerializeToString,
             shared_dot_rpc_dot_memd__pb2.ResetPrefixCacheReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quotas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.memd.v1.Memd/Quotas',
+            shared_dot_rpc_dot_memd__pb2.QuotasRequest.SerializeToString,
+            shared_dot_rpc_dot_memd__pb2.QuotasReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.memd.v1.Memd/SetQuota',
+            shared_dot_rpc_dot_memd__pb2.SetQuotaRequest.SerializeToString,
+            shared_dot_rpc_dot_memd__pb2.QuotasReply.FromString,
             options,
             channel_credentials,
             insecure,
