@@ -175,7 +175,7 @@ class Admit(PendingOp):
     def refused(self, err: MemdError, step: StepAttempt) -> Outcome | None:
         request = self.request
         preempted = request.status is RequestStatus.PREEMPTED
-        if err.code is StatusCode.RESOURCE_EXHAUSTED:
+        if err.code is StatusCode.RESOURCE_EXHAUSTED and err.reason != "retention":
             step.requeued.append(request)            # back to the head of the queue, in order
             step.refused_pages(request, err)
         elif preempted and err.code is StatusCode.NOT_FOUND and request.session_id is None:

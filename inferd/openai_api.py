@@ -43,6 +43,7 @@ from inferd.openai_schema import (
     DetokenizeBody,
     TokenizeBody,
     parse,
+    retention_seconds,
 )
 from inferd.requests import Event, GenerationError, Request, TokenLogprob
 from inferd.sampling import BadParams, SamplingParams
@@ -59,14 +60,29 @@ HTTP_STATUS = {StatusCode.INVALID_ARGUMENT: 400, StatusCode.NOT_FOUND: 404, Stat
                StatusCode.PERMISSION_DENIED: 409, StatusCode.ALREADY_EXISTS: 409, StatusCode.RESOURCE_EXHAUSTED: 503,
                StatusCode.UNAVAILABLE: 503, StatusCode.INTERNAL: 500}
 # memd's reasons for a refusal (memd.errors.KvError.reason) as the error codes clients read.
-API_CODES = {"session_busy": "session_busy"}
+API_CODES = {"session_busy": "session_busy", "retention": "retention_exceeded"}
 SESSION_HEADER = "x-session-id"
+RETENTION_HEADER = "x-session-retention"
 SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
                (b"x-accel-buffering", b"no"))       # a proxy in front (nginx) passes each chunk on at once
 
 
 def _api_error(err: GenerationError) -> ApiError:
-    return ApiError(HTTP_STATUS.get(err.code, 500), err.message, code=API_CODES.get(err.reason))
+    # A retention its tenant's guaranteed pages cannot pay for is the client's to back off from, not a 503.
+    status = 429 if err.reason == "retention" and err.code is StatusCode.RESOURCE_EXHAUSTED else \
+        HTTP_STATUS.get(err.code, 500)
+    return ApiError(status, err.message, code=API_CODES.get(err.reason))
+
+
+def _retention(header: str | None, field: str | None, session: str | None) -> float:
+    """Seconds to keep the session: the X-Session-Retention header's, else prompt_cache_retention's."""
+    try:
+        seconds = retention_seconds(header if header is not None else field)
+    except ValueError as err:
+        raise ApiError(400, str(err), param="prompt_cache_retention") from None
+    if seconds and session is None:
+        raise ApiError(400, "a retention keeps a session: send X-Session-Id with it", param="prompt_cache_retention")
+    return seconds
 
 
 async def _next(reader: Completions) -> Event | None:
@@ -213,7 +229,9 @@ class OpenAIServer:
         session = tenant.session(http.headers.get(SESSION_HEADER) or None)
         params = self._params(body, len(prompt_ids))
         request = Request(prompt_ids, params, session_id=session, whole_history=session is not None,
-                          cache_salt=tenant.salt(body.cache_salt), tenant=tenant.name or None)
+                          cache_salt=tenant.salt(body.cache_salt), tenant=tenant.name or None,
+                          retain_s=_retention(http.headers.get(RETENTION_HEADER), body.prompt_cache_retention,
+                                              session))
         request.request_id = request_id
         try:
             scheduler.submit(request)

@@ -9,6 +9,7 @@ taken from the body as vLLM takes them.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -55,6 +56,15 @@ class _Sampling(BaseModel):
     # vLLM's: the prompt's prefix-cache namespace. A prompt never reuses K/V cached under another salt (or
     # none), here or in the cluster store: one tenant cannot time another's prompts by their cache hits.
     cache_salt: str | None = None
+    # OpenAI's: how long to keep the prompt's cache. "in_memory" (the default) promises nothing; a duration
+    # ("24h", "30m", "90s") keeps the X-Session-Id session that long: swapped perhaps, never dropped.
+    prompt_cache_retention: str | None = None
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _retention(cls, value: str | None) -> str | None:
+        retention_seconds(value)          # a ValueError names what is accepted
+        return value
 
     @field_validator("cache_salt")
     @classmethod
@@ -212,3 +222,19 @@ def parse(kind: type[Body], raw: Any) -> Body:
             raise ApiError(400, f"missing required parameter: {param}", param=param) from None
         message = error["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"invalid {param or 'request'}: {message}", param=param) from None
+
+
+RETENTION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_RETENTION_S = 86400                   # OpenAI's longest, 24h
+
+
+def retention_seconds(value: str | None) -> float:
+    """A retention as OpenAI and the X-Session-Retention header write it: 0 for none ("in_memory")."""
+    if value is None or value in ("in_memory", "in-memory"):
+        return 0.0
+    found = RETENTION.fullmatch(value.strip())
+    seconds = float(found[1]) * UNIT_S[found[2]] if found else 0.0
+    if not 0 < seconds <= MAX_RETENTION_S:
+        raise ValueError(f"a retention is in_memory or a duration up to 24h (90s, 30m, 24h), not {value!r}")
+    return seconds

@@ -475,7 +475,8 @@ class Scheduler:
             return Open(request.seq.tokens, reserve=reserve, cache_salt=request.cache_salt, tenant=request.tenant)
         return Open(request.prompt_ids, reserve=reserve, session_id=request.session_id,
                     continue_session=request.session_id is not None, turn_id=request.turn_id,
-                    whole_history=request.whole_history, cache_salt=request.cache_salt, tenant=request.tenant)
+                    whole_history=request.whole_history, cache_salt=request.cache_salt, tenant=request.tenant,
+                    retain_s=request.retain_s)
 
     def _reserve(self, request: Request) -> int:
         """Writable positions to ask for past the known tokens: the lookahead, capped by what may still come.

@@ -12,6 +12,11 @@ stay, and a resume recomputes. RUNNING sequences belong to their workers:
 memd never takes their pages; an operator's eviction revokes them through
 the worker's Session stream instead.
 
+Quotas narrow the choice (memd.quotas): holders past their max go first, and
+no sequence goes whose eviction takes its tenant or model below its
+guaranteed pages. So do retention promises (memd.retention): a retained
+session is chosen last, and only swapped, never dropped.
+
 Everything here runs on memd's event loop between Steps. A swap-out is two
 calls: `begin_swap_out` reserves slots while the pages stay held, the copy
 runs off the loop, and `finish_swap_out` releases the pages — unless a
@@ -30,6 +35,7 @@ from memd.errors import InvalidArgument, NotFound
 from memd.integrity import Where
 from memd.pool import picked
 from memd.quotas import Key, keys_of
+from memd.retention import retained
 from memd.sequences import EvictionReason, SeqState, Sequence, SwapOut
 
 if TYPE_CHECKING:
@@ -85,13 +91,17 @@ class Evictor:
         freed by eviction.
         """
         candidates = self.coldest_parked(now, exclude)
-        protected: set[int] = set()
+        wall = time.time()
+        kept = {s.seq_id for s in candidates if retained(s, wall)}
+        if kept:                    # promised sessions last; with no swap tier to take them, not at all
+            candidates.sort(key=lambda s: s.seq_id in kept)
+        protected: set[int] = set() if self.m.swap is not None else set(kept)
         quotas = self.m.quotas
         if quotas.table:
             pages = quotas.pages(self.m.seqs.values())
             candidates.sort(key=lambda s: not quotas.over_max(s, pages))      # stable: heat within each
             for seq in candidates:
-                if quotas.protected(seq, pages):
+                if seq.seq_id in protected or quotas.protected(seq, pages):
                     protected.add(seq.seq_id)
                 else:
                     pages.take(seq)
@@ -136,8 +146,9 @@ class Evictor:
         for seq, gain in plan:
             if target <= 0:
                 break
-            done.add(self.evict(seq, "swap", reason))
-            target -= gain
+            went = self.evict(seq, "swap", reason)
+            done.add(went)
+            target -= gain if went.jobs or went.dropped else 0
         return done
 
     def reclaimable(self, exclude: frozenset[int] = frozenset(),
@@ -156,15 +167,17 @@ class Evictor:
         """Swap a PARKED sequence out (or drop it when swap cannot take it)."""
         if self.m.seqs.get(seq.seq_id) is not seq or seq.state is not SeqState.PARKED:
             return Evicted()                  # freed or resumed since it was chosen (or already being swapped)
+        keep = retained(seq)                  # swapped perhaps, never dropped (memd.retention)
         if mode == "swap" and self.m.swap is not None:
             done = Evicted()
             job = self.begin_swap_out(seq, reason, done)
             if job is not None:
                 done.jobs.append(job)
                 return done
-            done.add(self.drop(seq, reason))
+            if not keep:
+                done.add(self.drop(seq, reason))
             return done
-        return self.drop(seq, reason)
+        return Evicted() if keep else self.drop(seq, reason)
 
     def begin_swap_out(self, seq: Sequence, reason: EvictionReason | None, done: Evicted) -> SwapOut | None:
         """Reserve swap slots for `seq`, dropping colder swapped sequences for room; None if none can be had."""
@@ -174,8 +187,8 @@ class Evictor:
         if swap.num_free < need:
             now = time.monotonic()
             heat = m.heat(seq, now)
-            colder = sorted((s for s in m.seqs.values() if s.state is SeqState.SWAPPED and m.heat(s, now) <= heat),
-                            key=lambda s: m.heat(s, now))
+            colder = sorted((s for s in m.seqs.values() if s.state is SeqState.SWAPPED and m.heat(s, now) <= heat
+                             and not retained(s)), key=lambda s: m.heat(s, now))
             if swap.num_free + sum(len(s.slots) for s in colder) < need:
                 return None
             for victim in colder:
@@ -251,8 +264,9 @@ class Evictor:
             if target <= 0:
                 break
             if worth and self.m.evictable(seq):
-                done.add(self.evict(seq, mode, reason))
-                target -= gain
+                went = self.evict(seq, mode, reason)
+                done.add(went)
+                target -= gain if went.jobs or went.dropped else 0      # a retained one swap could not take stays
         return done
 
     # ---- policy --------------------------------------------------------
@@ -262,7 +276,7 @@ class Evictor:
         m, done = self.m, Evicted()
         if self.idle_ttl_s:
             for seq in list(m.seqs.values()):
-                if now - seq.last_access < self.idle_ttl_s:
+                if now - seq.last_access < self.idle_ttl_s or retained(seq):
                     continue
                 if seq.state in (SeqState.PARKED, SeqState.SWAPPED):
                     done.add(self.drop(seq, EvictionReason.IDLE))
@@ -308,16 +322,18 @@ class Evictor:
                        and now - s.last_access >= idle_s]
         else:
             targets = [m.find(seq_id, session_id)]
+        named = seq_id is not None or session_id is not None
         for seq in targets:
-            done.add(self._force_one(seq, mode))
+            done.add(self._force_one(seq, mode, named))
         return done
 
-    def _force_one(self, seq: Sequence, mode: str) -> Evicted:
+    def _force_one(self, seq: Sequence, mode: str, named: bool) -> Evicted:
+        """`named`: the operator named this sequence, and may drop it though it is retained."""
         if seq.state is SeqState.RUNNING:
             assert seq.owner is not None
             self.m.revoked[seq.seq_id] = mode
             return Evicted(revoked=[(seq.seq_id, seq.owner)])
-        if mode == "drop" and seq.state in (SeqState.PARKED, SeqState.SWAPPED):
+        if mode == "drop" and seq.state in (SeqState.PARKED, SeqState.SWAPPED) and (named or not retained(seq)):
             return self.drop(seq, EvictionReason.FORCED)
         if self.m.evictable(seq):
             return self.evict(seq, mode, EvictionReason.FORCED)

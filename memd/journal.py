@@ -102,13 +102,14 @@ def read_journal(path: Path) -> Recovered | None:
 #    slots in slot order (SWAPPED; else empty), its pages' checksums in table order (0: unknown), and
 #    blocks_from: the index in the table of the first block_ids entry and page checksum the record carries,
 #    the ones before it being those of the sequence's record before; then salt, its cache salt ("" for none),
-#    and tenant ("" for none); each absent from older journals)
+#    tenant ("" for none), and retain_until, the wall-clock time its retention ends (0: none); each absent
+#    from older journals)
 # A removal: ["D", seq_id]; also of an id never recorded (a sequence opened and freed between two flushes),
 #   to carry the highest id handed out, which the header holds as of the journal's start (max_seq_id)
 # Fenced pages (KvManager.fences): ["F", pid, block_ids], [] once lifted
 SEQ_ID, STATE, MODEL, BLOCK_SIZE, SESSION, COMMITTED, BLOCKS, SLOTS, HEAT, HEAT_AT, LAST_ACCESS, TOKENS_FROM, \
-    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID, TURN_ID, SLOT_SUMS, BLOCK_SUMS, BLOCKS_FROM, SALT, TENANT = \
-    range(1, 24)
+    TOKENS, PENDING, TURN_START, MID_TURN, OWNER_PID, TURN_ID, SLOT_SUMS, BLOCK_SUMS, BLOCKS_FROM, SALT, TENANT, \
+    RETAIN_UNTIL = range(1, 25)
 
 
 def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None:
@@ -126,7 +127,7 @@ def _replay(record: Any, found: Recovered, tokens: dict[int, list[int]]) -> None
         tokens.pop(seq_id, None)
         return
     if kind != "S" or len(record) not in (OWNER_PID + 1, TURN_ID + 1, SLOT_SUMS + 1, BLOCK_SUMS + 1,
-                                          BLOCKS_FROM + 1, SALT + 1, TENANT + 1):
+                                          BLOCKS_FROM + 1, SALT + 1, TENANT + 1, RETAIN_UNTIL + 1):
         raise ValueError(f"unknown record {kind!r}")
     if len(record) > BLOCKS_FROM:
         _whole_table(record, found.records.get(seq_id))
@@ -426,7 +427,7 @@ class WriteAheadLog:
                       seq.interrupted or seq.state is SeqState.RUNNING or seq.preempted_by is not None,
                       _owner_pid(seq, manager), seq.turn_id,
                       picked(manager.swap.checksum, seq.slots) if manager.swap is not None else (),
-                      picked(manager.pool.checksum, carried), first, seq.salt, seq.tenant])
+                      picked(manager.pool.checksum, carried), first, seq.salt, seq.tenant, seq.retain_until])
 
     def close(self) -> None:
         self._abandon_rewrite()              # the journal in use is whole: a restart reads it

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from memd import retention
 from memd.integrity import Where
 from memd.quotas import Holding
 from memd.sequences import EvictionReason
@@ -89,7 +90,7 @@ class MemdMetrics(Collector):
             "swapped": m.swapped_blocks(),
             "sequences": m.state_counts(), "workers": len(m.workers), "counters": dict(m.counters),
             "rpcs": dict(self.service.rpcs),
-            "holdings": m.quotas.holdings(m.seqs.values()),
+            "holdings": m.quotas.holdings(m.seqs.values(), retention.by_holder(m.seqs.values())),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -146,6 +147,8 @@ def holder_families(holdings: list[Holding]) -> Iterator[Any]:
                               labels=labels)
     evictions = CounterMetricFamily("kvpool_memd_holder_evictions", "a tenant's or model's sequences evicted",
                                     labels=labels)
+    retained = GaugeMetricFamily("kvpool_memd_holder_retained_pages", "pages of a tenant's or model's sessions "
+                                 "under a retention promise", labels=labels)
     refusals = CounterMetricFamily("kvpool_memd_holder_quota_refusals", "Steps refused at a tenant's or model's "
                                    "max pages", labels=labels)
     for h in holdings:
@@ -155,4 +158,5 @@ def holder_families(holdings: list[Holding]) -> Iterator[Any]:
         limit.add_metric(key, h.quota.max)
         evictions.add_metric(key, h.evictions)
         refusals.add_metric(key, h.refusals)
-    yield from (pages, guaranteed, limit, evictions, refusals)
+        retained.add_metric(key, h.retained_pages)
+    yield from (pages, guaranteed, limit, evictions, refusals, retained)

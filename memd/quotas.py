@@ -39,7 +39,7 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -94,6 +94,7 @@ class Holding:
     refusals: int
     set_at_run_time: bool
     sequences: dict[str, int]
+    retained_pages: int = 0
 
 
 def describe(key: Key) -> str:
@@ -256,8 +257,9 @@ class Quotas:
             if pages.usage(key) > limit:
                 raise QuotaExceeded(key, pages.usage(key), limit, index)
 
-    def holdings(self, seqs: Iterable[Sequence]) -> list[Holding]:
-        """Every tenant and model with a quota, a sequence or a count: its quota, pages and sequences."""
+    def holdings(self, seqs: Iterable[Sequence], retained: Mapping[Key, int]) -> list[Holding]:
+        """Every tenant and model with a quota, a sequence or a count: its quota, pages and sequences.
+        `retained`: the pages of each holder's sessions under a promise (memd.retention.by_holder)."""
         seqs = list(seqs)
         states: dict[Key, Counter[str]] = {}
         for seq in seqs:
@@ -266,8 +268,8 @@ class Quotas:
         keys = set(states) | set(self.table) | set(self.evictions) | set(self.refusals)
         pages = self.pages(seqs, keys)
         return [Holding(key, self.quota(key), pages.usage(key), self.evictions[key], self.refusals[key],
-                        key in self.set_at_run_time, dict(states.get(key, {})))
-                for key in sorted(keys)]
+                        key in self.set_at_run_time, dict(states.get(key, {})), retained.get(key, 0))
+                for key in sorted(keys | set(retained))]
 
     def fits(self, seq: Sequence, blocks: int) -> None:
         """A sequence of `blocks` pages could never run under a max: refused as bad input, not left to wait."""

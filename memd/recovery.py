@@ -29,6 +29,7 @@ from memd.journal import (
     MODEL,
     OWNER_PID,
     PENDING,
+    RETAIN_UNTIL,
     SALT,
     SESSION,
     SLOT_SUMS,
@@ -198,7 +199,8 @@ def _parse(seq_id: int, r: list) -> tuple[Sequence, int] | None:
                        heat=float(r[HEAT]), heat_at=float(r[HEAT_AT]), slots=[int(s) for s in r[SLOTS]],
                        turn_start=int(r[TURN_START]), interrupted=bool(r[MID_TURN]),
                        turn_id=r[TURN_ID] if len(r) > TURN_ID else "", salt=r[SALT] if len(r) > SALT else "",
-                       tenant=r[TENANT] if len(r) > TENANT else "")
+                       tenant=r[TENANT] if len(r) > TENANT else "",
+                       retain_until=float(r[RETAIN_UNTIL]) if len(r) > RETAIN_UNTIL else 0.0)
         if not isinstance(r[MODEL], str) or not isinstance(r[SESSION], str | None) \
                 or not isinstance(seq.turn_id, str) or not isinstance(seq.salt, str) or not isinstance(seq.tenant, str):
             raise TypeError("model, session, turn id, salt and tenant must be strings")

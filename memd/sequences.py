@@ -92,6 +92,7 @@ class Sequence:
     turn_id: str = ""                   # the client's name for that turn: sent again, it replaces the turn
     salt: str = ""                      # its prefix-cache namespace within its model (Open.cache_salt)
     tenant: str = ""                    # whose it is (Open.tenant): "" for no tenant
+    retain_until: float = 0.0           # wall-clock time its retention promise ends (Open.retain_s; memd.retention)
 
     @property
     def prefix_space(self) -> str:

@@ -18,6 +18,7 @@ import grpc
 import structlog
 from prometheus_client import Histogram
 
+from memd import retention
 from memd.collector import collections_paused
 from memd.errors import InvalidArgument, KvError, OpError
 from memd.fdpass import FdServer
@@ -283,8 +284,9 @@ class MemdService(pb_grpc.MemdServicer):
         return pb.QuotasReply(holders=[
             pb.HolderRow(kind=h.key[0], name=h.key[1], guaranteed_pages=h.quota.guaranteed, max_pages=h.quota.max,
                          pages=h.pages, evictions=h.evictions, refusals=h.refusals,
-                         set_at_run_time=h.set_at_run_time, sequences=h.sequences)
-            for h in self.manager.quotas.holdings(self.manager.seqs.values())])
+                         set_at_run_time=h.set_at_run_time, sequences=h.sequences, retained_pages=h.retained_pages)
+            for h in self.manager.quotas.holdings(self.manager.seqs.values(), retention.by_holder(
+                self.manager.seqs.values()))])
 
     async def Quotas(self, request: pb.QuotasRequest, context: grpc.aio.ServicerContext) -> pb.QuotasReply:
         log.debug("rpc", method="Quotas")

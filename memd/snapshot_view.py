@@ -169,6 +169,7 @@ class SnapshotView:
         row.last_access, row.heat = s.last_access, self.state.heat(s, self.taken_at)
         row.swapped_blocks = s.swapped_blocks
         row.tenant = s.tenant
+        row.retain_until = s.retain_until
 
 
 class Holders:

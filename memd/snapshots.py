@@ -23,7 +23,7 @@ from shared.rpc import memd_pb2 as pb
 
 FORMAT_VERSION = 1
 SEQ_FIELDS = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "model", "last_access",
-              "heat", "swapped_blocks", "tenant")
+              "heat", "swapped_blocks", "tenant", "retain_until")
 WORKER_FIELDS = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running", "draining")
 
 

@@ -120,12 +120,14 @@ class SeqCopy:
     num_hashes: int
     has_session: bool            # session_id is not None (an empty name is still a session)
     tenant: str
+    retain_until: float
 
     @classmethod
     def of(cls, s: Sequence) -> SeqCopy:
         return cls(s.seq_id, s.session_id or "", s.state.value, s.owner or 0, s.state is SeqState.RUNNING,
                    s.num_committed, len(s.token_ids), tuple(s.block_ids), s.model, s.last_access, s.heat,
-                   s.heat_at, tuple(s.slots), s.block_size, len(s.hashes), s.session_id is not None, s.tenant)
+                   s.heat_at, tuple(s.slots), s.block_size, len(s.hashes), s.session_id is not None, s.tenant,
+                   s.retain_until)
 
     @property
     def swapped_blocks(self) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from memd import integrity
+from memd import integrity, retention
 from memd.errors import FailedPrecondition, InvalidArgument, PoolExhausted, RunningElsewhere, SessionBusy
 from memd.integrity import Where
 from memd.page_effects import Copy, Fetch, SwapIn, Zero
@@ -103,6 +103,15 @@ class StepTxn:
         self.undo.record(self.state.forget, seq)
 
     def _open(self, op: Open) -> OpResult:
+        result = self._open_or_continue(op)
+        if op.retain_s:
+            seq = self.state.seqs[result.seq_id]
+            until = retention.promise(seq, op.retain_s, self.state.seqs.values(), self.state.quotas)
+            self.undo.record(_set_retention, seq, seq.retain_until)
+            seq.retain_until = until
+        return result
+
+    def _open_or_continue(self, op: Open) -> OpResult:
         worker = self.worker
         check_name("turn id", op.turn_id or "")
         check_salt(op.cache_salt or "")
@@ -537,6 +546,10 @@ class StepTxn:
         self.outcome.effects += map(Zero, dirty)
         seq.block_ids += blocks
         self.counters["blocks_allocated"] += needed
+
+
+def _set_retention(seq: Sequence, until: float) -> None:
+    seq.retain_until = until
 
 
 def _set_blocks(seq: Sequence, blocks: list[int]) -> None:

@@ -134,14 +134,14 @@ def render_tenants(rows: list[dict[str, Any]]) -> str:
 def quota_list(reply: pb.QuotasReply) -> list[dict[str, Any]]:
     return [{"kind": h.kind, "name": h.name, "guaranteed_pages": h.guaranteed_pages, "max_pages": h.max_pages,
              "pages": h.pages, "sequences": dict(h.sequences), "evictions": h.evictions, "refusals": h.refusals,
-             "set_at_run_time": h.set_at_run_time} for h in reply.holders]
+             "retained_pages": h.retained_pages, "set_at_run_time": h.set_at_run_time} for h in reply.holders]
 
 
 def render_quotas(rows: list[dict[str, Any]]) -> str:
     shown = [{**row, "sequences": sum(row["sequences"].values()), "max_pages": row["max_pages"] or "-",
               "set": "memctl" if row["set_at_run_time"] else "file"} for row in rows]
-    return table(shown, ["kind", "name", "guaranteed_pages", "max_pages", "pages", "sequences", "evictions",
-                         "refusals", "set"], "no tenant or model holds pages or has a quota")
+    return table(shown, ["kind", "name", "guaranteed_pages", "max_pages", "pages", "retained_pages", "sequences",
+                         "evictions", "refusals", "set"], "no tenant or model holds pages or has a quota")
 
 
 def table(rows: list[dict[str, Any]], columns: list[str], empty: str) -> str:

@@ -33,6 +33,9 @@ class Open:
     # Whose the new sequence is (the HTTP API's tenant, shared.tenants): memd counts its pages for it. A
     # continued session keeps its own.
     tenant: str | None = None
+    # Keep the session this many seconds from now (0: no promise): its pages may be swapped, never dropped, and
+    # they count against its tenant's guaranteed pages (memd.retention).
+    retain_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from shared import ops
 from shared.protobuf_codec import WireError
 
 U32, U64 = 1 << 32, 1 << 64
+MAX_SECONDS = 366 * 86400          # a duration on the wire: a year at most (and never inf or NaN)
 _BIG_ENDIAN = sys.byteorder == "big"
 
 # The kind codes: the protobuf Op oneof's field numbers.
@@ -138,13 +139,19 @@ def _flag(value: Any, name: str) -> bool:
     raise WireError(f"{name} must be true or false, not {value!r}")
 
 
+def _seconds(value: Any, name: str) -> float:
+    if type(value) in (int, float) and 0 <= value <= MAX_SECONDS:
+        return float(value)
+    raise WireError(f"{name} must be a number of seconds from 0 to {MAX_SECONDS}, not {value!r}")
+
+
 def _open(f: list) -> ops.Open:
-    token_ids, reserve, session_id, continue_session, turn_id, whole_history, cache_salt, tenant = \
-        _fields(f, 8, "open")
+    token_ids, reserve, session_id, continue_session, turn_id, whole_history, cache_salt, tenant, retain_s = \
+        _fields(f, 9, "open")
     return ops.Open(_ints(token_ids, "I", "token_ids"), _int(reserve, U32, "reserve"),
                     _text(session_id, "session_id"), _flag(continue_session, "continue_session"),
                     _text(turn_id, "turn_id"), _flag(whole_history, "whole_history"), _text(cache_salt, "cache_salt"),
-                    _text(tenant, "tenant"))
+                    _text(tenant, "tenant"), _seconds(retain_s, "retain_s"))
 
 
 def _extend(f: list) -> ops.Extend:

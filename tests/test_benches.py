@@ -180,3 +180,11 @@ def test_the_peer_bench_runs_both_servers_and_they_decode_the_same_tokens():
     keys = ("chat_ttft1", "chat_ttft2", "chat_wall", "pressure_ttft1", "pressure_ttft2", "pressure_ttft2_p99",
             "decode_b1", "decode_b16", "pressure_itl_p99")
     assert all(0 < report[f"peer_{key}_ratio"] < float("inf") for key in keys)
+
+
+def test_the_tenants_bench_runs_and_only_the_guarantee_keeps_the_quiet_tenants_sessions():
+    report = quick("bench_tenants.py")
+    runs = report["runs"]
+    assert runs["noisy, guaranteed"]["cached_share_later"] == runs["alone"]["cached_share_later"] > 0.5
+    assert runs["noisy, no quota"]["cached_share_later"] < runs["noisy, guaranteed"]["cached_share_later"]
+    assert runs["noisy, guaranteed"]["noisy_output_tokens"] > 0 and runs["alone"]["noisy_output_tokens"] == 0

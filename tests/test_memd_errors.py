@@ -137,11 +137,11 @@ async def test_an_empty_operation_is_invalid(memd, scene):
 async def test_a_packed_step_that_cannot_be_read_is_refused_naming_its_op_and_changes_nothing(memd, scene):
     before = await fingerprint(memd)
     b = scene["b"]
-    good = [1, [[1, 2, 3], 1, None, False, None, False, None, None]]    # an Open, fine on its own
+    good = [1, [[1, 2, 3], 1, None, False, None, False, None, None, 0]]    # an Open, fine on its own
     cases = [(msgpack.packb([good, [2, [scene["running"], ["x"], 1, 1, 0, []]]]), 1, "append"),
              (b"\xc1", -1, "not msgpack"),
-             (msgpack.packb([good, [1, [[1, 2], 1, None, False, None, False, None]]]), 1,
-              "open has 8 fields, not 7")]
+             (msgpack.packb([good, [1, [[1, 2], 1, None, False, None, False, None, None]]]), 1,
+              "open has 9 fields, not 8")]
     async with memd.admin() as admin:
         refused = (await admin.stats()).counters["steps_refused"]
         for packed, index, words in cases:

@@ -29,7 +29,8 @@ async def holders(memd) -> dict[tuple[str, str], dict]:
     async with memd.admin() as admin:
         reply = await admin.quotas()
     return {(h.kind, h.name): {"pages": h.pages, "guaranteed": h.guaranteed_pages, "max": h.max_pages,
-                               "evictions": h.evictions, "refusals": h.refusals, "states": dict(h.sequences)}
+                               "evictions": h.evictions, "refusals": h.refusals, "states": dict(h.sequences),
+                               "retained_pages": h.retained_pages}
             for h in reply.holders}
 
 

@@ -82,8 +82,10 @@ async def test_a_copy_taken_in_slices_while_steps_run_is_the_state_of_its_last_i
 
 async def test_the_check_taken_between_steps_finds_nothing_wrong_with_a_busy_memd_and_what_is(local_memd_factory,
                                                                                              tiny_slices):
+    # No free watermark: the eviction policy's sweep must not swap out the sequence whose leak is planted below
+    # while the check awaits its slices (the churn's own evictions are done when it stops).
     memd = await local_memd_factory("--device", "cpu", "--pool-bytes", "2MiB", "--block-bytes", "1KiB",
-                                    "--state-dir", "none")
+                                    "--state-dir", "none", "--free-watermark", "0")
     client = await memd.attach(block_size=16)
     manager = memd.parts.manager
     stop = asyncio.Event()

@@ -43,12 +43,15 @@ async def serve(memd_factory, inferd_factory, model_dir, tmp_path, tenants: str)
     return memd, inferd, f"http://{(await inferd.log.wait_for('inferd ready'))['http']}/v1", flags
 
 
-async def complete(client, prompt: list[int], session: str, max_tokens: int) -> tuple[list[int], int]:
-    """A greedy turn of a session: (its answer's token ids, the prompt tokens memd had cached)."""
+async def complete(client, prompt: list[int], session: str, max_tokens: int = ANSWER, *, header: str | None = None,
+                   field: str | None = None) -> tuple[list[int], int]:
+    """A greedy turn of a session: (its answer's token ids, the prompt tokens memd had cached). `header`,
+    `field`: a retention asked in X-Session-Retention, or in prompt_cache_retention."""
     reply = await client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-        extra_headers={"X-Session-Id": session})
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                    **({"prompt_cache_retention": field} if field else {})},
+        extra_headers={"X-Session-Id": session, **({"X-Session-Retention": header} if header else {})})
     ids = [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
     return ids, reply.usage.prompt_tokens_details.cached_tokens
 
@@ -182,3 +185,51 @@ async def test_a_tenants_max_holds_under_load_a_worker_kill_and_a_memd_restart(
     assert rows["capped"]["pages"] == before["capped"] and rows["capped"]["max_pages"] == 24
     rc, out, err = await run_cli("memd.memctl", "--address", memd.address, "check")
     assert rc == 0, out + err
+
+
+KEEP = """
+[tenants.keep]
+keys = ["sk-keep"]
+guaranteed_pages = 3
+
+[tenants.noisy]
+keys = ["sk-noisy"]
+"""
+
+
+async def test_a_retained_session_survives_the_flood_that_drops_an_unretained_one(
+        memd_factory, inferd_factory, model_dir, model_judge, tmp_path):
+    memd, _, url, _ = await serve(memd_factory, inferd_factory, model_dir, tmp_path, KEEP)
+    keep = openai.AsyncOpenAI(base_url=url, api_key="sk-keep", max_retries=0)
+    noisy = openai.AsyncOpenAI(base_url=url, api_key="sk-noisy", max_retries=0)
+    rng = random.Random(3)
+    prompts = {name: [rng.randrange(512) for _ in range(PROMPT)] for name in ("kept", "plain", "more")}
+
+    for bad in ("forever", "25h", "0s"):
+        with pytest.raises(openai.BadRequestError, match="retention is in_memory or a duration"):
+            await complete(keep, prompts["kept"], "kept", header=bad)
+    with pytest.raises(openai.BadRequestError, match="keeps a session"):
+        await keep.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1,
+                                      extra_headers={"X-Session-Retention": "30m"})
+    with pytest.raises(openai.BadRequestError, match="no guaranteed pages"):
+        await complete(noisy, prompts["kept"], "n", header="30m")
+    answer, _ = await complete(keep, prompts["kept"], "kept", header="30m")            # 3 pages: its guarantee
+    with pytest.raises(openai.RateLimitError) as past:
+        await complete(keep, prompts["more"], "more", field="24h")
+    assert past.value.code == "retention_exceeded"
+    plain, _ = await complete(keep, prompts["plain"], "plain", field="in_memory")
+    async with memd.admin() as admin:
+        held = {(h.kind, h.name): h for h in (await admin.quotas()).holders}
+        sessions = {s.session_id for s in (await admin.snapshot(blocks=False)).sequences}
+    assert held[("tenant", "keep")].retained_pages == 3
+    assert "keep/more" not in sessions                                             # the refusal left nothing
+
+    await flood(noisy, rng)
+
+    history = prompts["kept"] + answer
+    prompt = history + [rng.randrange(512) for _ in range(8)]
+    again, cached = await complete(keep, prompt, "kept")
+    assert cached >= len(history) - 1                                              # all of its K/V, kept
+    model_judge.assert_greedy(prompt, again, ANSWER, "the retained session's second turn")
+    _, cached = await complete(keep, prompts["plain"] + plain + [7], "plain")
+    assert cached < PROMPT                                                         # dropped, recomputed

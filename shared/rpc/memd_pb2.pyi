@@ -210,7 +210,7 @@ class BlockRow(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., ref_count: _Optional[int] = ..., last_access: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., heat: _Optional[float] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SeqRow(_message.Message):
-    __slots__ = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "block_ids", "model", "last_access", "heat", "swapped_blocks", "tenant")
+    __slots__ = ("seq_id", "session_id", "state", "owner", "num_committed", "num_tokens", "block_ids", "model", "last_access", "heat", "swapped_blocks", "tenant", "retain_until")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class SeqRow(_message.Message):
     HEAT_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_UNTIL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: str
     state: str
@@ -235,7 +236,8 @@ class SeqRow(_message.Message):
     heat: float
     swapped_blocks: int
     tenant: str
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ..., heat: _Optional[float] = ..., swapped_blocks: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    retain_until: float
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., state: _Optional[str] = ..., owner: _Optional[int] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., last_access: _Optional[float] = ..., heat: _Optional[float] = ..., swapped_blocks: _Optional[int] = ..., tenant: _Optional[str] = ..., retain_until: _Optional[float] = ...) -> None: ...
 
 class WorkerRow(_message.Message):
     __slots__ = ("worker_id", "name", "pid", "model", "block_size", "last_seen", "running", "draining")
@@ -388,7 +390,7 @@ class QuotasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HolderRow(_message.Message):
-    __slots__ = ("kind", "name", "guaranteed_pages", "max_pages", "pages", "evictions", "refusals", "set_at_run_time", "sequences")
+    __slots__ = ("kind", "name", "guaranteed_pages", "max_pages", "pages", "evictions", "refusals", "set_at_run_time", "sequences", "retained_pages")
     class SequencesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +407,7 @@ class HolderRow(_message.Message):
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     SET_AT_RUN_TIME_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     guaranteed_pages: int
@@ -414,7 +417,8 @@ class HolderRow(_message.Message):
     refusals: int
     set_at_run_time: bool
     sequences: _containers.ScalarMap[str, int]
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., guaranteed_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., set_at_run_time: _Optional[bool] = ..., sequences: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    retained_pages: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., guaranteed_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., set_at_run_time: _Optional[bool] = ..., sequences: _Optional[_Mapping[str, int]] = ..., retained_pages: _Optional[int] = ...) -> None: ...
 
 class QuotasReply(_message.Message):
     __slots__ = ("holders",)
