@@ -127,9 +127,9 @@ class Evictor:
         """A holder's own evictable parked sequences, coldest first, each with the pages the holder stops
         holding when it goes (those none of its other sequences hold)."""
         pages = self.m.quotas.pages(self.m.seqs.values(), [key])
-        out = []
+        out, wall = [], time.time()
         for seq in self.coldest_parked(now, exclude):
-            if key in keys_of(seq):
+            if key in keys_of(seq) and (self.m.swap is not None or not retained(seq, wall)):    # a promise stays
                 out.append((seq, pages.gain(key, seq)))
                 pages.take(seq)
         return out

@@ -71,11 +71,30 @@ def _only_marked_tests_start_processes(request: pytest.FixtureRequest, monkeypat
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-seconds", type=float, default=20.0,
                      help="how long tests/test_soak.py keeps its load on (default: 20)")
+    parser.addoption("--chaos-seconds", type=float, default=12.0,
+                     help="how long tests/test_chaos.py kills parts of its fleet (default: 12)")
+    parser.addoption("--chaos-chats", type=int, default=12, help="chats tests/test_chaos.py runs at once (default: 12)")
+    parser.addoption("--chaos-seed", type=int, default=1, help="seed of tests/test_chaos.py's kills and chats")
 
 
 @pytest.fixture
 def soak_seconds(request: pytest.FixtureRequest) -> float:
     return float(request.config.getoption("--soak-seconds"))
+
+
+@pytest.fixture
+def chaos_seconds(request: pytest.FixtureRequest) -> float:
+    return float(request.config.getoption("--chaos-seconds"))
+
+
+@pytest.fixture
+def chaos_chats(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--chaos-chats"))
+
+
+@pytest.fixture
+def chaos_seed(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--chaos-seed"))
 
 
 LOG_LINE_LIMIT = 1 << 24     # Mooncake's client (the cluster tier) writes some very long lines to memd's stderr
@@ -102,6 +121,10 @@ class LogWatch:
                 self._changed.notify_all()
         async with self._changed:
             self._changed.notify_all()
+
+    def count(self, event: str, **fields: Any) -> int:
+        """How many events of that name with those fields were logged so far."""
+        return sum(1 for e in self.events if e.get("event") == event and all(e.get(k) == v for k, v in fields.items()))
 
     def find(self, event: str, nth: int = 1, **fields: Any) -> dict[str, Any] | None:
         """The `nth` event of that name with those fields, None until there are that many."""
