@@ -30,7 +30,7 @@ from shared import address as addr
 from shared.command_line import Ignored, Parser, entry_point
 from shared.config import Layers, add_config_flags
 from shared.decoding import RequestDecoder
-from shared.flag_types import count, number, port
+from shared.flag_types import count, number, port, seconds
 from shared.logs import configure
 from shared.metrics_http import MetricsPortError
 from shared.notify import keep_watchdog, notify, watchdog_interval
@@ -80,6 +80,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                        help="recompute this fraction of the prefix-cache hits of requests without a session and "
                             "compare the K/V memd handed over; a mismatch is logged and counted, and those blocks "
                             "leave memd's prefix cache (default: 0, off)")
+    serve.add_argument("--quota-wait", type=seconds, default=30.0, metavar="SECONDS",
+                       help="how long a request may wait while its tenant is at its page max (memd --quotas) "
+                            "before it fails with a 429 (default: 30)")
     serve.add_argument("--http", metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                             "/v1/models, /health, /metrics, /tokenize, /detokenize) here (default: off)")
@@ -148,7 +151,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine = WorkerEngine(args.model, args.memd, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                     max_batch_tokens=args.max_batch_tokens,
                     prefill_beside_decode=args.prefill_beside_decode, dtype=args.dtype, audit_kv=args.audit_kv,
-                    verify_reuse=args.verify_reuse, attention=args.attention)
+                    verify_reuse=args.verify_reuse, attention=args.attention, quota_wait_s=args.quota_wait)
     metrics = None
     if args.metrics_port or args.http:
         metrics = InferdMetrics(engine, asyncio.get_running_loop(), args.served_model_name or args.model.name)

@@ -55,7 +55,7 @@ class WorkerEngine:
     def __init__(self, model_dir: Path, memd_address: str | None, *, block_size: int = 16, max_num_seqs: int = 16,
                  max_batch_tokens: int = 2048, prefill_beside_decode: int = 512, dtype: str | None = None,
                  audit_kv: bool = False,
-                 verify_reuse: float = 0.0, attention: str = "auto") -> None:
+                 verify_reuse: float = 0.0, attention: str = "auto", quota_wait_s: float = 30.0) -> None:
         self.config = read_config(model_dir, dtype)
         self.attention = attention
         try:                                        # built now, before the first attachment waits on it
@@ -71,7 +71,7 @@ class WorkerEngine:
         self.memd_address = memd_address
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
         self.prefill_beside_decode = prefill_beside_decode
-        self.audit_kv, self.verify_reuse = audit_kv, verify_reuse
+        self.audit_kv, self.verify_reuse, self.quota_wait_s = audit_kv, verify_reuse, quota_wait_s
         self.scheduler: Scheduler | None = None
         self.attached = asyncio.Event()
         self.preemptions = 0                      # of schedulers gone with an earlier attachment
@@ -128,7 +128,7 @@ class WorkerEngine:
         scheduler = Scheduler(client, model, self.tokenizer, max_num_seqs=self.max_num_seqs,
                               max_batch_tokens=self.max_batch_tokens,
                               prefill_beside_decode=self.prefill_beside_decode, audit_kv=self.audit_kv,
-                              verify_reuse=self.verify_reuse)
+                              verify_reuse=self.verify_reuse, quota_wait_s=self.quota_wait_s)
         scheduler.forward_thread.on_pass = self.on_pass
         if model.attention == "flex":                # on the thread that runs the passes, the loop free meanwhile
             started = time.perf_counter()

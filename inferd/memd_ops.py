@@ -17,6 +17,7 @@ it returns as an `Outcome`, a value the scheduler applies
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -54,6 +55,10 @@ class Ended:
     request: Request
     error: GenerationError | None = None
     keep: bool = False
+    reason: str | None = None                # its finish reason when it ends without an error
+
+
+MODEL_WIDE = "\0model"        # in StepAttempt.over_quota: the model's max was reached, not one tenant's
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +112,11 @@ class StepAttempt:
     over_quota: set[str] = field(default_factory=set)
 
     def refused_pages(self, request: Request, err: MemdError) -> None:
-        """memd had no page for `request`: at its tenant's or model's max (reason "quota"), or the pool's."""
-        if err.reason == "quota":
-            self.over_quota.add(request.tenant or "")
+        """memd had no page for `request`: at its tenant's max (reason "quota"), its model's ("model_quota":
+        every tenant of this worker waits), or the pool's."""
+        if err.reason in ("quota", "model_quota"):
+            self.over_quota.add(request.tenant or "" if err.reason == "quota" else MODEL_WIDE)
+            request.quota_since = request.quota_since or time.monotonic()     # its wait there began
 
 
 class PendingOp:
@@ -140,8 +147,14 @@ class Admit(PendingOp):
     request: Request
     op: Open | Resume
 
+    def retry(self, err: MemdError) -> PendingOp | None:
+        if err.reason == "quota_size" and self.op.reserve > 1:     # its lookahead past its tenant's max: no lookahead
+            return Admit(self.request, replace(self.op, reserve=1))
+        return None
+
     def applied(self, worker: OpContext, result: OpResult) -> Outcome | None:
         request = self.request
+        request.quota_since = 0.0                      # admitted: a wait at its tenant's max, if any, is over
         if worker.audit is not None:
             worker.audit.forget(id(request))           # a new table: its positions are taken as found when it runs
         block_size = worker.page_sums.block_size
@@ -199,7 +212,7 @@ class Grow(PendingOp):
     op: Extend
 
     def retry(self, err: MemdError) -> PendingOp | None:
-        if err.code is StatusCode.RESOURCE_EXHAUSTED and self.op.reserve > 1:
+        if (err.code is StatusCode.RESOURCE_EXHAUSTED or err.reason == "quota_size") and self.op.reserve > 1:
             return Grow(self.request, replace(self.op, reserve=1))    # the lookahead can wait
         return None
 
@@ -224,6 +237,8 @@ class Grow(PendingOp):
             step.stalled.add(self.request)
             step.refused_pages(self.request, err)
             return None
+        if err.reason == "quota_size":            # as long as its tenant's max allows: a length stop, kept
+            return Ended(self.request, keep=True, reason="length")
         return Ended(self.request, _error(err))
 
 

@@ -60,7 +60,9 @@ HTTP_STATUS = {StatusCode.INVALID_ARGUMENT: 400, StatusCode.NOT_FOUND: 404, Stat
                StatusCode.PERMISSION_DENIED: 409, StatusCode.ALREADY_EXISTS: 409, StatusCode.RESOURCE_EXHAUSTED: 503,
                StatusCode.UNAVAILABLE: 503, StatusCode.INTERNAL: 500}
 # memd's reasons for a refusal (memd.errors.KvError.reason) as the error codes clients read.
-API_CODES = {"session_busy": "session_busy", "retention": "retention_exceeded"}
+API_CODES = {"session_busy": "session_busy", "retention": "retention_exceeded", "quota": "quota_exceeded",
+             "model_quota": "quota_exceeded"}
+BACK_OFF = {"retention", "quota", "model_quota"}
 SESSION_HEADER = "x-session-id"
 RETENTION_HEADER = "x-session-retention"
 SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
@@ -68,8 +70,9 @@ SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 
 
 def _api_error(err: GenerationError) -> ApiError:
-    # A retention its tenant's guaranteed pages cannot pay for is the client's to back off from, not a 503.
-    status = 429 if err.reason == "retention" and err.code is StatusCode.RESOURCE_EXHAUSTED else \
+    # A tenant's own limits (a retention past its guarantee, a wait at its page max) are the client's to back off
+    # from: a 429, not the 503 of a server short of memory.
+    status = 429 if err.reason in BACK_OFF and err.code is StatusCode.RESOURCE_EXHAUSTED else \
         HTTP_STATUS.get(err.code, 500)
     return ApiError(status, err.message, code=API_CODES.get(err.reason))
 
@@ -79,7 +82,8 @@ def _retention(header: str | None, field: str | None, session: str | None) -> fl
     try:
         seconds = retention_seconds(header if header is not None else field)
     except ValueError as err:
-        raise ApiError(400, str(err), param="prompt_cache_retention") from None
+        raise ApiError(400, str(err), param=RETENTION_HEADER if header is not None else "prompt_cache_retention") \
+            from None
     if seconds and session is None:
         raise ApiError(400, "a retention keeps a session: send X-Session-Id with it", param="prompt_cache_retention")
     return seconds

@@ -58,6 +58,7 @@ class Request:
     cache_salt: str | None = None                      # vLLM's: its prefix-cache namespace (memd's Open.cache_salt)
     tenant: str | None = None                          # whose it is (shared.tenants): memd counts its pages for it
     retain_s: float = 0.0                              # keep its session this long (memd's Open.retain_s)
+    quota_since: float = 0.0                           # when it began to wait at its tenant's page max (0: not)
     arrived: float = field(default_factory=time.monotonic)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     seq: SeqProgress = field(default_factory=SeqProgress)   # its sequence, in the pool and in memd's books

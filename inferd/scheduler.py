@@ -51,6 +51,7 @@ from inferd.backlog import Backlog
 from inferd.forward_thread import Ahead, ForwardThread, Sampling
 from inferd.kv_audit import KvAudit
 from inferd.memd_ops import (
+    MODEL_WIDE,
     Admit,
     CommitForFork,
     Distrust,
@@ -94,7 +95,7 @@ DRAINING = "this worker is draining (memctl drain): send the request to another 
 class Scheduler:
     def __init__(self, client: MemdClient, model: PagedDecoder, tokenizer: Any, *, max_num_seqs: int = 16,
                  max_batch_tokens: int = 2048, prefill_beside_decode: int = 512, lookahead_blocks: int = 4,
-                 audit_kv: bool = False, verify_reuse: float = 0.0) -> None:
+                 audit_kv: bool = False, verify_reuse: float = 0.0, quota_wait_s: float = 30.0) -> None:
         self.client, self.model, self.tokenizer = client, model, tokenizer
         self.block_size = client.geometry.block_size
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
@@ -113,6 +114,7 @@ class Scheduler:
         self._wanted = 0                                 # free blocks the head of the queue waits for
         # Tenants at their page max (memd.quotas), since when: their waiting requests let others pass.
         self._over_quota: dict[str, float] = {}
+        self.quota_wait_s = quota_wait_s                 # then a request waiting there fails (--quota-wait)
         self.preemptions = 0
         self.draining = False                            # an operator's drain: admit nothing new
         self.carried: list[Request] = []                 # unstarted when memd failed: for the next attachment
@@ -289,6 +291,8 @@ class Scheduler:
         self.running += [r for r in admitted + forks if r.status is RequestStatus.RUNNING]
         if self.reuse_check is not None:
             await self._check_reuse(admitted)
+        at_max_forks = {c.tenant or "" for c in self._backlog.unforked if self._refused_at_max(c, step)}
+        quota_forks = sum(1 for c in self._backlog.unforked if self._refused_at_max(c, step))
         unforked = self._refork()
         holding = {id(parent) for parent, _, _ in self._backlog.forks}      # a parent decodes once its children forked
         ready = [r for r in self.running if r not in stalled and id(r) not in holding
@@ -299,9 +303,9 @@ class Scheduler:
             await self.forward_thread.drop_ahead()
         if stalled or unforked:
             stalled_here = [r for r in stalled if r in self.running]
-            at_max = [r for r in stalled_here if (r.tenant or "") in step.over_quota]
-            self._preempt_within_quota(at_max)
-            self._preempt_for([r for r in stalled_here if r not in at_max], extra=unforked)
+            at_max = [r for r in stalled_here if self._refused_at_max(r, step)]
+            self._preempt_within_quota({r.tenant or "" for r in at_max} | at_max_forks)
+            self._preempt_for([r for r in stalled_here if r not in at_max], extra=unforked - quota_forks)
         return bool(ops or ready or preempted or self._backlog.preempting)      # ops: those memd applied
 
     async def _check_reuse(self, admitted: list[Request]) -> None:
@@ -358,25 +362,49 @@ class Scheduler:
             short -= len(victim.seq.table) + need.get(id(victim), 0)
             self._preempt(victim)
 
-    def _preempt_within_quota(self, stalled: list[Request]) -> None:
-        """Running requests memd refused a page at their tenant's max: each such tenant gives up its own latest
-        arrival (no other tenant's request pays for it), one per iteration, as memd says how far over it is
-        only by refusing again."""
+    @staticmethod
+    def _refused_at_max(request: Request, step: StepAttempt) -> bool:
+        return (request.tenant or "") in step.over_quota or MODEL_WIDE in step.over_quota
+
+    def _preempt_within_quota(self, tenants: set[str]) -> None:
+        """Tenants memd refused a page for a running request (or a fork) at their max: each gives up its own
+        latest arrival (no other tenant's request pays for it; at the model's max, the latest of any), one per
+        iteration, as memd says how far over it is only by refusing again."""
+        if not tenants:
+            return
         forking = {id(parent) for parent, _, _ in self._backlog.forks}
-        for tenant in {r.tenant or "" for r in stalled}:
-            own = [r for r in self.running if (r.tenant or "") == tenant and id(r) not in forking]
+        model_wide = MODEL_WIDE in self._over_quota
+        for tenant in {MODEL_WIDE} if model_wide else tenants:
+            own = [r for r in self.running if (model_wide or (r.tenant or "") == tenant) and id(r) not in forking]
             if own:
                 self._preempt(max(own, key=lambda r: r.arrived))
 
     def _at_max(self, request: Request) -> bool:
         """Its tenant was refused at its max a moment ago and has not given a page back here since."""
-        since = self._over_quota.get(request.tenant or "") if self._over_quota else None
-        if since is None:
+        if not self._over_quota:
             return False
-        if time.monotonic() - since < QUOTA_RETRY_S:
-            return True
-        del self._over_quota[request.tenant or ""]
+        for key in (request.tenant or "", MODEL_WIDE):
+            since = self._over_quota.get(key)
+            if since is not None and time.monotonic() - since < QUOTA_RETRY_S:
+                return True
+            self._over_quota.pop(key, None)
         return False
+
+    def _out_of_patience(self, request: Request) -> bool:
+        """A request that has waited `quota_wait_s` at its tenant's max (since memd first refused it there) fails
+        (a 429): its tenant's own pages (running elsewhere, promised) are not coming back for it soon. True if it
+        was failed."""
+        if not request.quota_since or time.monotonic() - request.quota_since < self.quota_wait_s:
+            return False
+        error = GenerationError(StatusCode.RESOURCE_EXHAUSTED, f"waited {self.quota_wait_s:g} s at its tenant's page "
+                                "max (memctl quota); try again later", "quota")
+        final = Event([], "", usage=request.usage(), error=error, index=request.index)
+        if (end := release(request, final)) is not None:
+            self._backlog.ending.append(end)
+        else:
+            request.events.put_nowait(final)
+        request.seq.finished()
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -438,8 +466,15 @@ class Scheduler:
             request = self.waiting[0]
             behind_leader = request.status is RequestStatus.WAITING and waits_for(request.prompt_ids, leaders,
                                                                                   self.block_size)
-            if behind_leader or self._at_max(request):
+            if behind_leader:
                 followers.append(self.waiting.popleft())         # waits; those behind it go first
+                continue
+            if self._out_of_patience(request):
+                self.waiting.popleft()
+                continue
+            if self._at_max(request):
+                self.waiting.popleft()
+                followers.append(request)                        # waits at its tenant's max; others go first
                 continue
             need = math.ceil((len(request.seq.tokens or request.prompt_ids) + self._reserve(request)) / self.block_size)
             held = held_blocks(request.prompt_ids, self.running, self.block_size) \
@@ -546,8 +581,8 @@ class Scheduler:
         match outcome:
             case None:
                 pass
-            case Ended(request, error, keep):
-                self._end(request, error=error, keep=keep)
+            case Ended(request, error, keep, reason):
+                self._end(request, reason=reason, error=error, keep=keep)
             case Requeued(request):
                 self._requeue(request)
             case StartedOver(request):
@@ -735,6 +770,7 @@ class Scheduler:
              keep: bool = False) -> None:
         """Leave the batch: queue the sequence's Park (a session keeps its history) or Free."""
         self._over_quota.pop(request.tenant or "", None)      # its pages come back: its tenant's next may fit
+        self._over_quota.pop(MODEL_WIDE, None)
         request.seq.finished()
         if request in self.running:
             self.running.remove(request)

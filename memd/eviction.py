@@ -99,6 +99,8 @@ class Evictor:
         quotas = self.m.quotas
         if quotas.table:
             pages = quotas.pages(self.m.seqs.values())
+            for job in self.m.swap_jobs.values():      # going already: their holders keep none of their pages
+                pages.take(job.seq)
             candidates.sort(key=lambda s: not quotas.over_max(s, pages))      # stable: heat within each
             for seq in candidates:
                 if seq.seq_id in protected or quotas.protected(seq, pages):
@@ -126,12 +128,18 @@ class Evictor:
     def own_plan(self, key: Key, now: float, exclude: frozenset[int] = frozenset()) -> list[tuple[Sequence, int]]:
         """A holder's own evictable parked sequences, coldest first, each with the pages the holder stops
         holding when it goes (those none of its other sequences hold)."""
-        pages = self.m.quotas.pages(self.m.seqs.values(), [key])
+        quotas = self.m.quotas
+        pages = quotas.pages(self.m.seqs.values())
+        for job in self.m.swap_jobs.values():
+            pages.take(job.seq)
         out, wall = [], time.time()
         for seq in self.coldest_parked(now, exclude):
-            if key in keys_of(seq) and (self.m.swap is not None or not retained(seq, wall)):    # a promise stays
-                out.append((seq, pages.gain(key, seq)))
-                pages.take(seq)
+            if key not in keys_of(seq) or (self.m.swap is None and retained(seq, wall)):     # a promise stays
+                continue
+            if quotas.protected(seq, pages):            # a model's max never takes a tenant below its guarantee
+                continue
+            out.append((seq, pages.gain(key, seq)))
+            pages.take(seq)
         return out
 
     def within_quota(self, key: Key, short: int, *, reason: EvictionReason,
@@ -146,7 +154,7 @@ class Evictor:
         for seq, gain in plan:
             if target <= 0:
                 break
-            went = self.evict(seq, "swap", reason)
+            went = self.evict(seq, "swap", reason, room=False)
             done.add(went)
             target -= gain if went.jobs or went.dropped else 0
         return done
@@ -163,14 +171,15 @@ class Evictor:
 
     # ---- evicting ------------------------------------------------------
 
-    def evict(self, seq: Sequence, mode: str, reason: EvictionReason | None) -> Evicted:
-        """Swap a PARKED sequence out (or drop it when swap cannot take it)."""
+    def evict(self, seq: Sequence, mode: str, reason: EvictionReason | None, *, room: bool = True) -> Evicted:
+        """Swap a PARKED sequence out (or drop it when swap cannot take it). `room`: the swap tier may make room
+        by dropping colder swapped sequences (not for a holder's max: those may be another's)."""
         if self.m.seqs.get(seq.seq_id) is not seq or seq.state is not SeqState.PARKED:
             return Evicted()                  # freed or resumed since it was chosen (or already being swapped)
         keep = retained(seq)                  # swapped perhaps, never dropped (memd.retention)
         if mode == "swap" and self.m.swap is not None:
             done = Evicted()
-            job = self.begin_swap_out(seq, reason, done)
+            job = self.begin_swap_out(seq, reason, done, room=room)
             if job is not None:
                 done.jobs.append(job)
                 return done
@@ -179,10 +188,12 @@ class Evictor:
             return done
         return Evicted() if keep else self.drop(seq, reason)
 
-    def begin_swap_out(self, seq: Sequence, reason: EvictionReason | None, done: Evicted) -> SwapOut | None:
-        """Reserve swap slots for `seq`, dropping colder swapped sequences for room; None if none can be had."""
+    def begin_swap_out(self, seq: Sequence, reason: EvictionReason | None, done: Evicted, *,
+                       room: bool = True) -> SwapOut | None:
+        """Reserve swap slots for `seq`, dropping colder swapped sequences for room (if `room`); None if none can
+        be had."""
         m, swap, need = self.m, self.m.swap, len(seq.block_ids)
-        if swap is None or need > swap.num_slots:
+        if swap is None or need > swap.num_slots or (swap.num_free < need and not room):
             return None
         if swap.num_free < need:
             now = time.monotonic()

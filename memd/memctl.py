@@ -66,11 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "back to memd --quotas's.")
     quota.add_argument("kind", nargs="?", choices=["tenant", "model"])
     quota.add_argument("name", nargs="?")
-    quota.add_argument("--guaranteed", type=number(int, at_least=0, at_most=UINT64_MAX), default=0, metavar="PAGES",
-                       help="pages others' pressure never evicts its parked sequences below (default: 0)")
-    quota.add_argument("--max", type=number(int, at_least=0, at_most=UINT64_MAX), default=0, metavar="PAGES",
-                       help="pages it may hold at most; its own coldest go first, then its requests wait "
-                            "(default: 0, no max)")
+    quota.add_argument("--guaranteed", type=number(int, at_least=0, at_most=UINT64_MAX), metavar="PAGES",
+                       help="pages others' pressure never evicts its parked sequences below (default: as it is)")
+    quota.add_argument("--max", type=number(int, at_least=0, at_most=UINT64_MAX), metavar="PAGES",
+                       help="pages it may hold at most, 0 for no max; its own coldest go first, then its requests "
+                            "wait (default: as it is)")
     quota.add_argument("--clear", action="store_true", help="forget the quota set at run time")
     seqs.add_argument("--state", choices=views.STATE_ORDER)
     seqs.add_argument("--worker", type=worker_id, metavar="ID", help="only those running on this worker")
@@ -157,8 +157,12 @@ async def run(args: argparse.Namespace, target: str) -> int:
             if args.kind is None:
                 reply = await admin.quotas()
             else:
-                reply = await admin.set_quota(args.kind, args.name, guaranteed_pages=args.guaranteed,
-                                              max_pages=args.max, clear=args.clear)
+                now = next((h for h in (await admin.quotas()).holders if (h.kind, h.name) == (args.kind, args.name)),
+                           None)
+                guaranteed = args.guaranteed if args.guaranteed is not None else now.guaranteed_pages if now else 0
+                limit = args.max if args.max is not None else now.max_pages if now else 0
+                reply = await admin.set_quota(args.kind, args.name, guaranteed_pages=0 if args.clear else guaranteed,
+                                              max_pages=0 if args.clear else limit, clear=args.clear)
             rows = views.quota_list(reply)
             show(args, rows, views.render_quotas(rows))
         elif args.command == "evict":
@@ -212,10 +216,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.command == "quota":
         if args.kind is not None and not args.name:
             parser.error(f"quota {args.kind} needs the {args.kind}'s name")
-        if args.kind is None and (args.clear or args.guaranteed or args.max):
+        given = args.guaranteed is not None or args.max is not None
+        if args.kind is None and (args.clear or given):
             parser.error("quota --guaranteed, --max and --clear need KIND and NAME: memctl quota tenant acme --max 512")
-        if args.clear and (args.guaranteed or args.max):
+        if args.clear and given:
             parser.error("quota --clear goes back to memd --quotas's: give no pages with it")
+        if args.kind is not None and args.name and not (args.clear or given):
+            parser.error(f"quota {args.kind} {args.name}: say what to set (--guaranteed, --max) or --clear")
     if args.command == "drain":
         if args.undo and args.wait is not None:
             parser.error("drain --wait means nothing with --undo: ending a drain returns at once")

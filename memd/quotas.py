@@ -65,13 +65,19 @@ class QuotaExceeded(KvError):
     """A Step would take a holder past its max pages, and evicting its own parked sequences cannot help."""
 
     code = "RESOURCE_EXHAUSTED"
-    reason = "quota"
 
     def __init__(self, key: Key, usage: int, limit: int, index: int) -> None:
         kind, name = key
         super().__init__(f"{kind} {name!r} would hold {usage} pages, past its max of {limit}: its requests wait "
                          "until its own sequences give pages back")
         self.key, self.usage, self.limit, self.index = key, usage, limit, index
+        self.reason = "quota" if kind == "tenant" else "model_quota"      # a model's: every tenant of it waits
+
+
+class TooBigForQuota(InvalidArgument):
+    """One sequence bigger than its tenant's or model's max: it could never run, so it is not left to wait."""
+
+    reason = "quota_size"
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +164,8 @@ class Quotas:
         try:
             quotas.check(num_blocks)
         except InvalidArgument as err:
-            raise QuotaError(f"{path}: {err}" if path is not None else str(err)) from None
+            where = " and ".join(str(p) for p in (path, saved_to if kept else None) if p is not None)
+            raise QuotaError(f"{where}: {err}" if where else str(err)) from None
         return quotas
 
     @property
@@ -275,8 +282,8 @@ class Quotas:
         """A sequence of `blocks` pages could never run under a max: refused as bad input, not left to wait."""
         for key in keys_of(seq):
             if (limit := self.quota(key).max) and blocks > limit:
-                raise InvalidArgument(f"a sequence of {blocks} pages does not fit {describe(key)}'s max of "
-                                      f"{limit} pages")
+                raise TooBigForQuota(f"a sequence of {blocks} pages does not fit {describe(key)}'s max of "
+                                     f"{limit} pages")
 
 
 def _quota(where: str, table: object) -> Quota:
@@ -314,7 +321,13 @@ def _read_saved(path: Path) -> dict[Key, Quota]:
         raise QuotaError(f"cannot read the quotas kept in {path}: {exc}; remove it to start from --quotas "
                          "alone") from None
     found: dict[Key, Quota] = {}
-    for kind in KINDS:
-        for name, (guaranteed, limit) in document.get(kind, {}).items():
-            found[(kind, name)] = Quota(int(guaranteed), int(limit))
+    try:
+        for kind in KINDS:
+            for name, (guaranteed, limit) in document.get(kind, {}).items():
+                if not all(type(v) is int and v >= 0 for v in (guaranteed, limit)) or not isinstance(name, str):
+                    raise ValueError(f"{kind} {name!r}: pages are whole numbers from 0")
+                found[(kind, name)] = Quota(guaranteed, limit)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise QuotaError(f"the quotas kept in {path} are not what memd writes ({exc}); remove the file to start "
+                         "from --quotas alone") from None
     return found

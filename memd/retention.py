@@ -34,7 +34,7 @@ from memd.sequences import Sequence, blocks_for
 class NoGuarantee(InvalidArgument):
     """A promise asked of a holder with no guaranteed pages to pay for it."""
 
-    reason = "retention"
+    reason = "no_guarantee"
 
 
 class RetentionRefused(KvError):

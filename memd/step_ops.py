@@ -22,6 +22,7 @@ from memd.errors import FailedPrecondition, InvalidArgument, PoolExhausted, Runn
 from memd.integrity import Where
 from memd.page_effects import Copy, Fetch, SwapIn, Zero
 from memd.pool import UndoLog, picked
+from memd.quotas import Key, QuotaExceeded, keys_of
 from memd.sequences import (
     EvictionReason,
     RemoteLookups,
@@ -56,6 +57,7 @@ class StepTxn:
         self.op_index = 0                            # the op running now (set by the manager)
         # Per sequence saved or created: its pages when the Step first touched it, and the op that did.
         self.pages_before: dict[int, tuple[int, int]] = {}
+        self.held: dict[Key, int] = {}                 # pages of capped holders, as this Step goes (`_charge`)
 
     def run(self, op: Op) -> OpResult:
         match op:
@@ -174,6 +176,7 @@ class StepTxn:
         """Fresh pages for the next full blocks of `seq`, filled from the cluster store once the Step stands;
         they count as committed (a page that does not land intact cuts the sequence there). Returns how many."""
         first, bs = len(seq.block_ids), seq.block_size
+        self._charge(seq, len(keys))
         blocks, _ = self.state.pool.allocate_n(len(keys))
         seq.block_ids += blocks
         self.outcome.effects += map(Fetch, keys, blocks, checksums)
@@ -362,6 +365,7 @@ class StepTxn:
     def _copy_page(self, src: int, seq: Sequence) -> int:
         """A page of `seq`'s own with `src`'s bytes, copied before the worker hears back (a free page must be
         there). Every slot of it that is read is copied or written first, so it is not zeroed."""
+        self._charge(seq, 1)
         dst, _ = self.state.pool.allocate()
         self.outcome.effects.append(Copy(src, dst))
         self.outcome.filling.add(seq.seq_id)
@@ -512,6 +516,7 @@ class StepTxn:
         copied = [i for i, block in enumerate(blocks) if block is None]
         if copied:
             assert self.state.swap is not None
+            self._charge(seq, len(copied))
             fresh, _ = pool.allocate_n(len(copied))      # each page is overwritten whole: none needs zeroing
             for i, block in zip(copied, fresh, strict=True):
                 blocks[i] = block
@@ -526,6 +531,26 @@ class StepTxn:
         self.counters["swap_in_blocks"] += len(copied)
         self.counters["blocks_allocated"] += len(copied)
         return seq.num_committed
+
+    def _charge(self, seq: Sequence, pages: int) -> None:
+        """`pages` fresh pages are about to be `seq`'s: QuotaExceeded first if that takes one of its holders past
+        its max, so that a Step past a max is refused as such, before the pool could say it is short and
+        others' sequences were evicted for it. Counted as this Step goes (fresh pages are the sequence's alone),
+        counted again exactly when that count says the max is passed. Pages a Step shares (prefix hits) are
+        checked once it is whole (memd.quotas.Quotas.check_growth)."""
+        quotas = self.state.quotas
+        if not pages or not quotas.capped:
+            return
+        for key in keys_of(seq):
+            limit = quotas.quota(key).max
+            if not limit:
+                continue
+            held = self.held.get(key)
+            if held is None or held + pages > limit:
+                held = quotas.pages(self.state.seqs.values(), [key]).usage(key)
+            if held + pages > limit:
+                raise QuotaExceeded(key, held + pages, limit, self.op_index)
+            self.held[key] = held + pages
 
     def _cancel_swap_out(self, seq: Sequence) -> None:
         """The sequence is wanted (resume) or gone (free): a swap-out in flight no longer counts.
@@ -542,6 +567,7 @@ class StepTxn:
             return                   # fits: the pages it holds are enough
         self.state.check_fits(num_tokens, seq.block_size)
         self.state.quotas.fits(seq, blocks_for(num_tokens, seq.block_size))
+        self._charge(seq, needed)
         blocks, dirty = self.state.pool.allocate_n(needed)
         self.outcome.effects += map(Zero, dirty)
         seq.block_ids += blocks

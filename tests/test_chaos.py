@@ -21,7 +21,7 @@ recovery.
 Bounded for CI (`--chaos-seconds`, default 12); the run by hand:
 
     .venv/bin/python -m pytest tests/test_chaos.py --chaos-seconds 600 --chaos-chats 64 --chaos-seed 1 \\
-        --timeout 0 -s -p no:xdist
+        --timeout 0 -s -n0
 """
 
 from __future__ import annotations

@@ -167,3 +167,58 @@ async def test_guarantees_past_the_pool_are_refused_at_start(memd_factory, tmp_p
     path = quota_file(tmp_path, "[tenants.a]\nguaranteed_pages = 40\n[tenants.b]\nguaranteed_pages = 40\n")
     with pytest.raises(AssertionError, match="add up to 80"):
         await memd_factory(*SMALL, "--quotas", path)
+
+
+async def test_a_guarantee_counts_a_swap_out_in_flight_as_gone(memd_factory, tmp_path):
+    flags = [f for f in SMALL if f != "--disable-swap"]                           # 19 swap slots
+    memd = await memd_factory(*flags, "--log-level", "debug", "--quotas",
+                              quota_file(tmp_path, "[tenants.g]\nguaranteed_pages = 16\n"),
+                              env={"SWAP_LATENCY_TEST": "60"})                   # a copy outlasts the test
+    async with await MemdClient.attach(memd.address, block_size=BS) as client, memd.admin() as admin:
+        first = await park(client, "g", "a1", 8)
+        await park(client, "g", "a2", 8, start=1000)
+        await park(client, "g", "a3", 8, start=2000)
+        evicting = asyncio.create_task(admin.evict(blocks=48))   # 40 free: a1 goes (24 held, 16 guaranteed)
+        await memd.log.wait_for("rpc", method="Evict")
+        # a1's pages are still held while its copy runs, but they are going: a2 or a3 would take g below 16
+        reply = await admin.evict(blocks=56)
+        assert list(reply.seq_ids) == []
+        stats = await admin.stats()
+        assert stats.swap_free_blocks == stats.swap_total_blocks - 8            # a1's slots only
+        await client.step(Free(session_id="a1"))                                 # its copy called off
+        assert (await evicting).swapped == [] and first not in await states(memd)
+        assert (await admin.check()).ok
+
+
+async def test_a_step_past_its_max_is_refused_as_such_before_others_are_evicted_for_it(memd_factory, tmp_path):
+    memd = await memd_factory(*SMALL, "--quotas", quota_file(tmp_path, "[tenants.x]\nmax_pages = 20\n"))
+    async with await MemdClient.attach(memd.address, block_size=BS) as client:
+        other = await park(client, "y", "y", 14)
+        running, _ = await client.step(Open(list(range(5000, 5000 + 12 * BS)), tenant="x"),
+                                       Open(list(range(7000, 7000 + 4 * BS)), tenant="x"))
+        await client.step(Open(list(range(9000, 9000 + 32 * BS)), tenant="z"))         # 2 pages free now
+        with pytest.raises(MemdError) as refused:                # 8 more for x: past its max, and the pool short
+            await client.step(Extend(running.seq_id, reserve=8 * BS))
+        assert refused.value.reason == "quota"
+        assert (await states(memd))[other] == "parked"           # y lost nothing for x's Step
+
+
+async def test_a_models_max_never_takes_a_tenant_below_its_guarantee(memd_factory, tmp_path):
+    quotas = "[models.m]\nmax_pages = 24\n[tenants.g]\nguaranteed_pages = 16\n"
+    memd = await memd_factory(*SMALL, "--quotas", quota_file(tmp_path, quotas))
+    async with await MemdClient.attach(memd.address, block_size=BS, model="m") as client:
+        kept = [await park(client, "g", f"g{i}", 8, start=1000 * i) for i in range(2)]
+        with pytest.raises(MemdError) as refused:
+            await client.step(Open(list(range(9000, 9000 + 16 * BS)), tenant="z"))
+        assert refused.value.reason == "model_quota"
+        assert [(await states(memd))[s] for s in kept] == ["parked", "parked"]
+
+
+async def test_memctl_quota_changes_what_it_is_told_and_keeps_the_rest(memd_factory, tmp_path):
+    memd = await memd_factory(*SMALL, "--quotas", quota_file(tmp_path, "[tenants.acme]\nguaranteed_pages = 6\n"))
+    rc, _, err = await run_cli("memd.memctl", "--address", memd.address, "quota", "tenant", "acme")
+    assert rc == 2 and "say what to set" in err
+    rc, _, err = await run_cli("memd.memctl", "--address", memd.address, "quota", "tenant", "acme", "--max", "12")
+    assert rc == 0, err
+    acme = (await holders(memd))[("tenant", "acme")]
+    assert (acme["guaranteed"], acme["max"]) == (6, 12)

@@ -96,7 +96,7 @@ async def test_a_promise_past_the_guarantee_or_without_one_is_refused_and_change
 async def test_a_promise_outlives_a_memd_kill_and_its_end_makes_the_session_evictable(memd_factory, tmp_path):
     memd = await memd_factory(*SMALL, "--quotas", quota_file(tmp_path, QUOTAS))
     async with await MemdClient.attach(memd.address, block_size=BS) as client:
-        kept = await park(client, "kept", 8, retain_s=4)
+        kept = await park(client, "kept", 8, retain_s=8)          # long enough for a restart on a busy machine
     until = await retained_until(memd, kept)
     await memd.kill()
     memd = await memd_factory(*SMALL, "--quotas", quota_file(tmp_path, QUOTAS))

@@ -32,14 +32,14 @@ POOL = ("--device", "cpu", "--pool-bytes", "768KiB", "--block-size", "16", "--di
 QUIET_SESSIONS, PROMPT, ANSWER = 8, 40, 8
 
 
-async def serve(memd_factory, inferd_factory, model_dir, tmp_path, tenants: str) -> tuple:
+async def serve(memd_factory, inferd_factory, model_dir, tmp_path, tenants: str, *inferd_flags: str) -> tuple:
     """memd (--quotas) and inferd (--api-keys) on one tenants file: (memd, inferd, the API's URL, memd's flags)."""
     keys = tmp_path / "tenants.toml"
     keys.write_text(tenants)
     flags = (*POOL, "--model", str(model_dir), "--quotas", str(keys))
     memd = await memd_factory(*flags)
     inferd = await inferd_factory(model_dir, memd.address, "--http", "127.0.0.1:0", "--api-keys", str(keys),
-                                  "--served-model-name", MODEL)
+                                  "--served-model-name", MODEL, *inferd_flags)
     return memd, inferd, f"http://{(await inferd.log.wait_for('inferd ready'))['http']}/v1", flags
 
 
@@ -233,3 +233,40 @@ async def test_a_retained_session_survives_the_flood_that_drops_an_unretained_on
     model_judge.assert_greedy(prompt, again, ANSWER, "the retained session's second turn")
     _, cached = await complete(keep, prompts["plain"] + plain + [7], "plain")
     assert cached < PROMPT                                                         # dropped, recomputed
+
+
+LIMITS = """
+[tenants.keep]
+keys = ["sk-keep"]
+guaranteed_pages = 4
+max_pages = 6
+
+[tenants.small]
+keys = ["sk-small"]
+max_pages = 4
+"""
+
+
+async def test_a_request_waits_at_its_tenants_max_then_fails_and_an_answer_stops_at_it(
+        memd_factory, inferd_factory, model_dir, tmp_path):
+    memd, _, url, _ = await serve(memd_factory, inferd_factory, model_dir, tmp_path, LIMITS, "--quota-wait", "1")
+    keep = openai.AsyncOpenAI(base_url=url, api_key="sk-keep", max_retries=0)
+    small = openai.AsyncOpenAI(base_url=url, api_key="sk-small", max_retries=0)
+    rng = random.Random(5)
+    # 4 pages promised, kept whatever comes: 3 more would pass keep's max of 6, and nothing of keep's can go
+    await complete(keep, [rng.randrange(512) for _ in range(56)], "kept", 8, header="1h")
+    with pytest.raises(openai.RateLimitError) as waited:
+        await complete(keep, [rng.randrange(512) for _ in range(40)], "more", 4)
+    assert waited.value.code == "quota_exceeded"
+    async with memd.admin() as admin:
+        held = {(h.kind, h.name): h for h in (await admin.quotas()).holders}
+    assert held[("tenant", "keep")].pages == 4 and held[("tenant", "keep")].refusals > 0
+    # a sequence of small's may never pass 4 pages: its answer stops there, as at max_tokens, and is kept
+    prompt = [rng.randrange(512) for _ in range(32)]
+    reply = await small.completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0,
+                                           extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "s"})
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens < 100
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= 4 * 16 + 1
+    async with memd.admin() as admin:
+        kept = {s.session_id: s.state for s in (await admin.snapshot(blocks=False)).sequences}
+    assert kept.get("small/s") == "parked"                         # the session stays, as any finished turn's
