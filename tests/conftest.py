@@ -69,10 +69,10 @@ def _only_marked_tests_start_processes(request: pytest.FixtureRequest, monkeypat
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--soak-seconds", type=float, default=20.0,
-                     help="how long tests/test_soak.py keeps its load on (default: 20)")
-    parser.addoption("--chaos-seconds", type=float, default=12.0,
-                     help="how long tests/test_chaos.py kills parts of its fleet (default: 12)")
+    parser.addoption("--soak-seconds", type=float, default=12.0,
+                     help="how long tests/test_soak.py keeps its load on (default: 12)")
+    parser.addoption("--chaos-seconds", type=float, default=10.0,
+                     help="how long tests/test_chaos.py kills parts of its fleet (default: 10)")
     parser.addoption("--chaos-chats", type=int, default=12, help="chats tests/test_chaos.py runs at once (default: 12)")
     parser.addoption("--chaos-seed", type=int, default=1, help="seed of tests/test_chaos.py's kills and chats")
 

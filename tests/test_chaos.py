@@ -18,7 +18,7 @@ slot is free, the store holds no session record, and both kvroutes' loads
 are 0; every worker killed shows as a reclaim, every memd killed as a
 recovery.
 
-Bounded for CI (`--chaos-seconds`, default 12); the run by hand:
+Bounded for CI (`--chaos-seconds`, default 10); the run by hand:
 
     .venv/bin/python -m pytest tests/test_chaos.py --chaos-seconds 600 --chaos-chats 64 --chaos-seed 1 \\
         --timeout 0 -s -n0

@@ -1,6 +1,6 @@
 """Sustained load with faults: 4 workers, multi-turn chats, cancels, resets, forced evictions, a worker killed.
 
-Bounded for CI (`--soak-seconds`, default 20); run it longer by hand:
+Bounded for CI (`--soak-seconds`, default 12); run it longer by hand:
 
     .venv/bin/python -m pytest tests/test_soak.py --soak-seconds 600 --timeout 0 -s
 
