@@ -25,7 +25,7 @@ from kvroute.kv_index import EventSource, parse_source
 from kvroute.metrics import RouteMetrics
 from kvroute.proxy import Router
 from kvroute.workers import Workers
-from shared.cluster_store import ClusterConfig, ClusterError, ClusterStore
+from shared.cluster_store import JOIN_RETRY_S, ClusterConfig, ClusterError, ClusterStore, StoreUnreachable
 from shared.command_line import Parser, entry_point
 from shared.flag_types import number
 from shared.http_listener import EmbeddedServer, HttpListenError, address_of, bind_http
@@ -101,7 +101,7 @@ async def serve(args: argparse.Namespace) -> None:
         sock = bind_http(args.http)
     except HttpListenError as exc:
         raise StartupError(str(exc)) from None
-    store = None
+    store, joined = None, False
     if args.cluster_master:
         if not args.cluster_metadata:
             raise StartupError("--cluster-master needs --cluster-metadata (the store's HTTP metadata server URL)")
@@ -109,7 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         store = ClusterStore(ClusterConfig(args.cluster_master, args.cluster_metadata, args.cluster_host,
                                            segment_bytes=0), owner="kvroute")
         try:
-            await store.start()
+            joined = await join_store(store)
         except ClusterError as exc:
             store.close()
             raise StartupError(str(exc)) from None
@@ -122,7 +122,9 @@ async def serve(args: argparse.Namespace) -> None:
         for name in ("accept", "accept-encoding", "user-agent"):     # only what the client sent goes to a worker
             del client.headers[name]
         workers = Workers(args.worker, client, args.health_interval)
-        directory = SessionDirectory(store, args.session_ttl)
+        directory = SessionDirectory(store if store is not None and joined else None, args.session_ttl)
+        joining = asyncio.create_task(join_later(store, directory), name="store-join") \
+            if store is not None and not joined else None
         sources = event_sources(args)
         router = Router(workers, directory, RouteMetrics(workers, directory, sources), client,
                         tenants=tenants, slack=args.balance_slack, sources=sources)
@@ -140,7 +142,9 @@ async def serve(args: argparse.Namespace) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("kvroute ready", http=address_of(sock), workers=[w.url for w in workers.all],
-                 up=[w.url for w in workers.up()], directory="cluster store" if store is not None else "memory",
+                 up=[w.url for w in workers.up()],
+                 directory="cluster store" if directory.store is not None else
+                 "memory, until the cluster store answers" if store is not None else "memory",
                  kv_events=[source.endpoint for source in sources] or "off",
                  pid=os.getpid())
         notify("READY=1", f"STATUS=routing to {len(workers.all)} workers on {address_of(sock)}")
@@ -148,7 +152,7 @@ async def serve(args: argparse.Namespace) -> None:
         watchdog = asyncio.create_task(keep_watchdog(interval)) if interval is not None else None
         await stop.wait()
         notify("STOPPING=1")
-        for task in (watchdog, checking, *subscribed):
+        for task in (watchdog, checking, joining, *subscribed):
             if task is not None:
                 task.cancel()
         server.should_exit = True
@@ -156,6 +160,36 @@ async def serve(args: argparse.Namespace) -> None:
             await serving
         sock.close()
         await directory.drain()
+
+
+async def join_store(store: ClusterStore) -> bool:
+    """Join the store now; False if it does not answer (kvroute serves anyway, its directory in its own memory,
+    and `join_later` keeps trying). ClusterError for a store that cannot be used as configured."""
+    try:
+        await store.start()
+    except StoreUnreachable as exc:
+        log.warning("the cluster store is unreachable: routing by this kvroute's own memory until it answers",
+                    error=str(exc))
+        return False
+    return True
+
+
+async def join_later(store: ClusterStore, directory: SessionDirectory) -> None:
+    """Try the store again, with back-off, until it answers: then the directory is shared again. A kvroute
+    restarted while the master is down (a crash, a deploy) routes meanwhile, rather than refusing to start."""
+    delay, most = JOIN_RETRY_S
+    while True:
+        await asyncio.sleep(delay)                # back-off between tries: nothing signals that a store came up
+        try:
+            if await join_store(store):
+                directory.store = store
+                log.info("joined the cluster store: the session directory is shared again")
+                return
+        except ClusterError as exc:               # it answered, but cannot take this kvroute: stop trying
+            log.error("the cluster store cannot be joined; the session directory stays in this kvroute's memory",
+                      error=str(exc))
+            return
+        delay = min(2 * delay, most)
 
 
 @entry_point("kvroute")

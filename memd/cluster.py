@@ -41,7 +41,7 @@ import structlog
 from memd.manager import KvManager
 from memd.sequences import RemoteSession, SeqState, prefix_space
 from memd.step_outcome import StepOutcome
-from shared.cluster_store import ClusterError, ClusterStore, StoreUnreachable
+from shared.cluster_store import JOIN_RETRY_S, ClusterError, ClusterStore, StoreUnreachable
 
 log = structlog.get_logger("memd.cluster")
 
@@ -49,7 +49,6 @@ KEY_PREFIX = "kvpool/v1"
 RECORD_VERSION = 1
 HEALTH = {1: "the client is closed", 2: "mooncake_master does not answer"}
 LOOKUP_TIMEOUT_S = 2.0         # a Step's reads of the store before it runs (and memctl stats' health check)
-JOIN_RETRY_S = (1.0, 30.0)     # a store down at start-up: tried again after 1 s, doubling up to 30 s
 
 
 def block_keys(model: str, token_ids: list[int], block_size: int, count: int) -> list[str]:

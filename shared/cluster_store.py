@@ -35,6 +35,9 @@ PROBE_TIMEOUT_S = 3.0
 FETCH_TIMEOUT_S = 10.0
 
 
+JOIN_RETRY_S = (1.0, 30.0)     # a store down at start-up: tried again after 1 s, doubling up to 30 s
+
+
 class ClusterError(RuntimeError):
     """The store cannot be used as configured: the daemon refuses to start, in one line."""
 

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvroute.directory import entry_key
 from memd.cluster import session_key
 from shared.launch import free_port_pair
 from tests.conftest import Daemon, start_daemon
@@ -200,6 +201,26 @@ async def test_serving_goes_on_while_the_store_is_down_and_publishing_resumes_wh
     assert (await asyncio.to_thread(store.look, record["keys"]))[0] == [True] * line["blocks"]
     states, _, ok = await memd_state(host.memd)
     assert ok and states["running"] == 0 and states["parked"] == 2
+
+
+async def test_a_kvroute_started_while_the_store_is_down_routes_and_joins_the_store_when_it_is_back(
+        store, host_factory, router_factory, model_judge, hf_tokenizer):
+    host = await host_factory("a", *store.flags())
+    await store.kill()
+    router, url = await router_factory("kvroute", [host], *store.router_flags())      # ready, store or not
+    assert router.log.find("kvroute ready")["directory"] == "memory, until the cluster store answers"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Anyone home?"}]
+    answer, served = await chat(url, "s", messages, 4)
+    assert served == host.url
+    model_judge.assert_greedy(template_ids(hf_tokenizer, messages), ids_of(answer.choices[0]), 4, "store down")
+    await store.start()
+    await router.log.wait_for("joined the cluster store: the session directory is shared again", timeout=60)
+    await chat(url, "s", messages, 2)                         # a turn after: the entry goes to the store
+
+    async def stored() -> bool:                               # written beside the answer, not before it
+        record = (await asyncio.to_thread(store.look, [], entry_key(MODEL, "s")))[1]
+        return record is not None and record["worker"] == host.url
+    await wait_until(stored)
 
 
 async def store_said(host: Host, words: str) -> bool:
