@@ -291,8 +291,7 @@ class Scheduler:
         self.running += [r for r in admitted + forks if r.status is RequestStatus.RUNNING]
         if self.reuse_check is not None:
             await self._check_reuse(admitted)
-        at_max_forks = {c.tenant or "" for c in self._backlog.unforked if self._refused_at_max(c, step)}
-        quota_forks = sum(1 for c in self._backlog.unforked if self._refused_at_max(c, step))
+        at_max_forks = [c for c in self._backlog.unforked if self._refused_at_max(c, step)]
         unforked = self._refork()
         holding = {id(parent) for parent, _, _ in self._backlog.forks}      # a parent decodes once its children forked
         ready = [r for r in self.running if r not in stalled and id(r) not in holding
@@ -304,8 +303,8 @@ class Scheduler:
         if stalled or unforked:
             stalled_here = [r for r in stalled if r in self.running]
             at_max = [r for r in stalled_here if self._refused_at_max(r, step)]
-            self._preempt_within_quota({r.tenant or "" for r in at_max} | at_max_forks)
-            self._preempt_for([r for r in stalled_here if r not in at_max], extra=unforked - quota_forks)
+            self._preempt_within_quota({r.tenant or "" for r in [*at_max, *at_max_forks]})
+            self._preempt_for([r for r in stalled_here if r not in at_max], extra=unforked - len(at_max_forks))
         return bool(ops or ready or preempted or self._backlog.preempting)      # ops: those memd applied
 
     async def _check_reuse(self, admitted: list[Request]) -> None:

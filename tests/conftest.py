@@ -122,13 +122,16 @@ class LogWatch:
         async with self._changed:
             self._changed.notify_all()
 
+    def _hits(self, event: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
+
     def count(self, event: str, **fields: Any) -> int:
         """How many events of that name with those fields were logged so far."""
-        return sum(1 for e in self.events if e.get("event") == event and all(e.get(k) == v for k, v in fields.items()))
+        return len(self._hits(event, fields))
 
     def find(self, event: str, nth: int = 1, **fields: Any) -> dict[str, Any] | None:
         """The `nth` event of that name with those fields, None until there are that many."""
-        hits = [e for e in self.events if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
+        hits = self._hits(event, fields)
         return hits[nth - 1] if len(hits) >= nth else None
 
     async def wait_for(self, event: str, timeout: float = 30.0, nth: int = 1, **fields: Any) -> dict[str, Any]:
