@@ -16,7 +16,9 @@ is the conversation sent, every time); after the run and a reset of every
 session, on both hosts `memctl check` is clean, no page is used, every swap
 slot is free, the store holds no session record, and both kvroutes' loads
 are 0; every worker killed shows as a reclaim, every memd killed as a
-recovery.
+recovery. The report also counts what kills of the other parts left: the
+kvroutes' failovers from a lost worker, the clients' retries on the other
+kvroute, the store errors memd and kvroute met while the master was away.
 
 Bounded for CI (`--chaos-seconds`, default 10); the run by hand:
 
@@ -336,6 +338,11 @@ async def router_loads(fleet: Fleet) -> list[float]:
     return loads
 
 
+def mentions(daemon: Daemon, *phrases: str) -> int:
+    """Log events of a daemon whose name holds one of `phrases`: the failovers and store errors it met."""
+    return sum(any(phrase in str(e.get("event", "")) for phrase in phrases) for e in daemon.log.events)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
@@ -394,6 +401,11 @@ async def test_chaos_across_hosts(tmp_path, model_dir, model_judge, daemons, cha
     reclaims = sum(d.log.count("worker reclaimed") for w in fleet.memds.values() for d in w.logs)
     recoveries = sum(d.log.count("recovered the sequences of the memd before") for m in fleet.memds.values()
                      for d in m.logs)
+    failovers = sum(mentions(d, "its requests go to the others", "broke an answer midway")
+                    for r in fleet.routers for d in r.logs)
+    store_errors = sum(mentions(d, "cluster store did not take a change", "a fetch from the cluster store failed",
+                                "the session directory in the cluster store")
+                       for p in (*fleet.memds.values(), *fleet.routers) for d in p.logs)
     counters = Counter()
     for found in hosts.values():
         counters.update(found["counters"])
@@ -403,7 +415,8 @@ async def test_chaos_across_hosts(tmp_path, model_dir, model_judge, daemons, cha
               "blocks fetched from the store": counters["cluster_hits"],
               "later turns with their history cached": sum(t.cached >= len(t.prompt) // 2 for t in later),
               "later turns recomputed": sum(t.cached < len(t.prompt) // 2 for t in later),
-              "reclaims": reclaims, "recoveries": recoveries,
+              "reclaims": reclaims, "recoveries": recoveries, "kvroute failovers from a worker": failovers,
+              "store errors met (memd, kvroute)": store_errors,
               "ttft_ms": {phase: {"p50": 1000 * pct([t.ttft_s for t in tally.turns if t.chaos == chaotic], 50),
                                   "p99": 1000 * pct([t.ttft_s for t in tally.turns if t.chaos == chaotic], 99)}
                           for phase, chaotic in (("quiet", False), ("chaos", True))}}
