@@ -38,11 +38,12 @@ from typing import Any
 
 import openai
 from bench_http_chat import QUESTIONS, pct, streamed_chat
+from kv_hosts import BLOCK_SIZE as BLOCK
+from kv_hosts import serving
 from tables import table
 
 from inferd.tiny import CORPUS, make_tiny_model
 from shared.geometry import read_model_shape
-from shared.launch import free_port, spawn_ready
 
 FULL = {"users": 4, "turns": 4, "max_tokens": 32, "corpus": 4, "noisy_chats": 8, "noisy_tokens": 1800,
         "model": {"arch": "llama", "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seed": 0}}
@@ -50,7 +51,6 @@ QUICK = {"users": 2, "turns": 2, "max_tokens": 4, "corpus": 1, "noisy_chats": 4,
          "model": {"arch": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512, "seed": 0}}
 RUNS = ("alone", "noisy, guaranteed", "noisy, no quota")
 TARGET = 1.2
-BLOCK = 16
 
 
 @dataclass
@@ -124,25 +124,12 @@ async def load(run: Run, url: str, shape: dict[str, Any]) -> None:
 
 def run_one(name: str, model_dir: Path, work: Path, shape: dict[str, Any]) -> Run:
     page, quiet_pages, pool_pages = sizes(model_dir, shape)
-    keys = tenants_file(work, name, quiet_pages)
-    memd_addr, port = f"unix:{work / f'memd-{RUNS.index(name)}.sock'}", free_port()
-    daemons = []
-    with open(work / "daemons.log", "a") as log:
-        try:
-            daemons.append(spawn_ready(["memd", "--device", "cpu", "--model", str(model_dir), "--block-size",
-                                        str(BLOCK), "--pool-bytes", str(pool_pages * page), "--listen", memd_addr,
-                                        "--quotas", str(keys), "--log-format", "json"], work, stderr=log.fileno()))
-            daemons.append(spawn_ready(["inferd", "serve", "--model", str(model_dir), "--memd", memd_addr,
-                                        "--listen", f"unix:{work / 'inferd.sock'}", "--http", f"127.0.0.1:{port}",
-                                        "--api-keys", str(keys), "--served-model-name", "tiny",
-                                        "--log-format", "json"], work, stderr=log.fileno()))
-            run = Run(name)
-            asyncio.run(load(run, f"http://127.0.0.1:{port}/v1", shape))
-            return run
-        finally:
-            for proc in reversed(daemons):
-                proc.terminate()
-                proc.wait(timeout=30)
+    keys = str(tenants_file(work, name, quiet_pages))
+    with serving(work, model_dir, hosts=1, pool=str(pool_pages * page), kvroute=False,
+                 memd_flags=("--quotas", keys), inferd_flags=("--api-keys", keys)) as url:
+        run = Run(name)
+        asyncio.run(load(run, f"{url}/v1", shape))
+        return run
 
 
 def summary(run: Run) -> dict[str, float]:
@@ -167,7 +154,7 @@ def main() -> int:
         _, quiet_pages, pool_pages = sizes(model_dir, shape)
         try:
             runs = {name: summary(run_one(name, model_dir, work, shape)) for name in RUNS}
-        except (subprocess.SubprocessError, OSError, openai.OpenAIError) as exc:
+        except (subprocess.SubprocessError, OSError, RuntimeError, openai.OpenAIError) as exc:
             print(f"bench failed: {exc}", file=sys.stderr)
             print("".join((work / "daemons.log").read_text().splitlines(True)[-10:]), file=sys.stderr)
             return 1

@@ -14,10 +14,13 @@ from pathlib import Path
 
 from shared.launch import free_port, free_port_pair, spawn_ready
 
+BLOCK_SIZE = 16         # tokens per page of every memd started here
+
 
 @contextmanager
 def serving(work: Path, model_dir: Path, *, hosts: int, pool: str, kvroute: bool, route_by_events: bool = True,
-            inferd_flags: Sequence[str] = (), kvroute_flags: Sequence[str] = ()) -> Iterator[str]:
+            memd_flags: Sequence[str] = (), inferd_flags: Sequence[str] = (),
+            kvroute_flags: Sequence[str] = ()) -> Iterator[str]:
     """The base URL (http://HOST:PORT) of kvroute in front of `hosts` hosts (`kvroute`), or of the one host's
     inferd; each memd with a pool of `pool`. `route_by_events`: kvroute reads every memd's KV events (its
     --kv-events), else it routes by the prompt's text. The daemons' logs go to work/daemons.log."""
@@ -29,9 +32,10 @@ def serving(work: Path, model_dir: Path, *, hosts: int, pool: str, kvroute: bool
         for host in range(hosts):
             memd_addr, http, events_port = f"unix:{work / f'memd-{name}-{host}.sock'}", free_port(), \
                 free_port_pair()
-            procs.append(spawn_ready(["memd", "--device", "cpu", "--model", str(model_dir), "--block-size", "16",
-                                      "--pool-bytes", pool, "--listen", memd_addr, "--kv-events",
-                                      f"tcp://127.0.0.1:{events_port}", "--log-format", "json"],
+            procs.append(spawn_ready(["memd", "--device", "cpu", "--model", str(model_dir),
+                                      "--block-size", str(BLOCK_SIZE), "--pool-bytes", pool, "--listen", memd_addr,
+                                      "--kv-events", f"tcp://127.0.0.1:{events_port}", *memd_flags,
+                                      "--log-format", "json"],
                                      work, stderr=log.fileno()))
             procs.append(spawn_ready(["inferd", "serve", "--model", str(model_dir), "--memd", memd_addr,
                                       "--listen", f"unix:{work / f'inferd-{name}-{host}.sock'}",
