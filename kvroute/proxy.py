@@ -149,7 +149,8 @@ class Router:
         return await self._forward(http, raw, worker, "load", key=None, session=None, model="", counted=False)
 
     async def reset_prefix_cache(self, http: HttpRequest, raw: bytes) -> Response:
-        """Every worker's: each host's pool forgets its cached prefixes; 200 once all did."""
+        """Every worker's: each host's pool forgets its cached prefixes; 200 once all did (a worker that is down
+        did not: its 503 is the answer)."""
         answers = await self._ask_every_worker(http, raw)
         if answers is None:
             return self._unplaced()
@@ -160,21 +161,28 @@ class Router:
                             status_code=status)
 
     async def forget_session(self, http: HttpRequest, raw: bytes) -> Response:
-        """DELETE /v1/sessions/NAME: every worker's memd is asked; 200 if one had it, else the workers' 404."""
+        """DELETE /v1/sessions/NAME: every worker's memd is asked. 200 if one had it and every worker answered,
+        404 if none had it. A worker that is down or did not answer may hold the session (a host that served it
+        before a failover keeps its copy): its status is the answer, so the client asks again rather than
+        taking a session that lives on for one that is gone."""
         answers = await self._ask_every_worker(http, raw)
         if answers is None:
             return self._unplaced()
+        unsure = [(status, body) for _, status, body in answers if status not in (200, 404)]
+        if unsure:
+            status, body = unsure[0]
+            return JSONResponse(body, status_code=status)
         found = [body for _, status, body in answers if status == 200]
-        if found:
-            return JSONResponse(found[0])
-        status = next((s for _, s, _ in answers if s != 404), 404)
-        return JSONResponse(answers[0][2], status_code=status)
+        return JSONResponse(found[0]) if found else JSONResponse(answers[0][2], status_code=404)
 
     async def _ask_every_worker(self, http: HttpRequest, raw: bytes) -> list[tuple[str, int, Any]] | None:
-        """The request sent to every worker that is up, at once: (url, status, JSON body) each; None if none is."""
+        """The request sent to every worker that is up, at once: (url, status, JSON body) each, and a 503 for
+        each worker that is down (not asked); None if none is up."""
         up = self.workers.up()
         if not up:
             return None
+        down = [(w.url, 503, ApiError(503, f"the worker {w.url} is down ({w.why_down}): it was not asked",
+                                      code="worker_down").body()) for w in self.workers.all if w not in up]
         headers = _passed_on(http, b"authorization")
 
         async def one(worker: Worker) -> tuple[str, int, Any]:
@@ -183,9 +191,10 @@ class Router:
                                                    content=raw, timeout=RENDER_TIMEOUT_S)
                 return worker.url, answer.status_code, answer.json()
             except (httpx.HTTPError, ValueError) as exc:
-                return worker.url, 502, {"error": _describe(exc)}
+                return worker.url, 502, ApiError(502, f"the worker {worker.url} did not answer ({_describe(exc)})",
+                                                 code="worker_failed").body()
 
-        return list(await asyncio.gather(*(one(w) for w in up)))
+        return list(await asyncio.gather(*(one(w) for w in up))) + down
 
     async def _place(self, key: bytes | None, session: str | None, model: str, http: HttpRequest | None = None,
                      raw: bytes = b"") -> tuple[Worker, str] | None:

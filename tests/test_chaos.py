@@ -311,7 +311,7 @@ async def settled(fleet: Fleet, tally: Tally) -> dict[str, dict]:
     """Every session reset through a kvroute; then each host's stats and check, and each kvroute's load."""
     async with httpx.AsyncClient(timeout=30) as http:
         for session in sorted(tally.sessions):
-            for attempt in range(50):
+            for attempt in range(150):    # a 503 while a worker that may hold it is down (kvroute did not ask it)
                 reply = await http.delete(f"{fleet.router_urls[attempt % ROUTERS]}/v1/sessions/{session}")
                 if reply.status_code in (200, 404):
                     break

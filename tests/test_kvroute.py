@@ -295,6 +295,38 @@ async def released(host: Host, url: str, parked: int) -> None:
 
 
 @pytest.mark.processes
+async def test_a_reset_through_kvroute_is_not_a_404_while_a_worker_that_may_hold_the_session_is_down(
+        host_factory, router_factory, inferd_factory, model_dir):
+    """The chaos run found sessions left on a host after their reset answered 404: its worker was down, so only
+    the other host was asked. Now the down worker's 503 is the answer, and the reset goes through once it is up."""
+    hosts = [await host_factory("a"), await host_factory("b")]
+    router, url = await router_factory("router", hosts)
+    _, served = await chat(url, "kept", [{"role": "user", "content": "Remember me."}], 2)
+    holder = next(h for h in hosts if h.url == served)
+    await holder.inferd.kill()
+    await router.log.wait_for("a worker is down; its requests go to the others", worker=holder.url)
+    async with httpx.AsyncClient(timeout=30) as http:
+        refused = await http.delete(f"{url}/v1/sessions/kept")
+        reset_all = await http.post(f"{url}/reset_prefix_cache")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "worker_down"
+        assert reset_all.status_code == 503 and reset_all.json()["workers"][holder.url] == 503
+        states, _, ok = await memd_state(holder.memd)
+        assert ok and states["parked"] == 1                            # the session lives on there: not a 404
+
+        port, ups = holder.url.rsplit(":", 1)[1], router.log.count("a worker is up", worker=holder.url)
+        await inferd_factory(model_dir, holder.memd.address, "--http", f"127.0.0.1:{port}",
+                             "--served-model-name", MODEL, name="inferd-again")
+        await router.log.wait_for("a worker is up", nth=ups + 1, worker=holder.url)
+        reset = await http.delete(f"{url}/v1/sessions/kept")
+        again = await http.delete(f"{url}/v1/sessions/kept")
+    assert reset.status_code == 200 and again.status_code == 404
+    states, _, ok = await memd_state(holder.memd)
+    assert ok and states["parked"] == 0
+    async with holder.memd.admin() as admin:
+        assert (await admin.stats()).used_blocks == 0
+
+
+@pytest.mark.processes
 async def test_kv_events_route_a_prompt_to_the_pool_holding_its_blocks_where_its_text_would_not(
         host_factory, router_factory, hf_tokenizer):
     """Two system prompts that begin alike and part after it: the text rule sends both to the one worker their
