@@ -239,8 +239,9 @@ async def send_turn(url: str, prompt: list[int], session: str | None, max_tokens
             if cancel_after and chunks >= cancel_after:
                 await stream.close()
                 return None
-    except openai.APIStatusError as err:
-        raise Retry(f"HTTP {err.status_code}") from None
+    except openai.APIStatusError as err:            # a 500 is a bug somewhere: its words go in the report
+        raise Retry(f"HTTP {err.status_code}" + (f": {err.message[:160]}" if err.status_code == 500 else "")) \
+            from None
     except (openai.APIConnectionError, httpx.HTTPError) as err:
         raise Retry(type(err).__name__) from None
     except openai.APIError:                      # an error the stream said after its 200: the turn failed midway
@@ -338,6 +339,18 @@ async def router_loads(fleet: Fleet) -> list[float]:
     return loads
 
 
+def tracebacks(daemon: Daemon) -> list[str]:
+    """The exception line of each traceback a daemon printed outside its JSON log (a server's own handler)."""
+    found, inside = [], False
+    for line in daemon.log.raw:
+        if line.startswith("Traceback (most recent call last)"):
+            inside = True
+        elif inside and line and not line.startswith((" ", "\t")):
+            found.append(line[:200])
+            inside = False
+    return found
+
+
 def mentions(daemon: Daemon, *phrases: str) -> int:
     """Log events of a daemon whose name holds one of `phrases`: the failovers and store errors it met."""
     return sum(any(phrase in str(e.get("event", "")) for phrase in phrases) for e in daemon.log.events)
@@ -406,6 +419,9 @@ async def test_chaos_across_hosts(tmp_path, model_dir, model_judge, daemons, cha
     store_errors = sum(mentions(d, "cluster store did not take a change", "a fetch from the cluster store failed",
                                 "the session directory in the cluster store")
                        for p in (*fleet.memds.values(), *fleet.routers) for d in p.logs)
+    logged = Counter(f"{part.kind}: {e.get('event')}" for part in fleet.parts() for d in part.logs
+                     for e in d.log.events if e.get("level") in ("error", "critical"))
+    logged.update(f"{part.kind}: {line}" for part in fleet.parts() for d in part.logs for line in tracebacks(d))
     counters = Counter()
     for found in hosts.values():
         counters.update(found["counters"])
@@ -416,7 +432,7 @@ async def test_chaos_across_hosts(tmp_path, model_dir, model_judge, daemons, cha
               "later turns with their history cached": sum(t.cached >= len(t.prompt) // 2 for t in later),
               "later turns recomputed": sum(t.cached < len(t.prompt) // 2 for t in later),
               "reclaims": reclaims, "recoveries": recoveries, "kvroute failovers from a worker": failovers,
-              "store errors met (memd, kvroute)": store_errors,
+              "store errors met (memd, kvroute)": store_errors, "errors logged": dict(logged),
               "ttft_ms": {phase: {"p50": 1000 * pct([t.ttft_s for t in tally.turns if t.chaos == chaotic], 50),
                                   "p99": 1000 * pct([t.ttft_s for t in tally.turns if t.chaos == chaotic], 99)}
                           for phase, chaotic in (("quiet", False), ("chaos", True))}}
