@@ -297,7 +297,7 @@ class KvManager:
             else:
                 integrity.count(self.counters, integrity.Where.SWAP_IN)
             if index * seq.block_size < seq.num_committed:
-                self._distrust(outcome, seq, index)
+                self._distrust(outcome, seq, index, from_store=block in fetched)
         for run in outcome.swapped_in:
             self._offer_swapped_in(run, sums)
         self._filling -= outcome.filling
@@ -321,16 +321,24 @@ class KvManager:
         self.pool.set_checksums(blocks, [sums.get(block, 0) for block in blocks])
         self.note_sum_set(seq, min(indices))
 
-    def _distrust(self, outcome: StepOutcome, seq: Sequence, index: int) -> None:
+    def _distrust(self, outcome: StepOutcome, seq: Sequence, index: int, *, from_store: bool) -> None:
         """Block `index` of a running sequence failed its check: its K/V from there on is recomputed.
 
         The table is cut there too: pages past it may be prefix-cache hits the
         swap-in shared (other sequences read them, they carry checksums), and
         the worker is about to write those positions. It asks for fresh pages
         for them, as for any growth (the results it is about to get say so).
+
+        `from_store`: the page was fetched from the cluster store, where a page
+        goes missing whenever the store restarts or evicts: a warning, not the
+        error of host memory that changed under a swapped-out page.
         """
-        log.error("a swapped-in page is not what was swapped out: its K/V is recomputed", seq=seq.seq_id,
-                  session=seq.session_id, block=seq.block_ids[index], index=index)
+        where = dict(seq=seq.seq_id, session=seq.session_id, block=seq.block_ids[index], index=index)
+        if from_store:
+            log.warning("a page fetched from the cluster store is gone or not what was published: its K/V is "
+                        "recomputed", **where)
+        else:
+            log.error("a swapped-in page is not what was swapped out: its K/V is recomputed", **where)
         seq.num_committed = index * seq.block_size
         del seq.hashes[index:]
         self.release_blocks(seq.block_ids[index:])

@@ -429,6 +429,8 @@ async def test_chaos_across_hosts(tmp_path, model_dir, model_judge, daemons, cha
     report = {"seed": chaos_seed, "seconds": chaos_seconds, "chats": chaos_chats, **tally.counts,
               "sessions fetched from the store": counters["cluster_sessions_fetched"],
               "blocks fetched from the store": counters["cluster_hits"],
+              "blocks the store lost (recomputed)": counters["cluster_misses"],
+              "swapped-in pages not as swapped out": counters["integrity_failures_swap_in"],
               "later turns with their history cached": sum(t.cached >= len(t.prompt) // 2 for t in later),
               "later turns recomputed": sum(t.cached < len(t.prompt) // 2 for t in later),
               "reclaims": reclaims, "recoveries": recoveries, "kvroute failovers from a worker": failovers,

@@ -142,6 +142,10 @@ async def test_a_block_gone_from_the_store_is_recomputed_from_there(
         counters = (await admin.stats()).counters
         assert (await admin.check()).ok
     assert counters["cluster_misses"] == 1 and counters["cluster_hits"] == 1
+    # said as what it is: a page the store lost, not host memory that changed under a swapped-out page
+    assert memd_b.log.count("a page fetched from the cluster store is gone or not what was published: its K/V is "
+                            "recomputed") == 1
+    assert memd_b.log.count("a swapped-in page is not what was swapped out: its K/V is recomputed") == 0
 
 
 async def test_a_new_session_fetches_the_prefix_another_host_published(
