@@ -183,7 +183,9 @@ async def monkey(fleet: Fleet, rng: random.Random, stop: asyncio.Event, tally: T
             await expect_reclaim(fleet, victim, tally)
         await victim.kill()
         tally.counts[f"killed: {kind}"] += 1
-        down = rng.uniform(0, 3) if kind != "master" or rng.random() < 0.7 else rng.uniform(10, 30)
+        # the master's long outage: 10-30 s, or 5-10 s in the suite's short run (whose end waits for it)
+        long = (10, 30) if every_s >= 5 else (2 * every_s, 4 * every_s)
+        down = rng.uniform(0, 3) if kind != "master" or rng.random() < 0.7 else rng.uniform(*long)
         if kind == "master":
             master_back = asyncio.ensure_future(_later(victim, down))
         else:
