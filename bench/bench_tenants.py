@@ -38,8 +38,7 @@ from typing import Any
 
 import openai
 from bench_http_chat import QUESTIONS, pct, streamed_chat
-from kv_hosts import BLOCK_SIZE as BLOCK
-from kv_hosts import serving
+from kv_hosts import BLOCK_SIZE, serving
 from tables import table
 
 from inferd.tiny import CORPUS, make_tiny_model
@@ -66,8 +65,8 @@ def sizes(model_dir: Path, shape: dict[str, Any]) -> tuple[int, int, int]:
     """(page bytes, pages the quiet tenant's sessions hold at their last turn, pool pages): the pool holds the
     quiet tenant's sessions with room to spare, and far less than the flood wants beside them."""
     m = read_model_shape(model_dir)
-    page = BLOCK * 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
-    per_user = (len(CORPUS) // 3 * shape["corpus"] + shape["turns"] * (shape["max_tokens"] + 24)) // BLOCK + 4
+    page = BLOCK_SIZE * 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
+    per_user = (len(CORPUS) // 3 * shape["corpus"] + shape["turns"] * (shape["max_tokens"] + 24)) // BLOCK_SIZE + 4
     quiet = per_user * shape["users"]
     return page, quiet, 2 * quiet
 

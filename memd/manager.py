@@ -292,12 +292,13 @@ class KvManager:
                          for index, block in zip(run.indices, run.blocks, strict=True) if block in bad),
                         key=itemgetter(0))
         for index, block, seq in rotten:
-            if block in fetched:              # gone from the store, or not what its worker committed
+            from_store = block in fetched     # gone from the store, or not what its worker committed
+            if from_store:
                 self.counters["cluster_misses"] += 1
             else:
                 integrity.count(self.counters, integrity.Where.SWAP_IN)
             if index * seq.block_size < seq.num_committed:
-                self._distrust(outcome, seq, index, from_store=block in fetched)
+                self._distrust(outcome, seq, index, from_store=from_store)
         for run in outcome.swapped_in:
             self._offer_swapped_in(run, sums)
         self._filling -= outcome.filling
