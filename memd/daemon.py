@@ -27,6 +27,7 @@ from memd.host_pages import huge_pages
 from memd.interceptors import MEMD_SERVICE, RpcCounter, SerializedReplies
 from memd.journal import Recovered, WriteAheadLog
 from memd.kv_events import KvEvents
+from memd.loop_lag import LoopLag
 from memd.manager import KvManager
 from memd.memory import PoolMemory, ShmMemory
 from memd.metrics import MemdMetrics
@@ -86,6 +87,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
             await pages_allocated(memory)
             check_reopened(parts.scrubber)
         stack.callback(parts.fences.close)
+        lag = LoopLag()
         if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
             metrics = MemdMetrics(parts.service, asyncio.get_running_loop())
             try:
@@ -94,6 +96,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
                 raise StartupError(str(exc)) from None
             parts.service.step_seconds = metrics.step_seconds
             Pacer.observe = metrics.operator_holds.observe
+            lag.observe, metrics.loop_lag = metrics.loop_lag_seconds.observe, lag
         events = open_kv_events(args, manager, parts, stack)          # a taken port fails start-up too
         target, health_servicer = await start_server(parts.service, startup.credentials, startup.target,
                                                      startup.sock_path, stack)
@@ -104,7 +107,8 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         await pages_allocated(memory)          # the pool whole before READY=1, as the pool promises
         parts.fences.watch()                            # pages the workers of the memd before may still write
         tasks = [asyncio.create_task(parts.leases.reap_expired(), name="reaper"),
-                 asyncio.create_task(parts.runner.police(), name="eviction-policy")]
+                 asyncio.create_task(parts.runner.police(), name="eviction-policy"),
+                 asyncio.create_task(lag.watch(), name="loop-lag")]
         if args.scrub_interval:
             tasks.append(asyncio.create_task(scrub_every(parts.scrubber, args.scrub_interval, args.scrub_rate),
                                              name="scrub"))

@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from memd import integrity
 from memd.errors import InvalidArgument, NotFound
+from memd.holder_ledger import Going
 from memd.integrity import Where
 from memd.pool import picked
 from memd.quotas import Key, keys_of
 from memd.retention import retained
+from memd.seq_index import Cell
 from memd.sequences import EvictionReason, SeqState, Sequence, SwapOut
 
 if TYPE_CHECKING:
@@ -68,102 +71,141 @@ class Evictor:
 
     # ---- choosing ------------------------------------------------------
 
-    def coldest_parked(self, now: float, exclude: frozenset[int] = frozenset()) -> list[Sequence]:
-        m = self.m
-        found = [s for s in m.seqs.values() if s.block_ids and m.evictable(s) and s.seq_id not in exclude]
-        found.sort(key=lambda s: m.heat(s, now))
-        return found
+    def _walk(self, exclude: frozenset[int] = frozenset()) -> Iterator[tuple[Sequence, int, bool]]:
+        """Evictable parked sequences in eviction order: (sequence, blocks its eviction frees, worth evicting).
+
+        Sequences of holders past their max come first, then the others by
+        heat, sessions under a retention promise after them (and, with no
+        swap tier to take them, never). One whose eviction would take a
+        holder below its guaranteed pages is passed over (`memd.quotas`); once
+        a holder is at its guarantee, its sequences are passed over whole. A
+        block shared only among the sequences walked (forks of one prompt) is
+        freed with the last of them, so it counts for that one; the others are
+        worth evicting on the way. Read lazily: taking the k coldest costs
+        k log n, whatever memd holds.
+        """
+        m, index, quotas = self.m, self.m.index, self.m.quotas
+        index.refresh()
+        going = Going(index.ledger, quotas.table)
+        for job in m.swap_jobs.values():      # going already: their holders keep none of their pages
+            going.take(job.seq)
+        over = {key for key, _ in quotas.over({key: going.usage(key) for key in quotas.table})}
+        cells = [cell for cell in index.cells() if m.swap is not None or not cell[1]]
+        holders = index.ledger.cells
+
+        def is_over(cell: Cell) -> bool:
+            return any(key in over for key in holders[cell[0]])
+
+        groups = [[c for c in cells if is_over(c) and not c[1]], [c for c in cells if is_over(c) and c[1]],
+                  [c for c in cells if not is_over(c) and not c[1]], [c for c in cells if not is_over(c) and c[1]]]
+        ref, taken = m.pool.ref, Counter[int]()
+        for group in groups:
+            while group:
+                restart = False
+                walk = index.coldest_parked(group)
+                try:
+                    for seq in walk:
+                        if seq.seq_id in exclude or not m.evictable(seq):
+                            continue
+                        if quotas.protected(seq, going):
+                            if self._at_guarantee(seq, going):
+                                group = [c for c in group if c[0] != index.views[seq.seq_id].cell]
+                                restart = True
+                                break
+                            continue
+                        going.take(seq)
+                        gain, shared = 0, False
+                        for block in seq.block_ids:
+                            taken[block] += 1
+                            if taken[block] == ref[block]:
+                                gain += 1
+                            else:
+                                shared = True
+                        yield seq, gain, gain > 0 or shared
+                finally:
+                    walk.close()
+                if not restart:
+                    break
+
+    def _at_guarantee(self, seq: Sequence, going: Going) -> bool:
+        """One of `seq`'s holders is at or below its guaranteed pages: none of its sequences may go."""
+        table = self.m.quotas.table
+        return any((q := table.get(key)) is not None and q.guaranteed and going.usage(key) <= q.guaranteed
+                   for key in keys_of(seq))
 
     def exclusive_blocks(self, seq: Sequence) -> int:
         """Blocks that evicting `seq` alone frees: those no other sequence holds."""
         ref = self.m.pool.ref
         return sum(1 for block in seq.block_ids if ref[block] == 1)
 
-    def plan(self, now: float, exclude: frozenset[int] = frozenset()) -> list[tuple[Sequence, int, bool]]:
-        """Evictable parked sequences, coldest first: (sequence, blocks its eviction frees, worth evicting).
-
-        With quotas, sequences of holders past their max come first, and one
-        whose eviction would take a holder below its guaranteed pages is not
-        worth evicting (`memd.quotas`). A block shared only among evictable
-        sequences (forks of one prompt) is freed with the last of them, so it
-        counts for that one, and the others are worth evicting on the way. A
-        block a running sequence (or a protected one) also holds is never
-        freed by eviction.
-        """
-        candidates = self.coldest_parked(now, exclude)
-        wall = time.time()
-        kept = {s.seq_id for s in candidates if retained(s, wall)}
-        if kept:                    # promised sessions last; with no swap tier to take them, not at all
-            candidates.sort(key=lambda s: s.seq_id in kept)
-        protected: set[int] = set() if self.m.swap is not None else set(kept)
-        quotas = self.m.quotas
-        if quotas.table:
-            pages = quotas.pages(self.m.seqs.values())
-            for job in self.m.swap_jobs.values():      # going already: their holders keep none of their pages
-                pages.take(job.seq)
-            candidates.sort(key=lambda s: not quotas.over_max(s, pages))      # stable: heat within each
-            for seq in candidates:
-                if seq.seq_id in protected or quotas.protected(seq, pages):
-                    protected.add(seq.seq_id)
-                else:
-                    pages.take(seq)
-        going = [seq for seq in candidates if seq.seq_id not in protected]
-        held = Counter(block for seq in going for block in seq.block_ids)
-        left = held.copy()
-        ref, out = self.m.pool.ref, []
-        for seq in candidates:
-            if seq.seq_id in protected:
-                out.append((seq, 0, False))
-                continue
-            gain, worth = 0, False
-            for block in seq.block_ids:
-                reclaimable = held[block] == ref[block]      # no holder outside those going
-                worth = worth or reclaimable
-                left[block] -= 1
-                if reclaimable and left[block] == 0:
-                    gain += 1
-            out.append((seq, gain, worth))
-        return out
-
-    def own_plan(self, key: Key, now: float, exclude: frozenset[int] = frozenset()) -> list[tuple[Sequence, int]]:
+    def own_plan(self, key: Key, exclude: frozenset[int] = frozenset()) -> Iterator[tuple[Sequence, int]]:
         """A holder's own evictable parked sequences, coldest first, each with the pages the holder stops
-        holding when it goes (those none of its other sequences hold)."""
-        quotas = self.m.quotas
-        pages = quotas.pages(self.m.seqs.values())
-        for job in self.m.swap_jobs.values():
-            pages.take(job.seq)
-        out, wall = [], time.time()
-        for seq in self.coldest_parked(now, exclude):
-            if key not in keys_of(seq) or (self.m.swap is None and retained(seq, wall)):     # a promise stays
-                continue
-            if quotas.protected(seq, pages):            # a model's max never takes a tenant below its guarantee
-                continue
-            out.append((seq, pages.gain(key, seq)))
-            pages.take(seq)
-        return out
+        holding when it goes (those none of its other sequences hold). Read lazily, as `_walk`."""
+        m, index, quotas = self.m, self.m.index, self.m.quotas
+        index.refresh()
+        going = Going(index.ledger, quotas.table)
+        for job in m.swap_jobs.values():
+            going.take(job.seq)
+        holders = index.ledger.cells
+        cells = [c for c in index.cells() if key in holders[c[0]] and (m.swap is not None or not c[1])]
+        walk = index.coldest_parked(cells)       # a promise stays, with no swap tier to keep it in
+        try:
+            for seq in walk:
+                if seq.seq_id in exclude or not m.evictable(seq):
+                    continue
+                if quotas.protected(seq, going):        # a model's max never takes a tenant below its guarantee
+                    continue
+                gain = going.gain(key, seq)
+                going.take(seq)
+                yield seq, gain
+        finally:
+            walk.close()
 
     def within_quota(self, key: Key, short: int, *, reason: EvictionReason,
                      exclude: frozenset[int] = frozenset(), whole: bool = True) -> Evicted | None:
         """Evict a holder's own coldest parked sequences until it holds `short` pages fewer (counting its
         swap-outs in flight); None if all of them would not be enough and `whole` (nothing is evicted then)."""
-        pending = self.m.quotas.pages([job.seq for job in self.m.swap_jobs.values()], [key]).usage(key)
-        plan = self.own_plan(key, time.monotonic(), exclude)
-        if whole and pending + sum(gain for _, gain in plan) < short:
-            return None
+        pending = len({block for job in self.m.swap_jobs.values() if key in keys_of(job.seq)
+                       for block in job.seq.block_ids})
         target, done = short - pending, Evicted()
-        for seq, gain in plan:
-            if target <= 0:
-                break
-            went = self.evict(seq, "swap", reason, room=False)
-            done.add(went)
-            target -= gain if went.jobs or went.dropped else 0
+        if target <= 0:
+            return done
+        if whole:
+            have, plan = 0, self.own_plan(key, exclude)
+            try:
+                for _, gain in plan:
+                    have += gain
+                    if have >= target:
+                        break
+            finally:
+                plan.close()
+            if have < target:
+                return None
+        plan = self.own_plan(key, exclude)
+        try:
+            for seq, gain in plan:
+                if target <= 0:
+                    break
+                went = self.evict(seq, "swap", reason, room=False)
+                done.add(went)
+                target -= gain if went.jobs or went.dropped else 0
+        finally:
+            plan.close()
         return done
 
-    def reclaimable(self, exclude: frozenset[int] = frozenset(),
-                    plan: list[tuple[Sequence, int, bool]] | None = None) -> int:
-        """Blocks eviction could free: in-flight swap-outs plus every evictable parked sequence."""
-        plan = plan if plan is not None else self.plan(time.monotonic(), exclude)
-        return self.freeing_soon() + sum(gain for _, gain, _ in plan)
+    def reclaimable(self, exclude: frozenset[int] = frozenset(), enough: int | None = None) -> int:
+        """Blocks eviction could free: in-flight swap-outs plus evictable parked sequences (counted only until
+        `enough`, if given: whether there is that much costs what that much costs)."""
+        total = self.freeing_soon()
+        walk = self._walk(exclude)
+        try:
+            for _, gain, _ in walk:
+                if enough is not None and total >= enough:
+                    break
+                total += gain
+        finally:
+            walk.close()
+        return total
 
     def freeing_soon(self) -> int:
         """Blocks the swap-outs in flight will free when their copies are done."""
@@ -196,19 +238,32 @@ class Evictor:
         if swap is None or need > swap.num_slots or (swap.num_free < need and not room):
             return None
         if swap.num_free < need:
-            now = time.monotonic()
-            heat = m.heat(seq, now)
-            colder = sorted((s for s in m.seqs.values() if s.state is SeqState.SWAPPED and m.heat(s, now) <= heat
-                             and not retained(s)), key=lambda s: m.heat(s, now))
-            if swap.num_free + sum(len(s.slots) for s in colder) < need:
+            colder = self._colder_swapped(seq, need - swap.num_free)
+            if colder is None:
                 return None
             for victim in colder:
-                if swap.num_free >= need:
-                    break
                 done.add(self.drop(victim, reason))
         job = SwapOut(seq, list(seq.block_ids), swap.take(need), reason)
         m.swap_jobs[seq.seq_id] = job
         return job
+
+    def _colder_swapped(self, seq: Sequence, slots: int) -> list[Sequence] | None:
+        """The coldest swapped sequences no hotter than `seq` (none under a promise) whose slots add up to
+        `slots`; None if all of them do not."""
+        m = self.m
+        m.index.refresh()
+        rank, found, have = m.index.rank(seq), [], 0
+        walk = m.index.coldest_swapped()
+        try:
+            for victim in walk:
+                if have >= slots or m.index.rank(victim) > rank:
+                    break
+                if victim.state is SeqState.SWAPPED and not retained(victim):
+                    found.append(victim)
+                    have += len(victim.slots)
+        finally:
+            walk.close()
+        return found if have >= slots else None
 
     def finish_swap_out(self, job: SwapOut) -> bool:
         """The copy is done: the sequence is SWAPPED and its pages free; False if it was cancelled."""
@@ -263,21 +318,23 @@ class Evictor:
         return Evicted(dropped=[seq.seq_id], blocks_freed=freed)
 
     def make_room(self, blocks: int, *, reason: EvictionReason, mode: str = "swap",
-                  exclude: frozenset[int] = frozenset(),
-                  plan: list[tuple[Sequence, int, bool]] | None = None) -> Evicted:
-        """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free.
-
-        `plan`: one the caller already made (`plan`, with the same `exclude`), not made again.
-        """
+                  exclude: frozenset[int] = frozenset()) -> Evicted:
+        """Evict the coldest PARKED sequences until `blocks` more blocks are (or are about to be) free."""
         target = blocks - self.freeing_soon()
         done = Evicted()
-        for seq, gain, worth in plan if plan is not None else self.plan(time.monotonic(), exclude):
-            if target <= 0:
-                break
-            if worth and self.m.evictable(seq):
-                went = self.evict(seq, mode, reason)
-                done.add(went)
-                target -= gain if went.jobs or went.dropped else 0      # a retained one swap could not take stays
+        if target <= 0:
+            return done
+        walk = self._walk(exclude)
+        try:
+            for seq, gain, worth in walk:
+                if target <= 0:
+                    break
+                if worth and self.m.evictable(seq):
+                    went = self.evict(seq, mode, reason)
+                    done.add(went)
+                    target -= gain if went.jobs or went.dropped else 0   # a retained one swap could not take stays
+        finally:
+            walk.close()
         return done
 
     # ---- policy --------------------------------------------------------
@@ -285,9 +342,11 @@ class Evictor:
     def sweep(self, now: float) -> Evicted:
         """The periodic pass: idle TTL, revocations whose sequence is parked now, the free-block watermark."""
         m, done = self.m, Evicted()
+        m.index.refresh()
         if self.idle_ttl_s:
-            for seq in list(m.seqs.values()):
-                if now - seq.last_access < self.idle_ttl_s or retained(seq):
+            for seq in m.index.idle_since(now - self.idle_ttl_s):
+                if retained(seq):                 # looked at again once its promise ends
+                    m.index.requeue_idle(seq, now + max(0.0, seq.retain_until - time.time()))
                     continue
                 if seq.state in (SeqState.PARKED, SeqState.SWAPPED):
                     done.add(self.drop(seq, EvictionReason.IDLE))
@@ -301,7 +360,7 @@ class Evictor:
             if seq is not None and m.evictable(seq):
                 done.add(self.evict(seq, mode, EvictionReason.FORCED))     # its worker died before giving it up
         if m.quotas.capped:            # an operator lowered a max: the holder's own coldest go first
-            for key, over in m.quotas.over(m.quotas.pages(m.seqs.values())):
+            for key, over in m.quotas.over(m.index.ledger.usage):
                 done.add(self.within_quota(key, over, reason=EvictionReason.QUOTA, whole=False) or Evicted())
         short = self.watermark_blocks - m.pool.num_free
         if short > 0:

@@ -120,13 +120,21 @@ def _manager_rules(c: StateCopy, pool: BlockPool, out: list[str]) -> Iterator[No
     # blocks rehashes it whole, tens of milliseconds in one go.
     counted = bytearray(8 * c.num_blocks)
     tables = memoryview(counted).cast("q")
+    held: dict[tuple[str, str], set[int]] = {}        # per tenant and model: the pages its sequences hold
     for n, seq in enumerate(c.seqs.values(), 1):
         out += _seq_rules(c, seq)
         for block in seq.block_ids:
             if 0 <= block < c.num_blocks:                 # one outside the pool: _seq_rules names it
                 tables[block] += 1
+        if seq.block_ids:
+            for key in (("tenant", seq.tenant), ("model", seq.model)) if seq.tenant else (("model", seq.model),):
+                held.setdefault(key, set()).update(seq.block_ids)
         if n % SEQ_SLICE == 0:
             yield
+    for key in sorted(set(held) | set(c.holder_pages)):
+        if len(held.get(key, ())) != c.holder_pages.get(key, 0):
+            out.append(f"{key[0]} {key[1]!r} is counted at {c.holder_pages.get(key, 0)} pages, but its sequences "
+                       f"hold {len(held.get(key, ()))}")
     for pid, fenced in c.fences.items():
         for block in fenced:
             if not 0 <= block < c.num_blocks or tables[block]:

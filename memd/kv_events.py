@@ -103,7 +103,8 @@ class KvEvents:
         self.pooled: dict[int, bytes] = {}
         self.swapped: dict[int, list[bytes]] = {}
         self.swap_count: Counter[bytes] = Counter()
-        self.blocks: set[int] = set(range(manager.pool.num_blocks))     # all of it, at the first flush
+        # At the first flush, every block the prefix cache holds (those memd recovered); later, those changed.
+        self.blocks: set[int] = set(manager.pool.by_hash.values())
         self.seqs: set[int] = set(manager.seqs)
         manager.pool.watches.append(self.blocks)
         manager.watches.append(self.seqs)

@@ -13,11 +13,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from memd.pool import BlockPool, SwapSlots, UndoLog
 from memd.quotas import Quotas
 from memd.sequences import PrefixHasher, Sequence, SwapOut
+
+if TYPE_CHECKING:
+    from memd.seq_index import SeqIndex
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class KvState(Protocol):
     heat_interval_s: float
     watches: list[set[int]]                 # sequences changed, per reader copying them a slice at a time
     quotas: Quotas                          # tenants' and models' page quotas
+    index: SeqIndex                         # counts, holders' pages, eviction and idle order (memd.seq_index)
 
     def find(self, seq_id: int | None, session_id: str | None) -> Sequence: ...
 

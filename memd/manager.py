@@ -44,7 +44,8 @@ from memd.invariants import violations
 from memd.kv_state import Worker
 from memd.page_effects import Fetch, PageEffect, SwapIn
 from memd.pool import BlockPool, SwapSlots, UndoLog, picked
-from memd.quotas import Key, QuotaExceeded, Quotas, keys_of
+from memd.quotas import Holding, Key, QuotaExceeded, Quotas, keys_of
+from memd.seq_index import SeqIndex
 from memd.sequences import (
     TOKEN_BYTES,
     PrefixHasher,
@@ -128,6 +129,8 @@ class KvManager:
         # from reuse by the pid of that worker until it exits or attaches again (memd.fences watches).
         self.fences: dict[int, list[int]] = {}
         self.quotas = quotas or Quotas()
+        # Counts, holders' pages and the eviction and idle orders, kept as sequences change (memd.seq_index).
+        self.index = SeqIndex(self)
         self.evictions = Evictor(self, idle_ttl_s=idle_ttl_s, watermark_blocks=watermark_blocks)
 
     # ---- workers -------------------------------------------------------
@@ -218,6 +221,8 @@ class KvManager:
         out = txn.outcome
         self.pool.undo = txn.undo
         ran: list[Op] = []
+        self.index.mark()
+        rolled_back = True
         try:
             for index, op in enumerate(ops):
                 txn.op_index = index
@@ -227,15 +232,18 @@ class KvManager:
                 except KvError as exc:
                     raise OpError(index, _describe(op), exc) from None
             if self.quotas.capped:
+                self.index.refresh(txn.touched)
                 try:
-                    self.quotas.check_growth(self.seqs.values(), _grown(txn.touched, txn.pages_before))
+                    self.quotas.check_growth(self.index.ledger.usage, _grown(txn.touched, txn.pages_before))
                 except QuotaExceeded as exc:
                     raise OpError(exc.index, _describe(ran[exc.index]), exc) from None
+            rolled_back = False
         except BaseException:
             txn.undo.rollback()
             raise
         finally:
             self.pool.undo = None
+            self.index.settled(rolled_back)
         now = time.monotonic()
         for seq in txn.touched.values():
             self._touch(seq, now)
@@ -400,6 +408,7 @@ class KvManager:
             self.fences[pid] = list(blocks)
         self._next_seq = max(self._next_seq, next_seq)
         self.take_changes()            # all of it is in the journal it came from
+        self.index.refresh(self.seqs)
 
     def release_slots(self, slots: list[int]) -> None:
         """The effects of a Step are done: the swap slots it read are free."""
@@ -419,13 +428,18 @@ class KvManager:
 
     def swapped_blocks(self) -> int:
         """Swap slots holding SWAPPED sequences' pages."""
-        return sum(len(seq.slots) for seq in self.seqs.values())
+        self.index.refresh()
+        return self.index.swapped_slots
 
     def state_counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in SeqState}
-        for seq in self.seqs.values():
-            counts[seq.state.value] += 1
-        return counts
+        self.index.refresh()
+        return self.index.state_counts()
+
+    def holdings(self) -> list[Holding]:
+        """Every tenant's and model's quota, pages, sequences and promises (memctl tenants, the metrics)."""
+        self.index.refresh()
+        index = self.index
+        return self.quotas.holdings(index.holder_states, index.ledger.usage, index.retained)
 
     # ---- mechanics -----------------------------------------------------
 

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from memd import retention
 from memd.integrity import Where
+from memd.loop_lag import LoopLag
 from memd.quotas import Holding
 from memd.sequences import EvictionReason
 from shared.full_collections import metric_families
@@ -75,6 +75,11 @@ class MemdMetrics(Collector):
             "kvpool_memd_operator_hold_seconds",
             "how long an operator call (snapshot, check) held memd's event loop at a time, between Steps",
             buckets=(0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=self.registry)
+        # How late memd's loop woke (memd.loop_lag): whatever held it, every Step queued behind it waited as long.
+        self.loop_lag_seconds = Histogram(
+            "kvpool_memd_loop_lag_seconds", "how late memd's event loop woke for a 20 ms timer: how long it was held",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry)
+        self.loop_lag: LoopLag | None = None
         self.registry.register(self)
 
     def serve(self, port: int, host: str) -> None:
@@ -90,7 +95,7 @@ class MemdMetrics(Collector):
             "swapped": m.swapped_blocks(),
             "sequences": m.state_counts(), "workers": len(m.workers), "counters": dict(m.counters),
             "rpcs": dict(self.service.rpcs),
-            "holdings": m.quotas.holdings(m.seqs.values(), retention.by_holder(m.seqs.values())),
+            "holdings": m.holdings(),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -115,6 +120,9 @@ class MemdMetrics(Collector):
             seqs.add_metric([state], count)
         yield seqs
         yield GaugeMetricFamily("kvpool_memd_workers", "workers holding a lease", value=r["workers"])
+        if self.loop_lag is not None:
+            yield GaugeMetricFamily("kvpool_memd_loop_lag_max_seconds", "the longest memd's event loop was held "
+                                    "since start", value=self.loop_lag.max_s)
         counters = r["counters"]
         for suffix, key, text in COUNTERS:
             yield CounterMetricFamily(f"kvpool_memd_{suffix}", text, value=counters.get(key, 0))

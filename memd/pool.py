@@ -26,6 +26,7 @@ block. They leave the pool exactly as the same blocks one by one would.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, compress, repeat
 from operator import itemgetter
@@ -70,8 +71,12 @@ class FreeQueue:
     def __init__(self, num_blocks: int) -> None:
         end = num_blocks                          # the sentinel node
         self._end = end
-        self._next = list(range(1, num_blocks + 1)) + [0 if num_blocks else end]
-        self._prev = [end] + list(range(num_blocks - 1)) + [num_blocks - 1 if num_blocks else end]
+        # int32 arrays, not lists: a list's every link is an int object of its own (36 bytes a link, not 4).
+        self._next = array("i", range(1, num_blocks + 1))
+        self._next.append(0 if num_blocks else end)
+        self._prev = array("i", [end])
+        self._prev.extend(range(num_blocks - 1))
+        self._prev.append(num_blocks - 1 if num_blocks else end)
         self._len = num_blocks
         # Nodes whose links changed (the sentinel's too), per reader copying the links a slice at a time:
         # shared with the pool that owns the queue (BlockPool.watches).
@@ -83,7 +88,7 @@ class FreeQueue:
     def __contains__(self, block: int) -> bool:
         return 0 <= block < self._end and self._prev[block] >= 0
 
-    def links(self, start: int, end: int) -> tuple[list[int], list[int]]:
+    def links(self, start: int, end: int) -> tuple[array[int], array[int]]:
         """The next and previous links of nodes `start` .. `end`-1 (the sentinel is node `num_blocks`),
         for a copy of the queue that memctl check walks (memd.state_copy)."""
         return self._next[start:end], self._prev[start:end]
@@ -230,7 +235,9 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.ref = [0] * num_blocks
+        # Per-page numbers in typed arrays, not lists: a million-page pool costs memd about 50 bytes a page, not
+        # the 200 of lists whose non-zero entries are each an object of its own (memd's memory per page).
+        self.ref = array("i", bytes(4 * num_blocks))
         self.free = FreeQueue(num_blocks)
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.tokens_of: list[bytes | None] = [None] * num_blocks      # memd.sequences.token_bytes
@@ -241,10 +248,10 @@ class BlockPool:
         # Written since it was last zeroed: the pool starts zeroed, so a page's
         # first allocation needs no memset.
         self.dirty = bytearray(num_blocks)
-        self.last_access = [0.0] * num_blocks
+        self.last_access = array("d", bytes(8 * num_blocks))
         # What the page holds, as its worker committed it (shared.page_checksum; 0: unknown): a full
         # committed block's until the page is handed out again, a parked partial block's until resumed.
-        self.checksum = [0] * num_blocks
+        self.checksum = array("Q", bytes(8 * num_blocks))
         self.undo: UndoLog | None = None
         # Blocks whose ref count, access time, prefix hash, checksum or queue links changed, one set per reader
         # that copies the pool a slice at a time between Steps (memd.state_copy): it copies them again at the end.
@@ -539,8 +546,8 @@ class SwapSlots:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         # What each slot's last swap-out wrote (0: unknown): a swap-in checks the page it brings back.
-        self.checksum = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.checksum = array("Q", bytes(8 * num_slots))
+        self._free = array("i", range(num_slots - 1, -1, -1))
         # Owned by a copy, by no sequence: a swap-out's target, or a swap-in's source until read.
         self.in_copy: set[int] = set()
         # The fewest free slots since a reader began copying the free stack a slice at a time
@@ -557,7 +564,7 @@ class SwapSlots:
             raise ValueError(f"{count} swap slots asked, {len(self._free)} free")
         if not count:
             return []
-        taken = self._free[-count:][::-1]
+        taken = self._free[-count:][::-1].tolist()
         del self._free[-count:]
         self.in_copy.update(taken)
         for mark in self.low_marks:
@@ -571,7 +578,7 @@ class SwapSlots:
     def claim(self, slots: list[int]) -> None:
         """Mark slots as held by a sequence (one recovered from the journal)."""
         taken = set(slots)
-        self._free = [slot for slot in self._free if slot not in taken]
+        self._free = array("i", [slot for slot in self._free if slot not in taken])
         for mark in self.low_marks:
             mark[0] = 0
 
@@ -581,4 +588,4 @@ class SwapSlots:
 
     def free_slots(self, start: int = 0, end: int | None = None) -> list[int]:
         """The free stack, bottom first (a part of it: from `start` to `end`)."""
-        return self._free[start:end]
+        return self._free[start:end].tolist()

@@ -14,9 +14,10 @@ or a model; every sequence belongs to one of each. A holder may have
 A holder's usage is the pool pages its sequences hold: a page two of its
 sequences share counts once, and a page two tenants' sequences share
 (`shared_prefix` tenants' common system prompt) counts for each of them.
-Usage is read from the sequences themselves, so it is exact at every
-instant and after a restart: memd's journal restores the sequences, and with
-them every holder's pages.
+Usage is kept as sequences take and let go of pages (memd.holder_ledger),
+so it is exact at every instant and costs a Step only the pages it changed;
+after a restart it is counted again from the sequences memd's journal
+restores, and `memctl check` compares it with a count from the sequences.
 
 Quotas come from `memd --quotas FILE` (TOML; the tenants file inferd reads
 with --api-keys serves, the fields below being memd's and the keys inferd's):
@@ -39,10 +40,10 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from memd.errors import InvalidArgument, KvError
 from memd.sequences import Sequence
@@ -89,6 +90,14 @@ class Quota:
         return [self.guaranteed, self.max]
 
 
+class Pages(Protocol):
+    """Holders' pages as an eviction walk sees them (memd.holder_ledger.Going)."""
+
+    def usage(self, key: Key) -> int: ...
+
+    def gain(self, key: Key, seq: Sequence) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Holding:
     """One tenant's or model's quota and what it holds now (memctl quota, memctl tenants, the metrics)."""
@@ -110,30 +119,6 @@ def describe(key: Key) -> str:
 def keys_of(seq: Sequence) -> tuple[Key, ...]:
     """The holders a sequence counts for: its tenant (if it has one) and its model."""
     return (("tenant", seq.tenant), ("model", seq.model)) if seq.tenant else (("model", seq.model),)
-
-
-@dataclass(slots=True)
-class HolderPages:
-    """Each holder's pages, as counts of its sequences holding each: usage, and what evicting one would free."""
-
-    refs: dict[Key, Counter[int]]
-
-    def usage(self, key: Key) -> int:
-        return len(self.refs.get(key, ()))
-
-    def gain(self, key: Key, seq: Sequence) -> int:
-        """Pages the holder stops holding if `seq` goes: those none of its other sequences hold."""
-        refs = self.refs.get(key)
-        return 0 if refs is None else sum(1 for block in set(seq.block_ids) if refs[block] == 1)
-
-    def take(self, seq: Sequence) -> None:
-        """`seq` is going: its holders stop counting its pages."""
-        for key in keys_of(seq):
-            if (refs := self.refs.get(key)) is not None:
-                for block in set(seq.block_ids):
-                    refs[block] -= 1
-                    if refs[block] <= 0:
-                        del refs[block]
 
 
 @dataclass(slots=True)
@@ -223,60 +208,41 @@ class Quotas:
             os.fsync(f.fileno())
         os.replace(tmp, self.saved_to)
 
-    def pages(self, seqs: Iterable[Sequence], keys: Iterable[Key] | None = None) -> HolderPages:
-        """The pages of every holder with a quota (or of `keys`), counted from the sequences."""
-        wanted = set(self.table if keys is None else keys)
-        refs: dict[Key, Counter[int]] = {key: Counter() for key in wanted}
-        for seq in seqs:
-            if not seq.block_ids:
-                continue
-            for key in keys_of(seq):
-                if key in wanted:
-                    refs[key].update(set(seq.block_ids))
-        return HolderPages(refs)
-
-    def protected(self, seq: Sequence, pages: HolderPages) -> bool:
-        """Evicting `seq` would take one of its holders below its guaranteed pages."""
+    def protected(self, seq: Sequence, going: Pages) -> bool:
+        """Evicting `seq` would take one of its holders below its guaranteed pages (`going`: the eviction walk's
+        view of every holder's pages, memd.holder_ledger)."""
         for key in keys_of(seq):
             if (quota := self.table.get(key)) is not None and quota.guaranteed \
-                    and pages.usage(key) - pages.gain(key, seq) < quota.guaranteed:
+                    and going.usage(key) - going.gain(key, seq) < quota.guaranteed:
                 return True
         return False
 
-    def over_max(self, seq: Sequence, pages: HolderPages) -> bool:
-        return any((q := self.table.get(key)) is not None and q.max and pages.usage(key) > q.max
-                   for key in keys_of(seq))
-
-    def over(self, pages: HolderPages) -> list[tuple[Key, int]]:
+    def over(self, usage: Mapping[Key, int]) -> list[tuple[Key, int]]:
         """Holders past their max now, and by how many pages."""
-        return [(key, pages.usage(key) - q.max) for key, q in self.table.items()
-                if q.max and pages.usage(key) > q.max]
+        return [(key, usage.get(key, 0) - q.max) for key, q in self.table.items()
+                if q.max and usage.get(key, 0) > q.max]
 
-    def check_growth(self, seqs: Iterable[Sequence], grown: dict[Key, int]) -> None:
-        """`grown`: holders whose sequences took pages in a Step, each with the first op that did. QuotaExceeded
-        for the first that is past its max now."""
+    def check_growth(self, usage: Mapping[Key, int], grown: dict[Key, int]) -> None:
+        """`grown`: holders whose sequences took pages in a Step, each with the first op that did; `usage`: every
+        holder's pages after it. QuotaExceeded for the first that is past its max now."""
         capped = {key: index for key, index in grown.items() if self.quota(key).max}
-        if not capped:
-            return
-        pages = self.pages(seqs, capped)
         for key, index in sorted(capped.items(), key=lambda item: item[1]):
             limit = self.table[key].max
-            if pages.usage(key) > limit:
-                raise QuotaExceeded(key, pages.usage(key), limit, index)
+            if usage.get(key, 0) > limit:
+                raise QuotaExceeded(key, usage[key], limit, index)
 
-    def holdings(self, seqs: Iterable[Sequence], retained: Mapping[Key, int]) -> list[Holding]:
+    def holdings(self, states: Mapping[Key, Counter[str]], usage: Mapping[Key, int],
+                 retained: Mapping[Key, int]) -> list[Holding]:
         """Every tenant and model with a quota, a sequence or a count: its quota, pages and sequences.
-        `retained`: the pages of each holder's sessions under a promise (memd.retention.by_holder)."""
-        seqs = list(seqs)
-        states: dict[Key, Counter[str]] = {}
-        for seq in seqs:
-            for key in keys_of(seq):
-                states.setdefault(key, Counter())[seq.state.value] += 1
-        keys = set(states) | set(self.table) | set(self.evictions) | set(self.refusals)
-        pages = self.pages(seqs, keys)
-        return [Holding(key, self.quota(key), pages.usage(key), self.evictions[key], self.refusals[key],
-                        key in self.set_at_run_time, dict(states.get(key, {})), retained.get(key, 0))
-                for key in sorted(keys | set(retained))]
+        `states`: each holder's sequences by state; `usage`: its pages; `retained`: the pages of its sessions
+        under a promise (memd.seq_index keeps all three)."""
+        present = {key for key, counts in states.items() if any(counts.values())}
+        keys = present | set(self.table) | set(self.evictions) | set(self.refusals) \
+            | {key for key, n in retained.items() if n}
+        return [Holding(key, self.quota(key), usage.get(key, 0), self.evictions[key], self.refusals[key],
+                        key in self.set_at_run_time, {s: n for s, n in states.get(key, Counter()).items() if n},
+                        retained.get(key, 0))
+                for key in sorted(keys)]
 
     def fits(self, seq: Sequence, blocks: int) -> None:
         """A sequence of `blocks` pages could never run under a max: refused as bad input, not left to wait."""

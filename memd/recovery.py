@@ -111,7 +111,7 @@ class _Recovery:
         if seq.session_id:
             earlier = self.sessions.get(seq.session_id)
             if earlier is not None:            # cannot happen; keep the newer sequence
-                self.out.sequences.remove(earlier)
+                self.out.sequences.remove(earlier)     # (a scan of the list, for a journal that is wrong)
                 self.out.discarded += 1
             self.sessions[seq.session_id] = seq
         self.out.sequences.append(seq)
@@ -140,7 +140,9 @@ class _Recovery:
         else:
             full = seq.block_ids[:seq.num_full_blocks]
             tail = set(seq.block_ids[seq.num_full_blocks:])
-            if self.writable_blocks.intersection(full) or not tail.isdisjoint(self.full_blocks | self.writable_blocks):
+            # Each page against the pages seen so far, not a union of them per sequence: linear in the journal.
+            if not self.writable_blocks.isdisjoint(full) or not tail.isdisjoint(self.full_blocks) \
+                    or not tail.isdisjoint(self.writable_blocks):
                 self._drop(seq, "block table clashes with another sequence's")
             else:
                 self.full_blocks.update(full)

@@ -23,8 +23,6 @@ promise outlives a memd restart.
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Iterable
 
 from memd.errors import InvalidArgument, KvError
 from memd.quotas import Key, Quotas, describe
@@ -59,21 +57,9 @@ def pages(seq: Sequence) -> int:
     return max(len(seq.block_ids), len(seq.slots), blocks_for(len(seq.token_ids), seq.block_size))
 
 
-def retained_pages(seqs: Iterable[Sequence], key: Key, now: float) -> int:
-    return sum(pages(s) for s in seqs if retained(s, now) and holder(s) == key)
-
-
-def by_holder(seqs: Iterable[Sequence]) -> Counter[Key]:
-    """The pages each holder's promises hold now."""
-    now, found = time.time(), Counter[Key]()
-    for seq in seqs:
-        if retained(seq, now):
-            found[holder(seq)] += pages(seq)
-    return found
-
-
-def promise(seq: Sequence, retain_s: float, seqs: Iterable[Sequence], quotas: Quotas) -> float:
-    """The time `seq`'s promise runs to if it may be made (its holder's guarantee pays); refused otherwise."""
+def promise(seq: Sequence, retain_s: float, held: int, quotas: Quotas) -> float:
+    """The time `seq`'s promise runs to if it may be made (its holder's guarantee pays); refused otherwise.
+    `held`: the pages the holder's other sessions under a promise hold now (memd.seq_index)."""
     if seq.session_id is None:
         raise InvalidArgument("retention keeps a session: name one (session_id)")
     key = holder(seq)
@@ -82,7 +68,6 @@ def promise(seq: Sequence, retain_s: float, seqs: Iterable[Sequence], quotas: Qu
         raise NoGuarantee(f"{describe(key)} has no guaranteed pages to keep sessions in: retention needs a "
                           "guarantee (memd --quotas, memctl quota)")
     now = time.time()
-    held = retained_pages((s for s in seqs if s is not seq), key, now)
     if held + pages(seq) > guaranteed:
         raise RetentionRefused(f"{describe(key)} keeps {held} pages of sessions already; this one's {pages(seq)} "
                                f"would pass its {guaranteed} guaranteed pages")

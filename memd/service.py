@@ -18,7 +18,6 @@ import grpc
 import structlog
 from prometheus_client import Histogram
 
-from memd import retention
 from memd.collector import collections_paused
 from memd.errors import InvalidArgument, KvError, OpError
 from memd.fdpass import FdServer
@@ -285,8 +284,7 @@ class MemdService(pb_grpc.MemdServicer):
             pb.HolderRow(kind=h.key[0], name=h.key[1], guaranteed_pages=h.quota.guaranteed, max_pages=h.quota.max,
                          pages=h.pages, evictions=h.evictions, refusals=h.refusals,
                          set_at_run_time=h.set_at_run_time, sequences=h.sequences, retained_pages=h.retained_pages)
-            for h in self.manager.quotas.holdings(self.manager.seqs.values(), retention.by_holder(
-                self.manager.seqs.values()))])
+            for h in self.manager.holdings()])
 
     async def Quotas(self, request: pb.QuotasRequest, context: grpc.aio.ServicerContext) -> pb.QuotasReply:
         log.debug("rpc", method="Quotas")

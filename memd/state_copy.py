@@ -219,6 +219,8 @@ class StateCopy:
     num_hashed: int = 0                          # entries in the prefix index
     swap: SwapCopy | None = None
     rounds: int = 0                              # of re-copying: how busy memd was meanwhile
+    # Each tenant's and model's pages as memd keeps them (memd.holder_ledger), checked against the tables.
+    holder_pages: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def heat(self, seq: SeqCopy, now: float) -> float:
         """As `KvManager.heat` computed it at `now` (the copy's instant)."""
@@ -313,6 +315,8 @@ def _steps(manager: KvState, copy: StateCopy, blocks: bool, checked: bool) -> It
         if checked:
             copy.sessions = dict(manager.sessions)
             copy.workers = frozenset(manager.workers)
+            manager.index.refresh()
+            copy.holder_pages = {key: n for key, n in manager.index.ledger.usage.items() if n}
             _copy_pool_totals(pool, copy)
             if swap is not None:
                 kept = min(low_mark[0], len(free_slots))        # below it the stack is as it was copied

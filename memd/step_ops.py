@@ -108,7 +108,10 @@ class StepTxn:
         result = self._open_or_continue(op)
         if op.retain_s:
             seq = self.state.seqs[result.seq_id]
-            until = retention.promise(seq, op.retain_s, self.state.seqs.values(), self.state.quotas)
+            index = self.state.index
+            index.refresh(self.touched)
+            held = index.retained_pages(retention.holder(seq), without=seq)
+            until = retention.promise(seq, op.retain_s, held, self.state.quotas)
             self.undo.record(_set_retention, seq, seq.retain_until)
             seq.retain_until = until
         return result
@@ -547,7 +550,8 @@ class StepTxn:
                 continue
             held = self.held.get(key)
             if held is None or held + pages > limit:
-                held = quotas.pages(self.state.seqs.values(), [key]).usage(key)
+                self.state.index.refresh(self.touched)
+                held = self.state.index.ledger.usage[key]
             if held + pages > limit:
                 raise QuotaExceeded(key, held + pages, limit, self.op_index)
             self.held[key] = held + pages

@@ -104,11 +104,10 @@ class StepRunner:
                     continue
                 if not isinstance(err.cause, PoolExhausted):
                     raise
-                short, evictions = err.cause.needed - err.cause.free, self.manager.evictions
-                plan = evictions.plan(time.monotonic(), self._named(ops))
-                if evictions.reclaimable(plan=plan) < short:
+                short, evictions, named = err.cause.needed - err.cause.free, self.manager.evictions, self._named(ops)
+                if evictions.reclaimable(named, enough=short) < short:
                     raise          # evicting would lose cached KV and still not make room
-                evicted = evictions.make_room(short, reason=EvictionReason.PRESSURE, plan=plan)
+                evicted = evictions.make_room(short, reason=EvictionReason.PRESSURE, exclude=named)
                 self.start(evicted)
                 self.manager.counters["steps_waited_for_room"] += 1
                 if self._swap_tasks:

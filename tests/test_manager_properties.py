@@ -13,6 +13,7 @@ from memd.errors import KvError, NotFound, OpError
 from memd.eviction import Evicted
 from memd.manager import KvManager
 from memd.page_effects import Copy, PageEffect, SwapIn, Zero
+from memd.quotas import Quota, Quotas
 from memd.sequences import EvictionReason, SeqState, SwapOut, token_bytes
 from memd.step_outcome import StepOutcome
 from shared.geometry import PoolGeometry
@@ -38,8 +39,12 @@ reserves = st.integers(0, 5)
 sessions = st.sampled_from((None, None, None, *SESSIONS))
 
 
+TENANTS = st.sampled_from((None, "a", "b"))      # tenant "a" has a guarantee and a max, "b" neither
+
+
 def new_manager() -> KvManager:
-    return KvManager(GEOMETRY, hash_key=b"k" * 32, swap_slots=SWAP_SLOTS, watermark_blocks=4)
+    quotas = Quotas({("tenant", "a"): Quota(guaranteed=3, max=12)})
+    return KvManager(GEOMETRY, hash_key=b"k" * 32, swap_slots=SWAP_SLOTS, watermark_blocks=4, quotas=quotas)
 
 
 def after_step(manager: KvManager, outcome: StepOutcome, jobs: list[SwapOut]) -> None:
@@ -152,7 +157,8 @@ class KvManagerMachine(RuleBasedStateMachine):
                         whole_history=True)
         if kind == "open":     # a session's next turn (or the retry of one that failed) half of the time
             return Open(data.draw(tokens), data.draw(reserves), data.draw(sessions), data.draw(st.booleans()),
-                        data.draw(st.sampled_from((None, "t1", "t2"))))     # a turn id: its retry replaces it
+                        data.draw(st.sampled_from((None, "t1", "t2"))),     # a turn id: its retry replaces it
+                        tenant=data.draw(TENANTS))                          # whose pages memd counts them as
         if kind == "resume":
             if data.draw(st.booleans()):
                 return Resume(session_id=data.draw(st.sampled_from((*SESSIONS, "nope"))),

@@ -1,0 +1,85 @@
+"""memd's index of its sequences: the eviction order it keeps is the order heat gives, whatever memd holds."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memd.manager import KvManager
+from memd.quotas import Quota, Quotas
+from memd.sequences import EvictionReason, SeqState
+from shared.geometry import PoolGeometry
+from shared.ops import Free, Open, Park, Resume
+
+BLOCK_SIZE = 4
+GEOMETRY = PoolGeometry(num_blocks=256, block_bytes=4096, block_size=BLOCK_SIZE)
+
+
+def parked_sessions(manager: KvManager, count: int, tenants: tuple[str, ...] = ("",)) -> tuple[int, list[int]]:
+    worker = manager.attach("w", os.getpid(), "m", BLOCK_SIZE, 0).worker_id
+    seq_ids = []
+    for i in range(count):
+        tokens = list(range(1000 * (i + 1), 1000 * (i + 1) + 2 * BLOCK_SIZE))
+        opened = manager.step(worker, [Open(tokens, session_id=f"s{i}", tenant=tenants[i % len(tenants)])])
+        seq_id = opened.results[0].seq_id
+        manager.step(worker, [Park(seq_id, commit_to=len(tokens))])
+        seq_ids.append(seq_id)
+    return worker, seq_ids
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 11), max_size=40), st.integers(1, 12))
+def test_eviction_takes_the_coldest_parked_sequences_across_tenants_as_heat_orders_them(touches, wanted):
+    manager = KvManager(GEOMETRY, hash_key=b"k" * 32)
+    worker, seq_ids = parked_sessions(manager, 12, tenants=("a", "b", "c"))
+    for i in touches:                                  # a session's next turn: resumed and parked again
+        manager.step(worker, [Resume(session_id=f"s{i}")])
+        manager.step(worker, [Park(seq_ids[i])])
+    now = time.monotonic()
+    done = manager.evictions.make_room(2 * wanted, reason=EvictionReason.PRESSURE, mode="drop")
+    dropped = [manager.seqs[s] for s in done.dropped]
+    kept = [manager.seqs[s] for s in seq_ids if s not in done.dropped]
+    assert len(dropped) == wanted                  # two pages each: no more sessions than the pages asked for
+    assert max(manager.heat(s, now) for s in dropped) <= min((manager.heat(s, now) for s in kept), default=math.inf)
+    assert all(s.state is SeqState.DROPPED for s in dropped) and manager.violations() == []
+
+
+def test_counts_and_pages_follow_every_change_without_walking_the_sequences():
+    quotas = Quotas({("tenant", "a"): Quota(guaranteed=2, max=100)})
+    manager = KvManager(GEOMETRY, hash_key=b"k" * 32, quotas=quotas)
+    worker, seq_ids = parked_sessions(manager, 6, tenants=("a", "b"))
+    assert manager.state_counts()["parked"] == 6
+    holdings = {h.key: h for h in manager.holdings()}
+    assert holdings[("tenant", "a")].pages == 6 and holdings[("tenant", "b")].pages == 6
+    assert holdings[("model", "m")].pages == 12 and holdings[("tenant", "a")].sequences == {"parked": 3}
+    manager.step(worker, [Free(seq_ids[0])])
+    manager.evictions.force(seq_id=seq_ids[1], mode="drop")
+    assert manager.state_counts() == {"running": 0, "parked": 4, "swapped": 0, "dropped": 1}
+    holdings = {h.key: h for h in manager.holdings()}
+    assert holdings[("tenant", "a")].pages == 4 and holdings[("tenant", "b")].pages == 4
+    assert manager.violations() == []
+
+
+def test_a_shared_prompt_counts_once_per_tenant_and_for_each_tenant_sharing_it():
+    manager = KvManager(GEOMETRY, hash_key=b"k" * 32)
+    worker = manager.attach("w", os.getpid(), "m", BLOCK_SIZE, 0).worker_id
+    prompt = list(range(2 * BLOCK_SIZE))
+    for i, tenant in enumerate(("a", "a", "b")):
+        opened = manager.step(worker, [Open([*prompt, 90 + i], tenant=tenant, session_id=f"s{i}")]).results[0]
+        manager.step(worker, [Park(opened.seq_id, commit_to=len(prompt) + 1)])
+    holdings = {h.key: h.pages for h in manager.holdings()}
+    # 2 shared prompt pages + 1 own page each: "a" holds 2 + 2, "b" 2 + 1, the model 2 + 3
+    assert holdings == {("tenant", "a"): 4, ("tenant", "b"): 3, ("model", "m"): 5}
+    assert manager.violations() == []
+
+
+def test_memctl_check_names_a_holder_whose_counted_pages_are_not_what_its_sequences_hold():
+    manager = KvManager(GEOMETRY, hash_key=b"k" * 32)
+    parked_sessions(manager, 2, tenants=("a",))
+    manager.index.refresh()
+    manager.index.ledger.usage[("tenant", "a")] += 1              # as a bug in the bookkeeping would
+    assert manager.violations() == ["tenant 'a' is counted at 5 pages, but its sequences hold 4"]
