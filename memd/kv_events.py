@@ -23,7 +23,10 @@ int form, the digest's last 8 bytes, as vLLM's are its own: a subscriber
 indexes the token ids and parent links the events carry (llm-d's indexer
 does). The events of a change are sent once the change is committed: after
 each Step, and after whatever else changes the cache (eviction, swap-outs),
-within `FLUSH_S`.
+within `FLUSH_S`; a flush announces at most `FLUSH_BLOCKS` blocks (and
+`FLUSH_SEQS` sequences' swapped blocks), so the blocks a restarted memd
+recovered go out over several flushes, parents first, without holding its
+loop.
 
 On the wire, as vLLM's ZmqEventPublisher: a PUB socket sending (topic,
 8-byte big-endian sequence number, msgpack batch) and a ROUTER socket that
@@ -52,6 +55,8 @@ from memd.sequences import TOKEN_BYTES, Sequence
 log = structlog.get_logger("memd.kv_events")
 
 FLUSH_S = 0.01                 # changes outside Steps (evictions, swap-outs) are sent within this
+FLUSH_BLOCKS = 2_048           # pool blocks one batch announces at most (more wait for the next flush)
+FLUSH_SEQS = 1_024             # sequences whose swap-tier blocks one batch looks at, at most
 REPLAY_BATCHES = 10_000        # batches kept for replay, as vLLM's buffer_steps
 HIGH_WATER_MARK = 100_000      # batches queued for slow subscribers before PUB drops them, as vLLM's
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -152,8 +157,7 @@ class KvEvents:
 
     def _pool_changes(self) -> list[dict[str, Any]]:
         pool, pooled = self.manager.pool, self.pooled
-        changed = list(self.blocks)
-        self.blocks.clear()
+        changed = self._next_blocks()
         removed, stored = [], []
         hash_of, tokens_of, origin_of, num_blocks = pool.hash_of, pool.tokens_of, pool.origin_of, pool.num_blocks
         for block in changed:
@@ -171,10 +175,34 @@ class KvEvents:
                 stored.append(_Stored(new, parent, tokens_of[block] or b""))
         return self._removed(removed, POOL_MEDIUM) + self._stored(stored, POOL_MEDIUM)
 
+    def _next_blocks(self) -> list[int]:
+        """The changed blocks this batch announces: all of them, or (after a restart that recovered a host's
+        worth of sessions, say) FLUSH_BLOCKS and the parents they need, the rest at the next flushes, so no
+        one flush holds memd's loop for long. A block's parent still waiting goes first, in the same batch:
+        subscribers always learn of a parent before its children."""
+        pending = self.blocks
+        if len(pending) <= FLUSH_BLOCKS:
+            out = list(pending)
+            pending.clear()
+            return out
+        pool, out = self.manager.pool, []
+        while pending and len(out) < FLUSH_BLOCKS:
+            chain = [pending.pop()]
+            while (origin := pool.origin_of[chain[-1]] if chain[-1] < pool.num_blocks else None) is not None \
+                    and pool.hash_of[chain[-1]] is not None \
+                    and (parent := pool.by_hash.get(origin[0])) is not None and parent in pending:
+                pending.discard(parent)
+                chain.append(parent)
+            out += reversed(chain)
+        return out
+
     def _swap_changes(self) -> list[dict[str, Any]]:
         seqs, count = self.manager.seqs, self.swap_count
-        changed = list(self.seqs)
-        self.seqs.clear()
+        if len(self.seqs) <= FLUSH_SEQS:
+            changed = list(self.seqs)
+            self.seqs.clear()
+        else:
+            changed = [self.seqs.pop() for _ in range(FLUSH_SEQS)]
         removed, stored = [], []
         for seq_id in changed:
             old = self.swapped.pop(seq_id, [])

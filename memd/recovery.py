@@ -208,8 +208,8 @@ def _parse(seq_id: int, r: list) -> tuple[Sequence, int] | None:
             raise TypeError("model, session, turn id, salt and tenant must be strings")
     except Exception:        # any record that makes no sense is skipped
         return None
+    # (Token ids out of uint32's range never got here: the array("I") above refused them.)
     if seq.block_size <= 0 or not 0 <= seq.num_committed <= len(seq.token_ids) \
-            or not 0 <= seq.turn_start <= len(seq.token_ids) \
-            or any(not 0 <= t < 2**32 for t in seq.token_ids):
+            or not 0 <= seq.turn_start <= len(seq.token_ids):
         return None
     return seq, int(r[OWNER_PID]) if seq.state is SeqState.RUNNING else 0

@@ -188,3 +188,13 @@ def test_the_tenants_bench_runs_and_only_the_guarantee_keeps_the_quiet_tenants_s
     assert runs["noisy, guaranteed"]["cached_share_later"] == runs["alone"]["cached_share_later"] > 0.5
     assert runs["noisy, no quota"]["cached_share_later"] < runs["noisy, guaranteed"]["cached_share_later"]
     assert runs["noisy, guaranteed"]["noisy_output_tokens"] > 0 and runs["alone"]["noisy_output_tokens"] == 0
+
+
+def test_the_scale_bench_runs_and_each_evicting_step_evicts_and_a_restart_brings_every_session_back():
+    report = quick("bench_scale.py")
+    for size, row in report["sizes"].items():
+        assert row["evictions"] == row["evicting_steps"]           # every evicting Step did evict, one each
+        assert row["parked_after_restart"] == row["parked"] == int(size)      # kill -9 lost no parked session
+        assert row["events_seen"] == row["evicting_steps"]         # each new session's blocks were announced
+        assert row["bytes_per_session"] > 0 and row["recovery_first_step_s"] > 0
+    assert report["scale_step_p99_growth"] > 0 and report["scale_bytes_per_page"] > 0

@@ -83,3 +83,34 @@ def test_memctl_check_names_a_holder_whose_counted_pages_are_not_what_its_sequen
     manager.index.refresh()
     manager.index.ledger.usage[("tenant", "a")] += 1              # as a bug in the bookkeeping would
     assert manager.violations() == ["tenant 'a' is counted at 5 pages, but its sequences hold 4"]
+
+
+def test_a_restarts_worth_of_cached_blocks_is_announced_over_several_batches_each_parent_first(monkeypatch):
+    """KV events after a restart that recovered many sessions: no one flush announces them all (it would hold
+    memd's loop for seconds), and a subscriber still meets every parent before its children."""
+    from memd import kv_events
+    monkeypatch.setattr(kv_events, "FLUSH_BLOCKS", 5)
+    manager = KvManager(GEOMETRY, hash_key=b"k" * 32)
+    worker = manager.attach("w", os.getpid(), "m", BLOCK_SIZE, 0).worker_id
+    shared = list(range(2 * BLOCK_SIZE))                         # a system prompt of two blocks, then each its own
+    for i in range(6):
+        tokens = [*shared, *range(100 * (i + 1), 100 * (i + 1) + 2 * BLOCK_SIZE)]
+        opened = manager.step(worker, [Open(tokens, session_id=f"s{i}")]).results[0]
+        manager.step(worker, [Park(opened.seq_id, commit_to=len(tokens))])
+    events = kv_events.KvEvents(manager, "tcp://127.0.0.1:0")
+    batches: list[list[dict]] = []
+    monkeypatch.setattr(events, "_send", batches.append)
+    try:
+        while events.blocks or not events.cleared:
+            events.flush()
+    finally:
+        events.context.destroy(linger=0)
+    assert len(batches) > 2
+    announced: set[int] = set()
+    for batch in batches:
+        for event in batch:
+            if event["type"] == "BlockStored":
+                assert event["parent_block_hash"] is None or event["parent_block_hash"] in announced
+                announced.update(event["block_hashes"])
+    assert announced == {kv_events.event_hash(digest) for digest in manager.pool.by_hash}
+    assert len(announced) == 2 + 6 * 2
