@@ -98,15 +98,16 @@ class Evictor:
 
         groups = [[c for c in cells if is_over(c) and not c[1]], [c for c in cells if is_over(c) and c[1]],
                   [c for c in cells if not is_over(c) and not c[1]], [c for c in cells if not is_over(c) and c[1]]]
-        ref, taken = m.pool.ref, Counter[int]()
+        ref, taken, walked = m.pool.ref, Counter[int](), set[int]()
         for group in groups:
             while group:
                 restart = False
                 walk = index.coldest_parked(group)
                 try:
                     for seq in walk:
-                        if seq.seq_id in exclude or not m.evictable(seq):
-                            continue
+                        if seq.seq_id in exclude or seq.seq_id in walked or not m.evictable(seq):
+                            continue        # (a walk restarted without a guaranteed cell meets the others again)
+                        walked.add(seq.seq_id)
                         if quotas.protected(seq, going):
                             if self._at_guarantee(seq, going):
                                 group = [c for c in group if c[0] != index.views[seq.seq_id].cell]

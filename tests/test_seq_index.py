@@ -114,3 +114,20 @@ def test_a_restarts_worth_of_cached_blocks_is_announced_over_several_batches_eac
                 announced.update(event["block_hashes"])
     assert announced == {kv_events.event_hash(digest) for digest in manager.pool.by_hash}
     assert len(announced) == 2 + 6 * 2
+
+
+def test_a_holder_reaching_its_guarantee_mid_walk_leaves_the_others_counted_once():
+    """Eviction passes a tenant's sequences over once it is at its guarantee, and goes on with the others:
+    each of those counted once, however the walk went on."""
+    quotas = Quotas({("tenant", "a"): Quota(guaranteed=4)})
+    manager = KvManager(GEOMETRY, hash_key=b"k" * 32, quotas=quotas)
+    worker, seq_ids = parked_sessions(manager, 5, tenants=("a", "b", "b", "a", "a"))   # 2 pages each
+    for hotter, turns in ((1, 1), (2, 1), (3, 2), (4, 2)):      # a's first session the coldest, b's next
+        for _ in range(turns):
+            manager.step(worker, [Resume(session_id=f"s{hotter}")])
+            manager.step(worker, [Park(seq_ids[hotter])])
+    # a's first session (its 6 pages down to 4: its guarantee), then b's two; a's others stay
+    assert manager.evictions.reclaimable() == 6
+    done = manager.evictions.make_room(256, reason=EvictionReason.PRESSURE, mode="drop")
+    assert sorted(done.dropped) == sorted([seq_ids[0], seq_ids[1], seq_ids[2]])
+    assert manager.violations() == []
