@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -209,8 +210,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-async def probe(host: Host, tokens: Tokens, events: EventWatch, small_steps: int, evicting_steps: int,
-                sessions: int) -> dict:
+async def probe(host: Host, tokens: Tokens, events: EventWatch, small_steps: int, evicting_steps: int) -> dict:
     """The stepping worker: small Steps with a few pages free, then evicting Steps with none; operator calls."""
     client = await MemdClient.attach(host.address, name="stepper", block_size=BLOCK_SIZE, map_memory=False)
     admin = MemdAdmin(host.address, timeout_s=600.0)
@@ -223,8 +223,10 @@ async def probe(host: Host, tokens: Tokens, events: EventWatch, small_steps: int
         ballast = await client.step(Open(tokens.take(1), reserve=(stats.free_blocks - spare) * BLOCK_SIZE - 1))
         windows = [await asyncio.to_thread(host.metrics)]
 
+        turn = itertools.count()
+
         async def small() -> list[float]:
-            opened = await client.step(Open(tokens.take(BLOCK_SIZE), tenant=f"t{len(tokens.take(1)) % TENANTS}"))
+            opened = await client.step(Open(tokens.take(BLOCK_SIZE), tenant=f"t{next(turn) % TENANTS}"))
             t0 = time.perf_counter()
             await client.step(Park(opened[0].seq_id, commit_to=BLOCK_SIZE))
             t1 = time.perf_counter()
@@ -321,7 +323,7 @@ def run_size(work: Path, pages: int, sessions: int, small_steps: int, evicting_s
             asyncio.run(fill(host, sessions, tokens))
             out["fill_s"] = time.perf_counter() - started
             out["bytes_per_session"] = (host.anon_bytes() - empty) / sessions
-            out.update(asyncio.run(probe(host, tokens, events, small_steps, evicting_steps, sessions)))
+            out.update(asyncio.run(probe(host, tokens, events, small_steps, evicting_steps)))
         finally:
             events.close()
         before = host.anon_bytes()

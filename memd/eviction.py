@@ -85,10 +85,7 @@ class Evictor:
         k log n, whatever memd holds.
         """
         m, index, quotas = self.m, self.m.index, self.m.quotas
-        index.refresh()
-        going = Going(index.ledger, quotas.table)
-        for job in m.swap_jobs.values():      # going already: their holders keep none of their pages
-            going.take(job.seq)
+        going = self._going()
         over = {key for key, _ in quotas.over({key: going.usage(key) for key in quotas.table})}
         cells = [cell for cell in index.cells() if m.swap is not None or not cell[1]]
         holders = index.ledger.cells
@@ -128,6 +125,16 @@ class Evictor:
                 if not restart:
                     break
 
+    def _going(self) -> Going:
+        """Holders' pages for a walk, the index brought up to date first; swap-outs in flight are going already:
+        their holders keep none of their pages."""
+        m = self.m
+        m.index.refresh()
+        going = Going(m.index.ledger, m.quotas.table)
+        for job in m.swap_jobs.values():
+            going.take(job.seq)
+        return going
+
     def _at_guarantee(self, seq: Sequence, going: Going) -> bool:
         """One of `seq`'s holders is at or below its guaranteed pages: none of its sequences may go."""
         table = self.m.quotas.table
@@ -143,10 +150,7 @@ class Evictor:
         """A holder's own evictable parked sequences, coldest first, each with the pages the holder stops
         holding when it goes (those none of its other sequences hold). Read lazily, as `_walk`."""
         m, index, quotas = self.m, self.m.index, self.m.quotas
-        index.refresh()
-        going = Going(index.ledger, quotas.table)
-        for job in m.swap_jobs.values():
-            going.take(job.seq)
+        going = self._going()
         holders = index.ledger.cells
         cells = [c for c in index.cells() if key in holders[c[0]] and (m.swap is not None or not c[1])]
         walk = index.coldest_parked(cells)       # a promise stays, with no swap tier to keep it in

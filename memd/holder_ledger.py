@@ -15,7 +15,7 @@ holder's usage moves when a page gains its first holder of that holder's,
 or loses its last.
 
 `memd.seq_index` feeds it from what changed; `memctl check` compares it with
-a count from the sequences (`recount`).
+a count from the sequences' tables (memd.invariants).
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ class HolderLedger:
                 if key not in present:
                     usage[key] += 1
 
-    def remove(self, cell: int, blocks: Iterable[int]) -> int:
-        """Returns how many pages it did not hold for that cell (none, unless the ledger went wrong)."""
+    def remove(self, cell: int, blocks: Iterable[int]) -> None:
+        """A page it does not hold for that cell is passed over (memctl check names the holder gone wrong)."""
         sole, usage, keys = self.sole, self.usage, self.cells[cell]
-        mark, missing = cell + 1, 0
+        mark = cell + 1
         for block in blocks:
             held = sole[block]
             if held == mark:
@@ -90,7 +90,6 @@ class HolderLedger:
                 continue
             counts = self.many.get(block) if held == MANY else None
             if counts is None or not counts.get(cell):
-                missing += 1
                 continue
             counts[cell] -= 1
             if not counts[cell]:
@@ -103,7 +102,6 @@ class HolderLedger:
                 (only,) = counts
                 sole[block] = only + 1
                 del self.many[block]
-        return missing
 
     def _keys_in(self, counts: Counter[int]) -> set[Key]:
         cells = self.cells
@@ -118,14 +116,6 @@ class HolderLedger:
             return 1 if key in self.cells[held - 1] else 0
         cells = self.cells
         return sum(n for cell, n in self.many[block].items() if key in cells[cell])
-
-    def recount(self, seqs: Iterable[Sequence]) -> Counter[Key]:
-        """Every holder's usage counted from the sequences themselves (memctl check compares it with `usage`)."""
-        refs: dict[Key, set[int]] = {}
-        for seq in seqs:
-            for key in keys_of(seq):
-                refs.setdefault(key, set()).update(seq.block_ids)
-        return Counter({key: len(blocks) for key, blocks in refs.items() if blocks})
 
 
 class Going:

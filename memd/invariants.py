@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from memd import state_copy
 from memd.collector import collections_paused
+from memd.quotas import Key, keys_of
 from memd.sequences import blocks_for
 from memd.state_copy import SeqCopy, StateCopy
 
@@ -120,14 +121,14 @@ def _manager_rules(c: StateCopy, pool: BlockPool, out: list[str]) -> Iterator[No
     # blocks rehashes it whole, tens of milliseconds in one go.
     counted = bytearray(8 * c.num_blocks)
     tables = memoryview(counted).cast("q")
-    held: dict[tuple[str, str], set[int]] = {}        # per tenant and model: the pages its sequences hold
+    held: dict[Key, set[int]] = {}        # per tenant and model: the pages its sequences hold
     for n, seq in enumerate(c.seqs.values(), 1):
         out += _seq_rules(c, seq)
         for block in seq.block_ids:
             if 0 <= block < c.num_blocks:                 # one outside the pool: _seq_rules names it
                 tables[block] += 1
         if seq.block_ids:
-            for key in (("tenant", seq.tenant), ("model", seq.model)) if seq.tenant else (("model", seq.model),):
+            for key in keys_of(seq):
                 held.setdefault(key, set()).update(seq.block_ids)
         if n % SEQ_SLICE == 0:
             yield

@@ -185,16 +185,22 @@ class KvEvents:
             out = list(pending)
             pending.clear()
             return out
-        pool, out = self.manager.pool, []
+        out: list[int] = []
         while pending and len(out) < FLUSH_BLOCKS:
             chain = [pending.pop()]
-            while (origin := pool.origin_of[chain[-1]] if chain[-1] < pool.num_blocks else None) is not None \
-                    and pool.hash_of[chain[-1]] is not None \
-                    and (parent := pool.by_hash.get(origin[0])) is not None and parent in pending:
+            while (parent := self._waiting_parent(chain[-1])) is not None:
                 pending.discard(parent)
                 chain.append(parent)
             out += reversed(chain)
         return out
+
+    def _waiting_parent(self, block: int) -> int | None:
+        """The block of `block`'s cached parent, if it is still to be announced."""
+        pool = self.manager.pool
+        if block >= pool.num_blocks or pool.hash_of[block] is None or (origin := pool.origin_of[block]) is None:
+            return None                          # the free queue's sentinel, or no prefix cached there
+        parent = pool.by_hash.get(origin[0])
+        return parent if parent is not None and parent in self.blocks else None
 
     def _swap_changes(self) -> list[dict[str, Any]]:
         seqs, count = self.manager.seqs, self.swap_count

@@ -116,7 +116,14 @@ def describe(key: Key) -> str:
     return f"{key[0]} {key[1]!r}"
 
 
-def keys_of(seq: Sequence) -> tuple[Key, ...]:
+class Owned(Protocol):
+    """Whose a sequence is: a Sequence, or its row in a state copy (memd.state_copy.SeqCopy)."""
+
+    tenant: str
+    model: str
+
+
+def keys_of(seq: Owned) -> tuple[Key, ...]:
     """The holders a sequence counts for: its tenant (if it has one) and its model."""
     return (("tenant", seq.tenant), ("model", seq.model)) if seq.tenant else (("model", seq.model),)
 

@@ -53,6 +53,7 @@ class Indexed(Protocol):
     heat_decay: float
     heat_interval_s: float
 
+
 Cell = tuple[int, bool]          # (ledger cell id, retained): one heap of PARKED sequences each
 SWEEP_SLACK = 4096               # stale heap entries tolerated beyond the live ones
 
@@ -60,7 +61,7 @@ SWEEP_SLACK = 4096               # stale heap entries tolerated beyond the live 
 class _View:
     """A sequence as the index last counted it."""
 
-    __slots__ = ("blocks", "cell", "heap", "holders", "last_access", "promise", "rank", "slots", "state")
+    __slots__ = ("blocks", "cell", "heap", "last_access", "promise", "rank", "slots", "state")
 
     def __init__(self, state: SeqState, cell: int, blocks: list[int], slots: int) -> None:
         self.state, self.cell, self.blocks, self.slots = state, cell, blocks, slots
@@ -68,7 +69,6 @@ class _View:
         self.rank: float | None = None       # its rank there (or in the swapped heap)
         self.last_access: float | None = None     # its idle-TTL entry, if it has one
         self.promise: tuple[Key, int, float] | None = None      # (holder, pages, until) while retained
-        self.holders: tuple[Key, ...] = ()
 
 
 class SeqIndex:
@@ -115,7 +115,7 @@ class SeqIndex:
             self._sweep()
 
     def mark(self) -> None:
-        """A Step begins: note what is read from here on, for `rolled_back`."""
+        """A Step begins: note what is read from here on, for `settled`."""
         self.refreshed = set()
 
     def settled(self, rolled_back: bool) -> None:
@@ -131,7 +131,7 @@ class SeqIndex:
         if old is not None:
             self.by_state[old.state] -= 1
             self.swapped_slots -= old.slots
-            for key in old.holders:
+            for key in ledger.cells[old.cell]:
                 self.holder_states[key][old.state.value] -= 1
             if old.promise is not None:
                 self.retained[old.promise[0]] -= old.promise[1]
@@ -156,11 +156,10 @@ class SeqIndex:
             ledger.add(cell, new)
             blocks = list(new)
         view = _View(seq.state, cell, blocks, len(seq.slots))
-        view.holders = ledger.cells[cell]
         self.views[seq_id] = view
         self.by_state[seq.state] += 1
         self.swapped_slots += view.slots
-        for key in view.holders:
+        for key in ledger.cells[cell]:
             self.holder_states.setdefault(key, Counter())[seq.state.value] += 1
         kept = seq.retain_until > wall
         if kept:
