@@ -218,6 +218,7 @@ class KvManager:
         worker = self.worker(worker_id, lease)
         worker.last_seen = time.monotonic()
         txn = StepTxn(self, worker, UndoLog(), remote or RemoteLookups())
+        freed_before = self.pool.freed
         out = txn.outcome
         self.pool.undo = txn.undo
         ran: list[Op] = []
@@ -261,7 +262,8 @@ class KvManager:
             self.call_off(job)
         # A page this Step took and gave back needs no effect: it is free again, and
         # zeroed when next handed out. Late effects on a free page could hit its next tenant.
-        out.effects = [kept for e in out.effects if (kept := self._on_held_pages(e)) is not None]
+        if self.pool.freed != freed_before:
+            out.effects = [kept for e in out.effects if (kept := self._on_held_pages(e)) is not None]
         return out
 
     def _on_held_pages(self, effect: PageEffect) -> PageEffect | None:

@@ -253,6 +253,8 @@ class BlockPool:
         # committed block's until the page is handed out again, a parked partial block's until resumed.
         self.checksum = array("Q", bytes(8 * num_blocks))
         self.undo: UndoLog | None = None
+        # Pages that became free, ever: a Step that freed none has no effect on a page it gave back (memd.manager).
+        self.freed = 0
         # Blocks whose ref count, access time, prefix hash, checksum or queue links changed, one set per reader
         # that copies the pool a slice at a time between Steps (memd.state_copy): it copies them again at the end.
         self.watches: list[set[int]] = self.free.watches
@@ -358,6 +360,7 @@ class BlockPool:
         uncached.reverse()                       # each pushed to the front in turn: the last one ends first
         self.free.put_front(uncached)
         self.free.put_back(cached)
+        self.freed += len(uncached) + len(cached)
         return len(uncached) + len(cached)
 
     def _undo_release_n(self, blocks: tuple[int, ...], last_access: tuple[float, ...]) -> None:
@@ -429,6 +432,7 @@ class BlockPool:
             else:
                 self.free.push_back(block)
             self.last_access[block] = time.monotonic()
+            self.freed += 1
         return freed
 
     def _undo_decref(self, block: int, freed: bool, last_access: float) -> None:
