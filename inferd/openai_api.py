@@ -365,13 +365,14 @@ class OpenAIServer:
         return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     async def health(self, http: HttpRequest) -> Response:
-        """200 while requests can be served: attached to memd and not draining (a balancer's check)."""
+        """200 while requests can be served: attached to memd and not draining (a balancer's check). Its body
+        names the model served and its K/V's namespace in memd: kvroute routes by them."""
         scheduler = self.engine.scheduler
         if scheduler is None:
             return JSONResponse({"status": "not attached to memd"}, status_code=503)
         if scheduler.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "model": self.model_name, "kv_namespace": self.engine.namespace})
 
     async def reset_prefix_cache(self, http: HttpRequest, request_id: str) -> Response:
         """vLLM's: the cached prefixes of this worker's model leave memd's prefix cache (a load test's clean

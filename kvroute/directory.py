@@ -7,6 +7,11 @@ followed: the session is placed like a new one and its KV, parked in memd or
 published to the store, is found from wherever it lands. Of the store's entry
 and the one this kvroute holds, the later-expiring wins (the newer turn).
 
+A session reset through kvroute (DELETE /v1/sessions/NAME) leaves a
+tombstone: an entry naming no worker, expiring after a whole TTL, so it is
+later than any entry another kvroute still holds for the session and wins
+over it; the session's next turn is placed like a new one's.
+
 Writes happen beside the answer, never before it. A store that does not
 answer within DEADLINE_S, or refuses a write, is left alone for BACK_OFF_S
 (one log line per such window), and this kvroute routes by what it saw itself
@@ -71,7 +76,15 @@ class SessionDirectory:
                 self._remember(key, stored)
             elif held is not None and held.expires > time.time() and self._store_answers():
                 self._write_soon(key, held)    # newer here: written while the store was away, or it lost the entry
-        return held.worker if held is not None and held.expires > time.time() else None
+        return held.worker if held is not None and held.expires > time.time() and held.worker else None
+
+    def forget_soon(self, model: str, session: str) -> None:
+        """The session was reset: no worker holds it now (a tombstone, written beside the answer)."""
+        key = entry_key(model, session)
+        entry = Entry("", time.time() + self.ttl_s)
+        self._remember(key, entry)
+        if self._store_answers():
+            self._write_soon(key, entry)
 
     def record_soon(self, model: str, session: str, worker: str) -> None:
         """The session is served by `worker` now; written unless the entry says so for half its life still."""

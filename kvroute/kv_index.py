@@ -9,6 +9,13 @@ ids the events carry, parent first, as llm-d's indexer does: the same tokens
 after the same prefix are the same key on every host, and a request's prompt
 is keyed the same way (`keys`). Only the pool ("GPU") counts: blocks in the
 swap tier serve only their own session, which its directory entry routes.
+
+A pool holds several models' caches, and a model's cache is split by salt
+(a request's `cache_salt`, a tenant's name): memd sends each model's batches
+under its own topic (`kv@<host>@<model>`, llm-d's form) and a salted chain's
+first block carries its salt in `extra_keys`, as vLLM's do. So there is an
+index per model, and a salted chain starts from a key of its salt: a prompt
+is matched only against the blocks its model and salt would reuse.
 """
 
 from __future__ import annotations
@@ -40,9 +47,14 @@ def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
 
 
-def keys(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The keys of a prompt's full blocks, in order."""
-    out, parent = [], b""
+def root_key(salt: str) -> bytes:
+    """The parent key of a chain's first block: b"" unsalted, else one of the salt's own."""
+    return hashlib.blake2b(b"salt\0" + salt.encode(), digest_size=16).digest() if salt else b""
+
+
+def keys(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
+    """The keys of a prompt's full blocks, in order, as cached under `salt`."""
+    out, parent = [], root_key(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_key(parent, token_ids[start:start + block_size])
         out.append(parent)
@@ -80,7 +92,7 @@ class PoolIndex:
     def _stored(self, event: dict[str, Any]) -> None:
         size, tokens = event.get("block_size") or 0, event.get("token_ids") or []
         parent_hash = event.get("parent_block_hash")
-        parent = b"" if parent_hash is None else self.key_of.get(parent_hash)
+        parent = root_key(_salt(event.get("extra_keys"))) if parent_hash is None else self.key_of.get(parent_hash)
         if parent is None or size <= 0:
             return                               # its parent left before it came: no prompt can reach it
         self.block_size = size
@@ -100,6 +112,21 @@ class PoolIndex:
         return count
 
 
+def _salt(extra_keys: Any) -> str:
+    """The salt a chain's first block names in its extra keys (vLLM's: untagged, the salt its one string after
+    a LoRA name); "" if none."""
+    first = extra_keys[0] if isinstance(extra_keys, list | tuple) and extra_keys else None
+    if not isinstance(first, list | tuple):
+        return ""
+    return next((key for key in reversed(first) if isinstance(key, str)), "")
+
+
+def model_of(topic: bytes) -> str:
+    """The model a batch's topic names (`kv@<host>@<model>`); "" for a topic of another form (one index)."""
+    parts = topic.decode(errors="replace").split("@", 2)
+    return parts[2] if len(parts) == 3 and parts[0] == "kv" else ""
+
+
 @dataclass(eq=False)
 class EventSource:
     """One memd's events and the workers that draw from its pool."""
@@ -107,7 +134,7 @@ class EventSource:
     endpoint: str
     replay: str
     workers: list[str]
-    index: PoolIndex = field(default_factory=PoolIndex)
+    indexes: dict[str, PoolIndex] = field(default_factory=dict)      # by model ("": a topic naming none)
     last_seq: int = -1
     batches: int = 0
     gaps: int = 0
@@ -131,10 +158,11 @@ class EventSource:
                     self.gaps += 1
                     if seq == 0:
                         self.last_seq = -1
+                        self.indexes.clear()             # the new one says what it holds, model by model
                     await self._catch_up(context)
                     if seq <= self.last_seq:
                         continue
-                self._take(seq, frames[2])
+                self._take(seq, frames[0], frames[2])
         finally:
             sub.close()
 
@@ -155,17 +183,25 @@ class EventSource:
                         if seq < 0:
                             return
                         if seq > self.last_seq:
-                            self._take(seq, frames[3])
+                            self._take(seq, frames[1], frames[3])
                 except TimeoutError:
                     log.info("memd's KV-event replay does not answer yet", replay=self.replay)
         finally:
             dealer.close()
 
-    def _take(self, seq: int, payload: bytes) -> None:
+    def index(self, model: str) -> PoolIndex | None:
+        """`model`'s blocks in this pool (those of a topic naming no model, if that is how memd sends them)."""
+        return self.indexes.get(model) or self.indexes.get("")
+
+    def _take(self, seq: int, topic: bytes, payload: bytes) -> None:
         with contextlib.suppress(ValueError, msgpack.UnpackException, TypeError):
             batch = msgpack.unpackb(payload, raw=False)
             if isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list):
-                self.index.apply(batch[1])
+                model = model_of(topic)
+                index = self.indexes.get(model)
+                if index is None:
+                    index = self.indexes[model] = PoolIndex()
+                index.apply(batch[1])
         self.last_seq = seq
         self.batches += 1
 

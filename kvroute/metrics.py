@@ -55,7 +55,7 @@ class RouteMetrics(Collector):
             gaps = CounterMetricFamily("kvpool_route_kv_gaps", "times a memd's KV events were caught up from its "
                                        "replay socket (batches missed, or a new memd)", labels=["events"])
             for source in self.sources:
-                blocks.add_metric([source.endpoint], len(source.index.key_of))
+                blocks.add_metric([source.endpoint], sum(len(index.key_of) for index in source.indexes.values()))
                 batches.add_metric([source.endpoint], source.batches)
                 gaps.add_metric([source.endpoint], source.gaps)
             yield blocks

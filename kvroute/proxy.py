@@ -99,27 +99,33 @@ class Router:
         # The directory keeps a tenant's sessions under its name, as memd does (the worker names it itself).
         session = http.state.tenant.session(http.headers.get(SESSION_HEADER) or None)
         model = str(body.get("model", "")) if isinstance(body, dict) else ""
+        salt = _salt_of(http, body)
         key = prefix_key(body)
-        choice = await self._place(key, session, model, http if body is not None else None, raw)
+        choice = await self._place(key, session, model, http if body is not None else None, raw, salt)
         if choice is None:
             return self._unplaced()
         worker, reason = choice
         return await self._forward(http, raw, worker, reason, key=key, session=session, model=model)
 
-    def _place_by_blocks(self, tokens: list[int], up: list[Worker]) -> tuple[Worker, str] | None:
-        """--kv-events: the worker whose pool holds the longest run of the prompt's leading blocks, if its load
-        is within the slack of the least loaded's; None to place by the text rule."""
+    def _place_by_blocks(self, tokens: list[int], up: list[Worker], salt: str) -> tuple[Worker, str] | None:
+        """--kv-events: the worker whose pool holds the longest run of the prompt's leading blocks (of its model,
+        under the request's salt), if its load is within the slack of the least loaded's; None to place by the
+        text rule."""
         best, holders = 0, []
         for source in self.sources:
-            size = source.index.block_size
-            if not size:
-                continue
-            matched = source.index.matched(keys(tokens, size))
-            on = [w for w in up if w.url in source.workers]
-            if matched > best and on:
-                best, holders = matched, on
-            elif matched == best and matched:
-                holders += on
+            by_namespace: dict[str, list[Worker]] = {}
+            for w in up:
+                if w.url in source.workers:
+                    by_namespace.setdefault(w.namespace, []).append(w)
+            for namespace, on in by_namespace.items():
+                index = source.index(namespace)
+                if index is None or not index.block_size:
+                    continue
+                matched = index.matched(keys(tokens, index.block_size, salt))
+                if matched > best:
+                    best, holders = matched, list(on)
+                elif matched == best and matched:
+                    holders += on
         if not holders:
             return None
         chosen = min(holders, key=lambda w: w.load)
@@ -172,6 +178,9 @@ class Router:
         if unsure:
             status, body = unsure[0]
             return JSONResponse(body, status_code=status)
+        session = http.state.tenant.session(http.path_params["session_id"])
+        for model in {w.model for w in self.workers.all if w.model is not None} | {""}:
+            self.directory.forget_soon(model, session)          # its next turn is placed like a new session's
         found = [body for _, status, body in answers if status == 200]
         return JSONResponse(found[0]) if found else JSONResponse(answers[0][2], status_code=404)
 
@@ -197,11 +206,12 @@ class Router:
         return list(await asyncio.gather(*(one(w) for w in up))) + down
 
     async def _place(self, key: bytes | None, session: str | None, model: str, http: HttpRequest | None = None,
-                     raw: bytes = b"") -> tuple[Worker, str] | None:
-        """The session's worker, else by the pools' blocks (--kv-events), else by text and load. Whatever is
-        awaited comes first: loads are read where the choice is made, with nothing awaited before the request
-        is counted in flight, so requests arriving together see one another."""
-        up = self.workers.up()
+                     raw: bytes = b"", salt: str = "") -> tuple[Worker, str] | None:
+        """The session's worker, else by the pools' blocks (--kv-events), else by text and load; among the
+        workers serving `model`. Whatever is awaited comes first: loads are read where the choice is made,
+        with nothing awaited before the request is counted in flight, so requests arriving together see one
+        another."""
+        up = self.workers.up(model)
         if not up:
             return None
         if session is not None:
@@ -210,12 +220,12 @@ class Router:
             if worker is not None and worker.up:
                 return worker, "affinity"
             if worker is not None:                               # its worker left: the KV comes from the store
-                return place(key, self.workers.up() or up, self.slack).worker, "failover"
+                return place(key, self.workers.up(model) or up, self.slack).worker, "failover"
         tokens = await self._render(http, raw, up) if self.sources and http is not None else None
-        up = self.workers.up()
+        up = self.workers.up(model)
         if not up:
             return None
-        if tokens is not None and (by_blocks := self._place_by_blocks(tokens, up)) is not None:
+        if tokens is not None and (by_blocks := self._place_by_blocks(tokens, up, salt)) is not None:
             return by_blocks
         placed = place(key, up, self.slack)
         return placed.worker, placed.reason
@@ -240,13 +250,13 @@ class Router:
                 return error(502, f"the worker {worker.url} dropped the request ({_describe(exc)})",
                              code="worker_dropped")
             else:
-                if upstream.status_code != 503 or not self._untried(tried | {worker}):
+                if upstream.status_code != 503 or not self._untried(tried | {worker}, model):
                     break
                 worker.in_flight -= 1                              # draining, or memd away: another may take it
                 await upstream.aclose()
             self.metrics.upstream_errors.labels(worker.url).inc()
             tried.add(worker)
-            left = self._untried(tried)
+            left = self._untried(tried, model)
             if not left:
                 return self._unplaced()
             worker, reason, retried = place(key, left, self.slack).worker, "failover", False
@@ -265,8 +275,8 @@ class Router:
             worker.in_flight -= 1
             raise
 
-    def _untried(self, tried: set[Worker]) -> list[Worker]:
-        return [w for w in self.workers.up() if w not in tried]
+    def _untried(self, tried: set[Worker], model: str) -> list[Worker]:
+        return [w for w in self.workers.up(model) if w not in tried]
 
     async def _send(self, http: HttpRequest, raw: bytes, worker: Worker) -> httpx.Response:
         headers = _end_to_end(http.headers.raw)
@@ -338,6 +348,13 @@ def _end_to_end(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
 def _passed_on(http: HttpRequest, *names: bytes) -> list[tuple[bytes, bytes]]:
     """The client's headers of these names (lower case) that a proxy passes on, for a call of kvroute's own."""
     return [(k, v) for k, v in _end_to_end(http.headers.raw) if k.lower() in names]
+
+
+def _salt_of(http: HttpRequest, body: Any) -> str:
+    """The salt the request's prompt is cached under in memd: its tenant's and its `cache_salt`, as the worker
+    names it (shared.tenants)."""
+    asked = body.get("cache_salt") if isinstance(body, dict) else None
+    return http.state.tenant.salt(asked if isinstance(asked, str) and asked else None) or ""
 
 
 def _describe(exc: BaseException) -> str:

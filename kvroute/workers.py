@@ -32,6 +32,12 @@ class Worker:
     why_down: str = "not checked yet"
     queued: int = 0                            # running + waiting at the last scrape
     in_flight: int = 0                         # this kvroute's requests there now
+    model: str | None = None                   # the model it serves (its API's name), by its /health
+    namespace: str = ""                        # its K/V's namespace in memd (memd's KV events' topics name it)
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for `model` is this worker's ("": any; a worker not yet heard from: maybe)."""
+        return not model or self.model is None or self.model == model
 
     @property
     def load(self) -> int:
@@ -44,8 +50,11 @@ class Workers:
         self.by_url = {w.url: w for w in self.all}
         self.client, self.interval_s = client, interval_s
 
-    def up(self) -> list[Worker]:
-        return [w for w in self.all if w.up]
+    def up(self, model: str = "") -> list[Worker]:
+        """The workers up; those serving `model`, if any does (else all of them: one says it has no such model)."""
+        up = [w for w in self.all if w.up]
+        serving = [w for w in up if w.serves(model)]
+        return serving or up
 
     def failed(self, worker: Worker, why: str) -> None:
         """A request could not reach `worker`: out until a check passes."""
@@ -78,6 +87,9 @@ class Workers:
             return
         if metrics.status_code == 200:
             worker.queued = _queued(metrics.text)
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            said = health.json()
+            worker.model, worker.namespace = str(said["model"]), str(said.get("kv_namespace", ""))
         self._mark(worker, True, "")
 
     def _mark(self, worker: Worker, up: bool, why: str) -> None:

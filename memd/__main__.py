@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from memd.kv_events import DEFAULT_TOPIC
 from memd.memory import PoolMemoryError
 from memd.startup import StartupError, run
 from memd.state_dir import StateError
@@ -87,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--kv-events-replay", metavar="tcp://HOST:PORT",
                         help="the replay socket (ROUTER) for subscribers that missed batches (default: the next "
                              "port after --kv-events)")
-    events.add_argument("--kv-events-topic", default="",
-                        help="the topic every batch is sent under; {host} is this host's name (default: none, as "
-                             "vLLM's)")
+    events.add_argument("--kv-events-topic", default=DEFAULT_TOPIC,
+                        help="the topic a model's batches are sent under; {host} is this host's name, {model} the "
+                             "model's namespace (default: kv@{host}@{model}, as llm-d's indexer reads them)")
     p.add_argument("--metrics-port", type=port, default=0,
                    help="serve Prometheus metrics over HTTP on this port; 0 = off (default: 0)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: 127.0.0.1)")

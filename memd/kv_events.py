@@ -28,6 +28,17 @@ within `FLUSH_S`; a flush announces at most `FLUSH_BLOCKS` blocks (and
 recovered go out over several flushes, parents first, without holding its
 loop.
 
+A block cached under a salt (a request's `cache_salt`, a tenant's name: see
+`shared.tenants`) says so as vLLM's do, in `extra_keys`: the salt on the
+first block of its chain, the one whose hash it enters; its children differ
+through their parent. A router keys such a chain apart from the same tokens
+unsalted, as memd does.
+
+One memd serves several models (a namespace each): each batch holds one
+model's events, sent under that model's topic (`DEFAULT_TOPIC`, llm-d's
+`kv@<pod>@<model>`). The sequence numbers count the publisher's batches, every
+model's: a subscriber of one model's topic sees the others' as gaps.
+
 On the wire, as vLLM's ZmqEventPublisher: a PUB socket sending (topic,
 8-byte big-endian sequence number, msgpack batch) and a ROUTER socket that
 replays the batches still buffered from a sequence number on, then an end
@@ -61,6 +72,7 @@ REPLAY_BATCHES = 10_000        # batches kept for replay, as vLLM's buffer_steps
 HIGH_WATER_MARK = 100_000      # batches queued for slow subscribers before PUB drops them, as vLLM's
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 POOL_MEDIUM, SWAP_MEDIUM = "GPU", "CPU"
+DEFAULT_TOPIC = "kv@{host}@{model}"    # llm-d's indexer reads the pod and the model from a topic of this form
 
 
 def event_hash(digest: bytes) -> int:
@@ -73,20 +85,44 @@ def _token_ids(chunk: bytes) -> list[int]:
 
 
 class _Stored:
-    """One block to announce: its digest, its parent's (b"": none), its token bytes."""
+    """One block to announce: its digest, its parent's (b"": none), its token bytes, its chain's salt."""
 
-    __slots__ = ("digest", "parent", "tokens")
+    __slots__ = ("digest", "parent", "salt", "tokens")
 
-    def __init__(self, digest: bytes, parent: bytes, tokens: bytes) -> None:
-        self.digest, self.parent, self.tokens = digest, parent, tokens
+    def __init__(self, digest: bytes, parent: bytes, tokens: bytes, salt: str = "") -> None:
+        self.digest, self.parent, self.tokens, self.salt = digest, parent, tokens, salt
+
+
+class _Announced:
+    """What the subscribers of one model's topic were told: the pool's cached blocks (by block), the swap tier's
+    (by sequence, with a count per digest: a block two sequences share is announced once)."""
+
+    __slots__ = ("pooled", "swap_count", "swapped")
+
+    def __init__(self) -> None:
+        self.pooled: dict[int, bytes] = {}
+        self.swapped: dict[int, list[bytes]] = {}
+        self.swap_count: Counter[bytes] = Counter()
+
+
+class _Batches:
+    """One flush's events, by model: each model's go out as a batch under its own topic."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[dict[str, Any]]] = {}
+
+    def add(self, model: str, events: list[dict[str, Any]]) -> None:
+        if events:
+            self.events.setdefault(model, []).extend(events)
 
 
 class KvEvents:
     """The publisher: diffs what the pool's prefix cache and the swap tier hold against what it announced."""
 
     def __init__(self, manager: KvState, endpoint: str, replay_endpoint: str | None = None,
-                 topic: str = "") -> None:
-        self.manager, self.topic = manager, topic.format(host=socket.gethostname())
+                 topic: str = DEFAULT_TOPIC) -> None:
+        self.manager, self.topic = manager, topic
+        self.host = socket.gethostname()
         self.context = zmq.asyncio.Context()
         self.pub = self.context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
@@ -101,13 +137,9 @@ class KvEvents:
             self.replay.bind(replay_endpoint)
             self.replay_endpoint = self.replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.next_seq = 0
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
+        self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self.dropped = 0
-        # What subscribers were told: the pool's cached blocks (by block), the swap tier's (by sequence,
-        # with a count per digest: a block two sequences share is announced once).
-        self.pooled: dict[int, bytes] = {}
-        self.swapped: dict[int, list[bytes]] = {}
-        self.swap_count: Counter[bytes] = Counter()
+        self.announced: dict[str, _Announced] = {}        # by model
         # At the first flush, every block the prefix cache holds (those memd recovered); later, those changed.
         self.blocks: set[int] = set(manager.pool.by_hash.values())
         self.seqs: set[int] = set(manager.seqs)
@@ -116,11 +148,16 @@ class KvEvents:
         self.cleared = False
         self._tasks: list[asyncio.Task[None]] = []
 
+    def topic_of(self, model: str) -> bytes:
+        """The topic `model`'s batches go out under: --kv-events-topic with {host} and {model} filled in."""
+        return self.topic.format(host=self.host, model=model).encode()
+
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._flushing(), name="kv-events"))
         if self.replay is not None:
             self._tasks.append(asyncio.create_task(self._replaying(), name="kv-events-replay"))
-        log.info("publishing KV events", endpoint=self.endpoint, replay=self.replay_endpoint, topic=self.topic)
+        log.info("publishing KV events", endpoint=self.endpoint, replay=self.replay_endpoint,
+                 topic=self.topic.format(host=self.host, model="{model}"))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -143,37 +180,55 @@ class KvEvents:
     # ---- what changed ---------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Announce what changed since the last flush, as one batch (none if nothing did)."""
-        events: list[dict[str, Any]] = []
+        """Announce what changed since the last flush: a batch per model that changed (none if nothing did)."""
+        batches = _Batches()
         if not self.cleared:
-            events.append({"type": "AllBlocksCleared"})
+            # Whatever a subscriber kept of an earlier memd is gone: said on every model's topic memd knows of.
+            models = {seq.model for seq in self.manager.seqs.values()} or {""}
+            for model in sorted(models):
+                batches.add(model, [{"type": "AllBlocksCleared"}])
             self.cleared = True
         if self.blocks:
-            events += self._pool_changes()
+            self._pool_changes(batches)
         if self.seqs:
-            events += self._swap_changes()
-        if events:
-            self._send(events)
+            self._swap_changes(batches)
+        for model, events in batches.events.items():
+            self._send(model, events)
 
-    def _pool_changes(self) -> list[dict[str, Any]]:
-        pool, pooled = self.manager.pool, self.pooled
+    def _view(self, model: str) -> _Announced:
+        view = self.announced.get(model)
+        if view is None:
+            view = self.announced[model] = _Announced()
+        return view
+
+    def _pool_changes(self, batches: _Batches) -> None:
+        pool = self.manager.pool
         changed = self._next_blocks()
-        removed, stored = [], []
+        removed: dict[str, list[bytes]] = {}
+        stored: dict[str, list[_Stored]] = {}
         hash_of, tokens_of, origin_of, num_blocks = pool.hash_of, pool.tokens_of, pool.origin_of, pool.num_blocks
+        views = self.announced
         for block in changed:
             if block >= num_blocks:
                 continue                             # the free queue's sentinel
-            old, new = pooled.get(block), hash_of[block]
+            new = hash_of[block]
+            old, was = None, ""
+            for model, view in views.items():        # a model or two: the one it was announced under
+                if (old := view.pooled.get(block)) is not None:
+                    was = model
+                    break
             if old == new:
-                continue
+                continue                             # (a digest covers its model: the same one)
             if old is not None:
-                removed.append(old)
-                del pooled[block]
+                removed.setdefault(was, []).append(old)
+                del views[was].pooled[block]
             if new is not None:
-                pooled[block] = new
-                parent = (origin_of[block] or (b"", ""))[0]
-                stored.append(_Stored(new, parent, tokens_of[block] or b""))
-        return self._removed(removed, POOL_MEDIUM) + self._stored(stored, POOL_MEDIUM)
+                parent, model, salt = origin_of[block] or (b"", "", "")
+                self._view(model).pooled[block] = new
+                stored.setdefault(model, []).append(_Stored(new, parent, tokens_of[block] or b"", salt))
+        for model in removed.keys() | stored.keys():
+            batches.add(model, self._removed(removed.get(model, []), POOL_MEDIUM) +
+                        self._stored(stored.get(model, []), POOL_MEDIUM))
 
     def _next_blocks(self) -> list[int]:
         """The changed blocks this batch announces: all of them, or (after a restart that recovered a host's
@@ -202,35 +257,44 @@ class KvEvents:
         parent = pool.by_hash.get(origin[0])
         return parent if parent is not None and parent in self.blocks else None
 
-    def _swap_changes(self) -> list[dict[str, Any]]:
-        seqs, count = self.manager.seqs, self.swap_count
+    def _swap_changes(self, batches: _Batches) -> None:
+        seqs = self.manager.seqs
         if len(self.seqs) <= FLUSH_SEQS:
             changed = list(self.seqs)
             self.seqs.clear()
         else:
             changed = [self.seqs.pop() for _ in range(FLUSH_SEQS)]
-        removed, stored = [], []
+        removed: dict[str, list[bytes]] = {}
+        stored: dict[str, list[_Stored]] = {}
         for seq_id in changed:
-            old = self.swapped.pop(seq_id, [])
             seq = seqs.get(seq_id)
+            model = seq.model if seq is not None else \
+                next((m for m, view in self.announced.items() if seq_id in view.swapped), None)
+            if model is None:
+                continue                             # gone, and nothing of it was announced
+            view = self._view(model)
+            old = view.swapped.pop(seq_id, [])
             new = _swapped_blocks(seq) if seq is not None else []
             if old == [s.digest for s in new]:
                 if old:
-                    self.swapped[seq_id] = old
+                    view.swapped[seq_id] = old
                 continue
+            count = view.swap_count
             for digest in old:
                 count[digest] -= 1
                 if not count[digest]:
                     del count[digest]
-                    removed.append(digest)
+                    removed.setdefault(model, []).append(digest)
             for block in new:
                 count[block.digest] += 1
                 if count[block.digest] == 1:
-                    stored.append(block)
+                    stored.setdefault(model, []).append(block)
             if new:
-                self.swapped[seq_id] = [s.digest for s in new]
+                view.swapped[seq_id] = [s.digest for s in new]
         # Removals first: a digest one sequence let go and another took in the same flush ends up stored.
-        return self._removed(removed, SWAP_MEDIUM) + self._stored(stored, SWAP_MEDIUM)
+        for model in removed.keys() | stored.keys():
+            batches.add(model, self._removed(removed.get(model, []), SWAP_MEDIUM) +
+                        self._stored(stored.get(model, []), SWAP_MEDIUM))
 
     @staticmethod
     def _removed(digests: list[bytes], medium: str) -> list[dict[str, Any]]:
@@ -266,20 +330,25 @@ class KvEvents:
             events.append({"type": "BlockStored", "block_hashes": [event_hash(block.digest)],
                            "parent_block_hash": event_hash(block.parent) if block.parent else None,
                            "token_ids": _token_ids(block.tokens), "block_size": size, "lora_id": None,
-                           "medium": medium, "lora_name": None, "_tail": block.digest})
+                           "medium": medium, "lora_name": None, "_tail": block.digest,
+                           "_salt": block.salt if not block.parent else ""})
         for event in events:
             del event["_tail"]
+            # As vLLM's: one entry per block, the salt (untagged) on the first block of a chain, the only one it
+            # enters the hash of; left out when no block has one.
+            if salt := event.pop("_salt"):
+                event["extra_keys"] = [[salt]] + [None] * (len(event["block_hashes"]) - 1)
         return events
 
     # ---- the wire ---------------------------------------------------------------------------------------
 
-    def _send(self, events: list[dict[str, Any]]) -> None:
+    def _send(self, model: str, events: list[dict[str, Any]]) -> None:
         payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
-        seq = self.next_seq
+        seq, topic = self.next_seq, self.topic_of(model)
         self.next_seq += 1
-        self.buffer.append((seq, payload))
+        self.buffer.append((seq, topic, payload))
         try:
-            self.pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+            self.pub.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1                    # no subscriber keeps up: it can replay what it missed
 
@@ -292,10 +361,9 @@ class KvEvents:
                 log.warning("a KV-event replay request of an unknown shape was ignored", frames=len(frames))
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in list(self.buffer):
+            for seq, topic, payload in list(self.buffer):
                 if seq >= start:
-                    await self.replay.send_multipart([client, b"", self.topic.encode(), seq.to_bytes(8, "big"),
-                                                      payload])
+                    await self.replay.send_multipart([client, b"", topic, seq.to_bytes(8, "big"), payload])
             await self.replay.send_multipart([client, b"", b"", END_OF_REPLAY, b""])
 
 
@@ -305,5 +373,5 @@ def _swapped_blocks(seq: Sequence) -> list[_Stored]:
         return []
     count = min(len(seq.slots), len(seq.hashes))
     raw, stride = seq.token_ids[:count * seq.block_size].tobytes(), seq.block_size * TOKEN_BYTES
-    return [_Stored(seq.hashes[i], seq.hashes[i - 1] if i else b"", raw[i * stride:(i + 1) * stride])
+    return [_Stored(seq.hashes[i], seq.hashes[i - 1] if i else b"", raw[i * stride:(i + 1) * stride], seq.salt)
             for i in range(count)]

@@ -519,14 +519,14 @@ class KvManager:
             hashes = seq.hashes
             indices = list(indices)
             self.pool.register_n(blocks, [hashes[i] for i in indices], tokens,
-                                 [hashes[i - 1] if i else b"" for i in indices], seq.model)
+                                 [hashes[i - 1] if i else b"" for i in indices], seq.model, seq.salt)
 
     def forget_cached(self, model: str) -> int:
         """`model`'s blocks leave the prefix cache (no new prompt finds them); returns how many. The pages
         stay: a free one is handed out in turn, a sequence's (a parked session's, a running turn's) stays its
         own K/V, which it resumes from its table."""
         pool = self.pool
-        gone = [block for block in pool.by_hash.values() if (pool.origin_of[block] or (b"", ""))[1] == model]
+        gone = [block for block in pool.by_hash.values() if (pool.origin_of[block] or (b"", "", ""))[1] == model]
         for block in gone:
             pool.unregister(block)
         self.counters["prefix_blocks_reset"] += len(gone)

@@ -241,9 +241,10 @@ class BlockPool:
         self.free = FreeQueue(num_blocks)
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.tokens_of: list[bytes | None] = [None] * num_blocks      # memd.sequences.token_bytes
-        # Of a block in the prefix cache: its parent's hash (b"": the first block of its chain) and its model.
-        # Only what publishes the cache reads it (memd.kv_events): valid while hash_of is set.
-        self.origin_of: list[tuple[bytes, str] | None] = [None] * num_blocks
+        # Of a block in the prefix cache: its parent's hash (b"": the first block of its chain), its model and
+        # the salt its chain was cached under ("": none). Only what publishes the cache reads it
+        # (memd.kv_events): valid while hash_of is set.
+        self.origin_of: list[tuple[bytes, str, str] | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
         # Written since it was last zeroed: the pool starts zeroed, so a page's
         # first allocation needs no memset.
@@ -447,14 +448,14 @@ class BlockPool:
             return
         self.hash_of[block], self.tokens_of[block] = digest, tokens
         self.by_hash[digest] = block
-        self.origin_of[block] = (b"", "")
+        self.origin_of[block] = (b"", "", "")
         for watch in self.watches:
             watch.add(block)
         if self.undo is not None:
             self.undo.record(self._undo_register, block, digest)
 
     def register_n(self, blocks: list[int], digests: Iterable[bytes], tokens: Iterable[bytes],
-                   parents: Iterable[bytes], model: str) -> None:
+                   parents: Iterable[bytes], model: str, salt: str = "") -> None:
         """`register` of each block in turn, with one watch update; `parents`: each block's parent's hash."""
         hash_of, tokens_of, by_hash, origin_of = self.hash_of, self.tokens_of, self.by_hash, self.origin_of
         taken = []
@@ -462,7 +463,7 @@ class BlockPool:
             if hash_of[block] is None and digest not in by_hash:
                 hash_of[block], tokens_of[block] = digest, chunk
                 by_hash[digest] = block
-                origin_of[block] = (parent, model)
+                origin_of[block] = (parent, model, salt)
                 taken.append(block)
         for watch in self.watches:
             watch.update(taken)

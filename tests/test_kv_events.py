@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from dataclasses import dataclass, field
 
 import pytest
@@ -36,6 +37,8 @@ class Index:
     replayed: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     cleared: int = 0
+    topic_of: dict[int, str] = field(default_factory=dict)        # hash -> the topic it was announced under
+    salt_of: dict[int, str] = field(default_factory=dict)         # hash -> the salt in its extra_keys
 
     def apply(self, line: dict) -> None:
         if "replayed" in line:
@@ -43,6 +46,12 @@ class Index:
             return
         self.batches += 1
         for event in line["events"]:
+            if event["type"] == "BlockStored":
+                hashes = event["block_hashes"]
+                for digest, keys in zip(hashes, event.get("extra_keys") or [None] * len(hashes), strict=True):
+                    self.topic_of[digest] = line["topic"]
+                    if keys is not None:
+                        self.salt_of[digest] = keys[0]
             if event["type"] == "AllBlocksCleared":
                 self.held.clear()
                 self.cleared += 1
@@ -136,6 +145,20 @@ async def test_vllms_decoder_indexes_memds_events_to_what_memd_holds(memd_factor
 
             await client.step(Free(session_id="a"))                # a reset of the swapped session
             await holds(index, memd, sent, swapped=0)
+
+        # Another model on the same pool, salted (a tenant's cache): its own topic, the salt on its chain's root.
+        async with await MemdClient.attach(memd.address, model="other", block_size=BS, map_memory=False) as other:
+            opened, = await other.step(Open(system + [4] * 8, reserve=1, cache_salt="tenant:t1"))
+            await other.step(Park(opened.seq_id, commit_to=40))
+            sent.append(system + [4] * 8)
+            await holds(index, memd, sent, swapped=0)
+        host = socket.gethostname()
+        theirs = [d for d, topic in index.topic_of.items() if topic == f"kv@{host}@other" and (d, "GPU") in index.held]
+        assert len(theirs) == 2                                    # the system prompt's two blocks, stored again
+        root, child = sorted(theirs, key=lambda d: index.blocks[d][0] is not None)
+        assert index.salt_of.get(root) == "tenant:t1" and child not in index.salt_of
+        assert index.blocks[child][0] == root
+        assert {topic for d, topic in index.topic_of.items() if d not in theirs} == {f"kv@{host}@default"}
     finally:
         probe.kill()
         await probe.wait()

@@ -364,6 +364,66 @@ async def test_kv_events_route_a_prompt_to_the_pool_holding_its_blocks_where_its
 
 
 @pytest.mark.processes
+async def test_kv_events_route_by_model_and_tenant_on_a_pool_two_models_share(
+        memd_factory, inferd_factory, model_dir, router_factory, tmp_path):
+    """One host's pool serves two models (a worker each) and two tenants; another host serves the first model. A
+    prompt is routed by the blocks its own model and tenant would reuse: not by the same tokens another tenant
+    (another salt) or the other model cached, and a request for the second model reaches only its worker."""
+    from inferd.tiny import make_tiny_model
+    other_dir = make_tiny_model(tmp_path / "tiny-b", arch="llama", seed=6)   # the same shapes, other weights
+    keys = tmp_path / "keys.toml"
+    keys.write_text("[tenants.acme]\nkeys = ['sk-acme']\n[tenants.globex]\nkeys = ['sk-globex']\n")
+    ports = [free_port_pair(), free_port_pair()]
+    memds = [await memd_factory(*memd_flags(model_dir), "--kv-events", f"tcp://127.0.0.1:{port}", name=f"memd-{i}")
+             for i, port in enumerate(ports)]
+
+    async def worker(memd: Daemon, model: Path, served: str, name: str) -> Host:
+        inferd = await inferd_factory(model, memd.address, "--http", "127.0.0.1:0", "--served-model-name", served,
+                                      "--api-keys", str(keys), name=name)
+        return Host(memd, inferd, f"http://{(await inferd.log.wait_for('inferd ready'))['http']}")
+    hosts = [await worker(memds[0], model_dir, MODEL, "inferd-a0"), await worker(memds[0], other_dir, "tiny-b",
+                                                                                  "inferd-b0"),
+             await worker(memds[1], model_dir, MODEL, "inferd-a1")]
+    a_here, b_here, a_there = (host.url for host in hosts)
+    _router, url = await router_factory("router", hosts, "--api-keys", str(keys),
+                                        "--kv-events", f"tcp://127.0.0.1:{ports[0]}={a_here},{b_here}",
+                                        "--kv-events", f"tcp://127.0.0.1:{ports[1]}={a_there}")
+    system = [{"role": "system", "content": SYSTEM[:1200]}, {"role": "user", "content": "Hi"}]
+
+    async def ask(base: str, key: str, model: str) -> str:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+        try:
+            raw = await client.chat.completions.with_raw_response.create(model=model, max_tokens=2,
+                                                                         messages=system, **GREEDY)
+            return raw.headers.get(WORKER, base)
+        finally:
+            await client.close()
+
+    async def kv_blocks() -> list[float]:
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{url}/metrics")).text
+        return [float(v) for v in re.findall(r'kvpool_route_kv_blocks\{events="[^"]+"\} ([0-9.e+]+)', text)]
+
+    # acme's system prompt cached on the second host, for the first model; the second model's copy on the first.
+    await ask(a_there, "sk-acme", MODEL)
+    await ask(b_here, "sk-acme", "tiny-b")
+    await wait_until(lambda: _both_indexed(kv_blocks))
+    before = counts_of(await route_counts(url), "kv")
+    assert await ask(url, "sk-acme", MODEL) == a_there            # its model's and tenant's blocks are there
+    assert counts_of(await route_counts(url), "kv") == before + 1
+    await ask(url, "sk-globex", MODEL)                           # the same tokens, another tenant: no match
+    assert counts_of(await route_counts(url), "kv") == before + 1
+    for _ in range(3):                                          # only its worker serves the second model
+        assert await ask(url, "sk-acme", "tiny-b") == b_here
+    assert counts_of(await route_counts(url), "kv") == before + 4
+
+
+async def _both_indexed(kv_blocks: Callable[[], Awaitable[list[float]]]) -> bool:
+    held = await kv_blocks()
+    return len(held) == 2 and all(held)
+
+
+@pytest.mark.processes
 async def test_kvroute_keeps_each_tenants_sessions_apart(memd_factory, inferd_factory, model_dir, router_factory,
                                                         tmp_path):
     """--api-keys on kvroute and its workers: one tenant's session name is not another's, in the directory too."""
@@ -402,6 +462,11 @@ async def test_kvroute_keeps_each_tenants_sessions_apart(memd_factory, inferd_fa
         mine = await http.delete(f"{url}/v1/sessions/only-acme", headers={"Authorization": "Bearer sk-acme"})
         nobody = await http.delete(f"{url}/v1/sessions/only-acme", headers={"Authorization": "Bearer sk-x"})
     assert (other.status_code, still.status_code, mine.status_code, nobody.status_code) == (404, 404, 200, 401)
+    reset = await affinity()
+    await turn("sk-acme", "only-acme")                 # reset: placed like a new session, not by its old entry
+    assert await affinity() == reset
+    await turn("sk-acme", "only-acme")
+    assert await affinity() == reset + 1
 
 
 @pytest.mark.processes
@@ -494,5 +559,14 @@ async def test_the_directory_keeps_the_newer_entry_across_a_stalled_store_and_fo
 
         await client.put(entry_key(MODEL, "old"), msgpack.packb({"worker": "http://a:1", "expires": time.time() - 1}))
         assert await SessionDirectory(client, ttl_s=60).lookup(MODEL, "old") is None
+
+        # A reset through one kvroute: the other, which still holds the entry it read, follows it no more either;
+        # the session's next turn records its worker again.
+        one.forget_soon(MODEL, "s")
+        await one.drain()
+        assert await one.lookup(MODEL, "s") is None and await two.lookup(MODEL, "s") is None
+        two.record_soon(MODEL, "s", "http://d:1")
+        await two.drain()
+        assert await one.lookup(MODEL, "s") == "http://d:1"
     finally:
         await asyncio.to_thread(client.close)

@@ -233,7 +233,8 @@ async def test_version_and_ping_answer_as_vllm_s_do(api):
         assert version.status_code == 200 and version.json()["version"] == importlib.metadata.version("kvpool")
         for method in ("GET", "POST"):
             ping = await http.request(method, f"{url}/ping")
-            assert ping.status_code == 200 and ping.json() == {"status": "ok"}
+            assert ping.status_code == 200 and ping.json()["status"] == "ok"
+            assert ping.json()["model"] == MODEL and ping.json()["kv_namespace"].startswith("tiny")  # kvroute reads
 
 
 async def test_stop_strings_logprobs_and_the_completions_endpoint(api, model_judge, hf_tokenizer):
