@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -55,6 +56,8 @@ pytestmark = [pytest.mark.timeout(3600),
                                  reason="needs kvpool[cluster] (Mooncake Store's client and master)")]
 
 MODEL = "tiny"
+TURN_TIMEOUT_S = 60.0           # the client's: a turn with no answer by then is an incident, sent again
+WORKER_HEADER = "x-kvroute-worker"
 HOSTS, WORKERS_PER_HOST, ROUTERS = ("a", "b"), 2, 2
 LEASE_S = 2.0                   # memd's --lease-timeout: a worker stopped longer is reclaimed
 KINDS = ("inferd", "memd", "kvroute", "master")
@@ -96,10 +99,22 @@ class Turn:
 
 
 @dataclass
+class Incident:
+    """A turn answered with HTTP 500, or that waited past the client's timeout: where it went, and when."""
+
+    what: str
+    kvroute: str
+    worker: str | None             # where that kvroute sent it, if its answer said so
+    sent: float                    # wall-clock seconds
+    ended: float
+
+
+@dataclass
 class Tally:
     counts: Counter[str] = field(default_factory=Counter)
     turns: list[Turn] = field(default_factory=list)
     sessions: set[str] = field(default_factory=set)
+    incidents: list[tuple[str | None, Incident]] = field(default_factory=list)    # (session, incident)
     chaos: bool = False
 
 
@@ -214,21 +229,27 @@ async def _later(part: Part, delay: float) -> None:
 
 
 class Retry(Exception):
-    """A turn to send again: what failed, for the tally."""
+    """A turn to send again: what failed, for the tally (and, for a 500 or a timeout, the incident)."""
+
+    def __init__(self, why: str, incident: Incident | None = None) -> None:
+        super().__init__(why)
+        self.incident = incident
 
 
 async def send_turn(url: str, prompt: list[int], session: str | None, max_tokens: int, *,
                     cancel_after: int = 0) -> tuple[list[int], int, int, float] | None:
     """One streamed greedy turn: (answer ids, prompt tokens, cached tokens, time to first token); None if
     cancelled after `cancel_after` chunks (the client walked away)."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TURN_TIMEOUT_S)
     started, first, answer, usage = time.perf_counter(), None, [], None
+    sent, worker = time.time(), None
     try:
         stream = await client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0, stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
             extra_headers={"X-Session-Id": session} if session else {})
+        worker = stream.response.headers.get(WORKER_HEADER)
         chunks = 0
         async for chunk in stream:
             if chunk.usage is not None:
@@ -242,8 +263,14 @@ async def send_turn(url: str, prompt: list[int], session: str | None, max_tokens
                 await stream.close()
                 return None
     except openai.APIStatusError as err:            # a 500 is a bug somewhere: its words go in the report
-        raise Retry(f"HTTP {err.status_code}" + (f": {err.message[:160]}" if err.status_code == 500 else "")) \
+        if err.status_code != 500:
+            raise Retry(f"HTTP {err.status_code}") from None
+        raise Retry(f"HTTP 500: {err.message[:160]}", Incident(
+            f"HTTP 500: {err.message[:300]}", url, err.response.headers.get(WORKER_HEADER), sent, time.time())) \
             from None
+    except openai.APITimeoutError:                # no byte for the client's whole timeout: which part held it?
+        raise Retry("a timeout", Incident(f"no answer within {TURN_TIMEOUT_S:.0f} s", url, worker, sent,
+                                          time.time())) from None
     except (openai.APIConnectionError, httpx.HTTPError) as err:
         raise Retry(type(err).__name__) from None
     except openai.APIError:                      # an error the stream said after its 200: the turn failed midway
@@ -288,6 +315,8 @@ async def conversation(session: str | None, fleet: Fleet, rng: random.Random, de
             except Retry as why:
                 tally.counts["retried"] += 1
                 tally.counts[f"retried: {why}"] += 1
+                if why.incident is not None:
+                    tally.incidents.append((session, why.incident))
                 await asyncio.sleep(rng.uniform(0.2, 1.0))       # a user's client backs off before sending again
                 continue
             if got is None:
@@ -356,6 +385,38 @@ def tracebacks(daemon: Daemon) -> list[str]:
 def mentions(daemon: Daemon, *phrases: str) -> int:
     """Log events of a daemon whose name holds one of `phrases`: the failovers and store errors it met."""
     return sum(any(phrase in str(e.get("event", "")) for phrase in phrases) for e in daemon.log.events)
+
+
+def incident_report(fleet: Fleet, session: str | None, incident: Incident) -> dict:
+    """An incident with what the parts it went through logged meanwhile (warnings and worse): the kvroute, the
+    worker and its memd (every worker and memd when the worker is not known)."""
+    routers = dict(zip(fleet.router_urls, fleet.routers, strict=True))
+    workers = dict(zip(fleet.worker_urls, fleet.workers, strict=True))
+    worker = workers.get(incident.worker or "")
+    parts = [routers[incident.kvroute]] + ([worker, fleet.memds[worker.name.removeprefix("inferd-")[0]]]
+                                           if worker is not None else [*fleet.workers, *fleet.memds.values()])
+    logged: dict[str, list[str]] = {}
+    for part in parts:
+        lines = [f"{e.get('timestamp', '')[11:23]} {e.get('level')}: {e.get('event')}"
+                 + (f" ({e['error']})" if e.get("error") else "")
+                 for d in part.logs for e in d.log.events
+                 if e.get("level") in ("warning", "error", "critical") and _within(e, incident)]
+        lines += [f"traceback: {line}" for d in part.logs for line in tracebacks(d)]
+        if lines:
+            logged[part.name] = lines[:12]
+    return {"what": incident.what, "session": session, "kvroute": routers[incident.kvroute].name,
+            "worker": worker.name if worker is not None else incident.worker,
+            "sent": datetime.fromtimestamp(incident.sent, UTC).strftime("%H:%M:%S.%f")[:-3],
+            "waited_s": round(incident.ended - incident.sent, 1), "logged": logged}
+
+
+def _within(event: dict, incident: Incident) -> bool:
+    """Whether a log event came while the turn was out (from a second before it was sent)."""
+    try:
+        at = datetime.fromisoformat(str(event.get("timestamp"))).timestamp()
+    except ValueError:
+        return False
+    return incident.sent - 1 <= at <= incident.ended + 1
 
 
 def pct(values: list[float], q: float) -> float:
@@ -437,6 +498,8 @@ async def test_chaos_across_hosts(tmp_path, model_dir, model_judge, daemons, cha
               "later turns recomputed": sum(t.cached < len(t.prompt) // 2 for t in later),
               "reclaims": reclaims, "recoveries": recoveries, "kvroute failovers from a worker": failovers,
               "store errors met (memd, kvroute)": store_errors, "errors logged": dict(logged),
+              "incidents (HTTP 500s, timeouts)": [incident_report(fleet, session, incident)
+                                                  for session, incident in tally.incidents],
               "ttft_ms": {phase: {"p50": 1000 * pct([t.ttft_s for t in tally.turns if t.chaos == chaotic], 50),
                                   "p99": 1000 * pct([t.ttft_s for t in tally.turns if t.chaos == chaotic], 99)}
                           for phase, chaotic in (("quiet", False), ("chaos", True))}}
