@@ -86,6 +86,7 @@ async def serve_pool(startup: Startup, state: StateDir | None, found: Recovered 
         if found is not None and getattr(memory, "reopened", False):
             await pages_allocated(memory)
             check_reopened(parts.scrubber)
+        del found                  # the journal as read, every record's token ids a list of ints: adopted now
         stack.callback(parts.fences.close)
         lag = LoopLag()
         if args.metrics_port:         # before anything runs: a taken port fails start-up cleanly
@@ -241,12 +242,25 @@ def open_journal(args: argparse.Namespace, state: StateDir | None, layout: Layou
                  torn_record=found.torn, previous_pid=found.header.get("pid"))
     wal = WriteAheadLog(state, layout, fsync=args.journal_fsync == "always")
     try:
-        wal.checkpoint(manager)
+        if found is not None and resumable(found, layout, state):
+            wal.resume(manager, found, restored.changed)
+        else:
+            wal.checkpoint(manager)
     except OSError as exc:
         raise StartupError(f"cannot write the journal in {state.path}: {exc.strerror}") from None
     state.unmark_new()
     stack.callback(wal.close)
     return wal
+
+
+def resumable(found: Recovered, layout: Layout, state: StateDir) -> bool:
+    """Whether the journal found describes the pool and swap tier memd reopened, in this memd's format: then
+    memd goes on appending to it, else it writes a fresh one before it serves."""
+    if any(state.made_new(what).exists() for what in ("pool", "swap")):
+        return False
+    now = layout.header()
+    return all(found.header.get(key) == now[key] for key in ("format", "version", "backend", "num_blocks",
+                                                             "block_bytes", "swap_slots", "boot_id"))
 
 
 async def start_fd_server(memory: PoolMemory, sock_path: Path | None,

@@ -58,6 +58,7 @@ class Recovered:
     fences: dict[int, list[int]] = field(default_factory=dict)    # pid -> pages fenced for it
     max_seq_id: int = 0                         # the highest sequence id it handed out: none is handed out again
     torn: bool = False                          # the last record was cut short by the crash
+    end: int = 0                                # where its last whole record ends
 
 
 def read_journal(path: Path) -> Recovered | None:
@@ -90,7 +91,7 @@ def read_journal(path: Path) -> Recovered | None:
             end = unpacker.tell()
     except Exception:        # a garbled record, of any shape: what came before it stands
         pass
-    found.torn = end < len(data)        # a record cut short or garbled: what came before it stands
+    found.torn, found.end = end < len(data), end      # a record cut short or garbled: what came before it stands
     for seq_id, record in found.records.items():
         record[TOKENS] = tokens.get(seq_id, [])
     return found
@@ -243,6 +244,39 @@ class WriteAheadLog:
         os.lseek(fd, 0, os.SEEK_END)
         self._fd = fd
         self.records = self._rewrite_deferred = 0
+
+    def resume(self, manager: KvManager, found: Recovered, changed: Collection[int]) -> None:
+        """Go on appending to the journal the memd before wrote, which `manager` adopted: serving starts without
+        rewriting it whole first (2-3 s at 100k parked sessions), and it is rewritten in chunks from the first
+        flushes on, as every journal is once it holds enough records.
+
+        Appended first, what recovery decided: the sequences it kept otherwise than their records (`changed`:
+        parked, dropped), a removal of each it did not keep, the fences as they are now. A torn last record is
+        cut off, so that what follows it can be read. The file holds no sequence's record as this memd wrote
+        it: a sequence's next record carries it whole.
+        """
+        self._abandon_rewrite()
+        path = self.state.journal
+        if found.torn:
+            os.truncate(path, found.end)
+        self._held, self._max_seq_id = _Held(), max(found.max_seq_id, manager.max_seq_id)
+        manager.take_changes()
+        parts = [_pack(["D", seq_id]) for seq_id in found.records if seq_id not in manager.seqs]
+        parts += [self._seq_record(manager.seqs[seq_id], manager) for seq_id in changed if seq_id in manager.seqs]
+        parts += [_pack(["F", pid, []]) for pid in found.fences if pid not in manager.fences]
+        parts += [_pack(["F", pid, blocks]) for pid, blocks in manager.fences.items()]
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            _write_all(fd, b"".join(parts))
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = fd
+        self.records, self._rewrite_deferred = max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)) + 1, 0
 
     def flush(self, manager: KvManager) -> None:
         """Append the sequences changed since the last flush; call before replying to whoever changed them."""

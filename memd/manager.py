@@ -387,6 +387,8 @@ class KvManager:
         """
         self.pool.dirty[:] = b"\x01" * self.pool.num_blocks
         now = time.monotonic()
+        if self.swap is not None:               # at once: a claim passes over the whole free stack
+            self.swap.claim([slot for seq in seqs for slot in seq.slots])
         for seq in seqs:
             seq.heat_at, seq.last_access = min(seq.heat_at, now), min(seq.last_access, now)   # another boot's clock
             self.seqs[seq.seq_id] = seq
@@ -396,7 +398,6 @@ class KvManager:
                 self.pool.incref(block)
                 self.pool.checksum[block] = (block_checksums or {}).get(block, 0)
             if self.swap is not None and seq.slots:
-                self.swap.claim(seq.slots)
                 for slot in seq.slots:
                     self.swap.checksum[slot] = (slot_checksums or {}).get(slot, 0)
             chain = self.hasher.chain(seq.prefix_space, seq.token_ids, seq.block_size, 0, b"", seq.num_full_blocks)

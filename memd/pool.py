@@ -581,7 +581,7 @@ class SwapSlots:
         self.in_copy.difference_update(slots)
 
     def claim(self, slots: list[int]) -> None:
-        """Mark slots as held by a sequence (one recovered from the journal)."""
+        """Mark slots as held by sequences (those recovered from the journal)."""
         taken = set(slots)
         self._free = array("i", [slot for slot in self._free if slot not in taken])
         for mark in self.low_marks:

@@ -55,6 +55,9 @@ class Restored:
     discarded: int = 0                                          # records that made no sense
     slot_checksums: dict[int, int] = field(default_factory=dict)   # swap slot -> what its swap-out wrote
     block_checksums: dict[int, int] = field(default_factory=dict)  # page -> what its worker committed
+    # Sequences kept otherwise than their record says (parked, dropped): the journal resumed must say so
+    # (memd.journal.WriteAheadLog.resume).
+    changed: set[int] = field(default_factory=set)
 
 
 def restore(found: Recovered, *, pool_kept: bool, swap_kept: bool, num_blocks: int, num_slots: int) -> Restored:
@@ -98,16 +101,18 @@ class _Recovery:
             return
         if seq.state is SeqState.RUNNING:
             self._park_running(seq, owner_pid)
-        if seq.state is not SeqState.SWAPPED:
+        if seq.state is not SeqState.SWAPPED and seq.slots:
             seq.slots = []
+            self.out.changed.add(seq_id)
         if record[PENDING]:
             self._drop(seq, "pages being filled when memd stopped")
         elif seq.state is SeqState.PARKED:
             self._check_pages(seq, sums)
         elif seq.state is SeqState.SWAPPED:
             self._check_slots(seq, record)
-        elif seq.state is SeqState.DROPPED:
+        elif seq.state is SeqState.DROPPED and (seq.block_ids or seq.num_committed):
             seq.block_ids, seq.slots, seq.num_committed = [], [], 0
+            self.out.changed.add(seq_id)
         if seq.session_id:
             earlier = self.sessions.get(seq.session_id)
             if earlier is not None:            # cannot happen; keep the newer sequence
@@ -124,6 +129,7 @@ class _Recovery:
             needed = seq.num_full_blocks
             self.late.setdefault(owner_pid, []).extend(seq.block_ids[needed:])
         seq.state, seq.block_ids = SeqState.PARKED, seq.block_ids[:needed]
+        self.out.changed.add(seq.seq_id)
 
     def _check_pages(self, seq: Sequence, sums: dict[int, int]) -> None:
         """A PARKED table must fit the reopened pool and share only full blocks with others.
@@ -168,6 +174,7 @@ class _Recovery:
 
     def _drop(self, seq: Sequence, reason: str) -> None:
         seq.state, seq.block_ids, seq.slots, seq.num_committed = SeqState.DROPPED, [], [], 0
+        self.out.changed.add(seq.seq_id)
         self.out.dropped[reason] = self.out.dropped.get(reason, 0) + 1
 
     def finish(self) -> Restored:

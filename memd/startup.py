@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 from pathlib import Path
 
@@ -60,14 +61,20 @@ def run(args: argparse.Namespace, geometry: PoolGeometry) -> None:
         layout = Layout("shm" if device == "cpu" else "cuda", geometry.num_blocks, geometry.block_bytes,
                         settings.swap_slots(geometry))
         startup = Startup(args, geometry, settings, device, layout, target, sock_path, credentials)
+        # No automatic collection while start-up builds what lives as long as memd (a host's worth of recovered
+        # sessions): each would walk all of it again. The start-up's end freezes it and turns them back on.
+        gc.disable()
         state, found = open_state(args, sock_path, layout)
+        recovering = found is not None
         try:
             with contextlib.ExitStack() as stack:
                 memory, swap = allocate_memory(device, geometry, layout, state, stack)
                 from memd.daemon import serve_pool  # imported while the kernel allocates the pool's pages
-                uvloop.run(serve_pool(startup, state, found, memory, swap))
+                serving = serve_pool(startup, state, found, memory, swap)
+                found = None                # serve_pool lets go of it once adopted
+                uvloop.run(serving)
         except BaseException:
-            if state is not None and found is None and not state.served:
+            if state is not None and not recovering and not state.served:
                 state.forget()          # what a start that never served made: it holds memory and nothing else
             elif state is not None and not state.served:
                 state.remove_new()      # the files it made anew, beside the journal before it (kept)

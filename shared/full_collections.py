@@ -82,6 +82,7 @@ def freeze_long_lived() -> FullCollections:
     the collection before this freeze (start-up's, tens of ms) pauses nothing that serves."""
     gc.collect()
     gc.freeze()
+    gc.enable()                         # (a daemon may hold them back while it starts: memd does)
     if full_collections not in gc.callbacks:
         gc.callbacks.append(full_collections)
     young, middle, _ = gc.get_threshold()

@@ -71,6 +71,35 @@ def recovered(state: StateDir) -> KvManager:
     return fresh
 
 
+def resumed_and_recovered_again(state: StateDir) -> None:
+    """A memd that recovered from `state`'s journal goes on appending to it (WriteAheadLog.resume), opens a
+    session on every free page (pages the sequences it did not keep, or kept shorter, held in the journal),
+    and is killed: the memd after it recovers what it had, sequence for sequence, fences too."""
+    found = state.read()
+    assert found is not None
+    restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
+    first = new_manager()
+    first.adopt(restored.sequences, found.max_seq_id + 1, restored.fences, restored.slot_checksums,
+                restored.block_checksums)
+    copy = Path(tempfile.mkdtemp(prefix="kvpool-resumed-"))
+    try:
+        shutil.copy(state.journal, copy / state.journal.name)
+        wal = WriteAheadLog(StateDir(copy), LAYOUT, fsync=False)
+        wal.resume(first, found, restored.changed)
+        if free := first.pool.num_free:
+            worker = attach(first, "after")
+            prompt = [50_000 + i for i in range(free * BLOCK_SIZE - 1)]
+            opened, = first.step(worker, [Open(prompt, reserve=1, session_id="after-restart")]).results
+            first.step(worker, [Park(opened.seq_id, commit_to=len(prompt))])
+            wal.flush(first)
+        wal.close()
+        again = recovered(StateDir(copy))
+        assert as_recovered(again) == as_recovered(first)
+        assert again.fences == first.fences and again.max_seq_id == first.max_seq_id
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
 def as_recovered(fresh: KvManager) -> dict[int, tuple]:
     """The sequences a restarted manager has, in `expected_after_restart`'s terms."""
     return {s.seq_id: (s.model, s.block_size, s.session_id, s.state, s.block_ids, s.slots, s.num_committed,
@@ -116,6 +145,7 @@ class JournaledMachine(KvManagerMachine):
     def teardown(self) -> None:
         try:
             self._flush_and_recover()
+            resumed_and_recovered_again(self.state)
         finally:
             memd.journal.CHECKPOINT_RECORDS, memd.journal.REWRITE_CHUNK = self._threshold, self._chunk
             self.wal.close()
@@ -157,6 +187,32 @@ def test_a_record_torn_by_a_crash_is_ignored_and_what_came_before_stands(tmp_pat
     fresh_state = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
     seq, = fresh_state.sequences
     assert (seq.state, seq.num_committed, list(seq.token_ids)) == (SeqState.PARKED, 5, [1, 2, 3, 4, 5])
+
+
+def test_a_memd_goes_on_appending_after_a_torn_record_and_the_next_one_reads_all_of_it(tmp_path):
+    """Recovery keeps the journal it read (WriteAheadLog.resume): a record torn by the crash is cut off first, or
+    what this memd appends after it could never be read back."""
+    state, manager, wal, worker = journaled(tmp_path)
+    opened, = manager.step(worker, [Open([1, 2, 3, 4, 5], session_id="kept")]).results
+    manager.step(worker, [Park(opened.seq_id, commit_to=5)])
+    wal.flush(manager)
+    wal.close()
+    state.journal.write_bytes(state.journal.read_bytes() + b"\x99\x01")      # a record's first bytes, then the crash
+    found = state.read()
+    assert found is not None and found.torn
+    restored = restore(found, pool_kept=True, swap_kept=True, num_blocks=NUM_BLOCKS, num_slots=SWAP_SLOTS)
+    second = new_manager()
+    second.adopt(restored.sequences, found.max_seq_id + 1, restored.fences)
+    wal = WriteAheadLog(state, LAYOUT, fsync=True)
+    wal.resume(second, found, restored.changed)
+    worker = attach(second, "m")
+    later, = second.step(worker, [Open([9] * 20, session_id="later")]).results
+    second.step(worker, [Park(later.seq_id, commit_to=20)])
+    wal.flush(second)
+    wal.close()
+    third = recovered(state)                                   # not torn, and both sessions whole
+    assert {s.session_id: (s.state, list(s.token_ids)) for s in third.seqs.values()} == {
+        "kept": (SeqState.PARKED, [1, 2, 3, 4, 5]), "later": (SeqState.PARKED, [9] * 20)}
 
 
 def test_records_that_do_not_fit_the_pool_come_back_dropped_with_their_tokens(tmp_path):
