@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 from array import array
 from collections.abc import Callable
 
@@ -80,12 +81,13 @@ def parse_record(data: bytes) -> RemoteSession | None:
         r = msgpack.unpackb(data, raw=False)
         remote = RemoteSession(str(r["model"]), int(r["block_size"]), [int(t) for t in r["tokens"]],
                                [str(k) for k in r["keys"]], [int(c) for c in r["checksums"]], str(r.get("salt", "")),
-                               str(r.get("tenant", "")))
+                               str(r.get("tenant", "")), float(r.get("retain_until", 0.0)))
     except Exception:
         return None
     if r.get("v") != RECORD_VERSION or remote.block_size <= 0 or len(remote.keys) != len(remote.checksums) \
             or len(remote.keys) * remote.block_size > len(remote.token_ids) \
-            or any(not 0 <= t < 2**32 for t in remote.token_ids) or not all(0 < c < 2**64 for c in remote.checksums):
+            or any(not 0 <= t < 2**32 for t in remote.token_ids) or not all(0 < c < 2**64 for c in remote.checksums) \
+            or not 0 <= remote.retain_until < math.inf:
         return None
     # The keys must be those of these tokens: K/V is never taken for tokens it was not computed for.
     if remote.keys != block_keys(prefix_space(remote.model, remote.salt), remote.token_ids, remote.block_size,
@@ -214,7 +216,8 @@ class ClusterTier:
         m.counters["cluster_errors"] += sum(1 for code in codes if code != 0)
         upto = present.index(False) if False in present else len(present)
         record = {"v": RECORD_VERSION, "model": model, "block_size": bs, "tokens": tokens,
-                  "keys": keys[:upto], "checksums": sums[:upto], "salt": salt, "tenant": seq.tenant}
+                  "keys": keys[:upto], "checksums": sums[:upto], "salt": salt, "tenant": seq.tenant,
+                  "retain_until": seq.retain_until}
         if await self.store.put(session_key(session), msgpack.packb(record)) != 0:
             raise RuntimeError("the store refused the session record")
         log.info("published a session to the cluster store", session=session, blocks=upto,

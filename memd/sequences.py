@@ -266,6 +266,7 @@ class RemoteSession:
     checksums: list[int]          # their workers' checksums
     salt: str = ""                # the cache salt it was opened with: its keys cover it
     tenant: str = ""
+    retain_until: float = 0.0     # when its retention promise ends (wall clock; 0: none), kept where it lands
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ carries the outcome out.
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -163,6 +164,21 @@ class StepTxn:
         self._create(seq)
         self._fetch_blocks(seq, remote.keys, remote.checksums)
         self.counters["cluster_sessions_fetched"] += 1
+        if remote.retain_until > time.time():
+            self._keep_promise(seq, remote.retain_until)
+
+    def _keep_promise(self, seq: Sequence, until: float) -> None:
+        """A fetched session's retention promise goes on here while its holder's guarantee here pays for it; one
+        it does not pay for is not kept (the session is, and the turn goes on: no error for what another host
+        promised)."""
+        index = self.state.index
+        index.refresh(self.touched)
+        try:
+            retention.promise(seq, until - time.time(), index.retained_pages(retention.holder(seq), without=seq),
+                              self.state.quotas)
+            seq.retain_until = until                  # as promised there: to the same instant
+        except (retention.NoGuarantee, retention.RetentionRefused):
+            self.counters["cluster_retention_not_kept"] += 1
 
     def _fetch_prefix(self, seq: Sequence, remote: RemotePrefix) -> int:
         """Past the local prefix hits, the blocks other hosts published: fetched into fresh pages once the

@@ -225,3 +225,34 @@ async def test_a_store_that_dies_costs_a_turn_at_most_the_lookup_deadline_and_no
     answer = await turn(inferd, "new", PROMPT, 6)                   # looks "new" up: the store does not answer
     model_judge.assert_greedy(model_judge.encode(PROMPT), answer["token_ids"], 6, "with the store gone")
     await memd.log.wait_for("the cluster store did not answer: sessions and prefixes are computed here for 10 s")
+
+
+async def test_a_retention_promise_travels_with_its_session_through_the_store(store, memd_factory, tmp_path):
+    """A session kept under a promise on one host is kept under it on the host that fetches it, where its
+    tenant's guarantee pays; where none does, it is fetched all the same, with no promise and no error."""
+    from shared.client import MemdClient
+    from shared.ops import Open, Park
+    from tests.test_quotas import SMALL, quota_file
+    from tests.test_retention import BS, park, retained_until
+
+    keep = quota_file(tmp_path, "[tenants.keep]\nguaranteed_pages = 8\n")
+    a, b, c = [await memd_factory(*SMALL, *store.flags(), *(("--quotas", keep) if name != "c" else ()),
+                                  name=f"memd-{name}") for name in ("a", "b", "c")]
+    async with await MemdClient.attach(a.address, block_size=BS) as client:
+        kept = await park(client, "kept", 4, retain_s=600)
+        await park(client, "plain", 2, start=500)
+    until = await retained_until(a, kept)
+    for session in ("kept", "plain"):
+        await a.log.wait_for("published a session to the cluster store", session=session)
+    for memd, promised in ((b, until), (c, 0.0)):
+        async with await MemdClient.attach(memd.address, block_size=BS) as client:
+            fetched = []
+            for session in ("kept", "plain"):
+                opened, = await client.step(Open([7] * 5, session_id=session, continue_session=True, tenant="keep"))
+                await client.step(Park(opened.seq_id))
+                fetched.append(opened.seq_id)
+        assert [await retained_until(memd, seq_id) for seq_id in fetched] == [promised, 0.0]
+        async with memd.admin() as admin:
+            counters = (await admin.stats()).counters
+        assert counters["cluster_sessions_fetched"] == 2
+        assert counters.get("cluster_retention_not_kept", 0) == (1 if memd is c else 0)
