@@ -24,6 +24,7 @@ from kvroute.directory import SessionDirectory
 from kvroute.kv_index import EventSource, parse_source
 from kvroute.metrics import RouteMetrics
 from kvroute.proxy import Router
+from kvroute.upstream import UpstreamTransport
 from kvroute.workers import Workers
 from shared.cluster_store import JOIN_RETRY_S, ClusterConfig, ClusterError, ClusterStore, StoreUnreachable
 from shared.command_line import Parser, entry_point
@@ -118,7 +119,8 @@ async def serve(args: argparse.Namespace) -> None:
         if store is not None:
             stack.callback(store.close)
         client = await stack.enter_async_context(httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=3.0, read=None, write=30.0, pool=None), limits=limits))
+            timeout=httpx.Timeout(connect=3.0, read=None, write=30.0, pool=None),
+            transport=UpstreamTransport(limits=limits)))
         for name in ("accept", "accept-encoding", "user-agent"):     # only what the client sent goes to a worker
             del client.headers[name]
         workers = Workers(args.worker, client, args.health_interval)
