@@ -7,7 +7,8 @@ holds, per capped Step; this ledger keeps it exact at the cost of the pages
 that changed.
 
 A sequence belongs to one cell, its (tenant, model) pair, and so to the
-holders of that cell (memd.quotas.keys_of). Per page the ledger keeps which
+holders of that cell (memd.quotas.counted_for: a sequence of no tenant counts
+for NO_TENANT, which memctl tenants shows and no quota caps). Per page the ledger keeps which
 cells' sequences hold it: almost every page is held by one sequence, so a
 dense array names that cell (2 bytes a page); a page several sequences hold
 (a shared system prompt, forks) gets a count per cell in a small dict. A
@@ -24,7 +25,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable
 
-from memd.quotas import Key, keys_of
+from memd.quotas import Key, counted_for, keys_of
 from memd.sequences import Sequence
 
 MANY = 0xFFFF                  # in `sole`: several sequences hold the page (their cells are in `many`)
@@ -53,7 +54,7 @@ class HolderLedger:
             if len(self.cells) >= MAX_CELLS:
                 raise TooManyCells(f"more than {MAX_CELLS} (tenant, model) pairs")
             found = self._cell_ids[pair] = len(self.cells)
-            self.cells.append(keys_of(seq))
+            self.cells.append(counted_for(seq))
         return found
 
     def add(self, cell: int, blocks: Iterable[int]) -> None:

@@ -14,12 +14,13 @@ second of Python) never holds a worker's Step; the tests check at once.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from memd import state_copy
 from memd.collector import collections_paused
-from memd.quotas import Key, keys_of
+from memd.quotas import NO_TENANT, Key, counted_for
 from memd.sequences import blocks_for
 from memd.state_copy import SeqCopy, StateCopy
 
@@ -105,6 +106,15 @@ def _pool_rules(c: StateCopy, pool: BlockPool, out: list[str]) -> Iterator[None]
             [f"the prefix index holds {c.num_hashed} hashes, {mapped} of them carried by the block they name"]
 
 
+def _holder(key: Key) -> str:
+    return "the sequences of no tenant" if key == NO_TENANT else f"{key[0]} {key[1]!r}"
+
+
+def _row(states: dict[str, int], sessions: int, slots: int) -> str:
+    shown = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "no sequence"
+    return f"{shown}; {sessions} session(s), {slots} swap slot(s)"
+
+
 def _slices(per_array: int, num_blocks: int) -> Iterator[tuple[int, int, int, int]]:
     """(first block of the array, array index, from, to): SLICE blocks at a time of a BlockCopy's arrays."""
     for start in range(0, num_blocks, per_array):
@@ -122,20 +132,31 @@ def _manager_rules(c: StateCopy, pool: BlockPool, out: list[str]) -> Iterator[No
     counted = bytearray(8 * c.num_blocks)
     tables = memoryview(counted).cast("q")
     held: dict[Key, set[int]] = {}        # per tenant and model: the pages its sequences hold
+    rows: dict[Key, tuple[Counter[str], list[int]]] = {}     # and its sequences by state, [sessions, swap slots]
     for n, seq in enumerate(c.seqs.values(), 1):
         out += _seq_rules(c, seq)
         for block in seq.block_ids:
             if 0 <= block < c.num_blocks:                 # one outside the pool: _seq_rules names it
                 tables[block] += 1
-        if seq.block_ids:
-            for key in keys_of(seq):
+        for key in counted_for(seq):
+            if seq.block_ids:
                 held.setdefault(key, set()).update(seq.block_ids)
+            states, counts = rows.setdefault(key, (Counter(), [0, 0]))
+            states[seq.state] += 1
+            counts[0] += seq.has_session
+            counts[1] += len(seq.slots)
         if n % SEQ_SLICE == 0:
             yield
     for key in sorted(set(held) | set(c.holder_pages)):
         if len(held.get(key, ())) != c.holder_pages.get(key, 0):
-            out.append(f"{key[0]} {key[1]!r} is counted at {c.holder_pages.get(key, 0)} pages, but its sequences "
+            out.append(f"{_holder(key)} is counted at {c.holder_pages.get(key, 0)} pages, but its sequences "
                        f"hold {len(held.get(key, ()))}")
+    for key in sorted(set(rows) | set(c.holder_rows)):
+        states, (sessions, slots) = rows.get(key, (Counter(), [0, 0]))
+        kept = c.holder_rows.get(key, ({}, 0, 0))
+        if (dict(states), sessions, slots) != kept:
+            out.append(f"{_holder(key)} is counted at {_row(*kept)}, but its sequences are "
+                       f"{_row(dict(states), sessions, slots)}")
     for pid, fenced in c.fences.items():
         for block in fenced:
             if not 0 <= block < c.num_blocks or tables[block]:

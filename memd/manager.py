@@ -438,11 +438,11 @@ class KvManager:
         self.index.refresh()
         return self.index.state_counts()
 
-    def holdings(self) -> list[Holding]:
-        """Every tenant's and model's quota, pages, sequences and promises (memctl tenants, the metrics)."""
+    def holdings(self, *, no_tenant: bool = False) -> list[Holding]:
+        """Every tenant's and model's quota, pages, sequences and promises (memctl quota and tenants, the
+        metrics); with `no_tenant`, the row of the sequences of no tenant too (memctl tenants)."""
         self.index.refresh()
-        index = self.index
-        return self.quotas.holdings(index.holder_states, index.ledger.usage, index.retained)
+        return self.quotas.holdings(self.index, no_tenant=no_tenant)
 
     # ---- mechanics -----------------------------------------------------
 

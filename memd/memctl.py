@@ -151,7 +151,7 @@ async def run(args: argparse.Namespace, target: str) -> int:
             rows = views.sequences_list(reply)
             show(args, rows, views.render_sequences(rows))
         elif args.command == "tenants":
-            rows = views.tenants_list(await admin.snapshot(blocks=False), await admin.quotas())
+            rows = views.tenants_list(await admin.quotas(with_no_tenant=True))
             show(args, rows, views.render_tenants(rows))
         elif args.command == "quota":
             if args.kind is None:

@@ -110,6 +110,29 @@ class Holding:
     set_at_run_time: bool
     sequences: dict[str, int]
     retained_pages: int = 0
+    sessions: int = 0
+    swap_slots: int = 0
+
+
+class HolderUsage(Protocol):
+    @property
+    def usage(self) -> Counter[Key]: ...
+
+
+class HolderCounts(Protocol):
+    """What memd.seq_index keeps per holder: sequences by state, pages (its ledger), promised pages, sessions,
+    swap slots."""
+
+    @property
+    def holder_states(self) -> Mapping[Key, Counter[str]]: ...
+    @property
+    def ledger(self) -> HolderUsage: ...
+    @property
+    def retained(self) -> Mapping[Key, int]: ...
+    @property
+    def holder_sessions(self) -> Mapping[Key, int]: ...
+    @property
+    def holder_slots(self) -> Mapping[Key, int]: ...
 
 
 def describe(key: Key) -> str:
@@ -126,6 +149,14 @@ class Owned(Protocol):
 def keys_of(seq: Owned) -> tuple[Key, ...]:
     """The holders a sequence counts for: its tenant (if it has one) and its model."""
     return (("tenant", seq.tenant), ("model", seq.model)) if seq.tenant else (("model", seq.model),)
+
+
+NO_TENANT: Key = ("tenant", "")    # the sequences of no tenant, counted as one for memctl tenants: never capped
+
+
+def counted_for(seq: Owned) -> tuple[Key, ...]:
+    """What memd counts a sequence's pages and states for: its holders, and NO_TENANT for one of no tenant."""
+    return keys_of(seq) if seq.tenant else (NO_TENANT, ("model", seq.model))
 
 
 @dataclass(slots=True)
@@ -238,17 +269,19 @@ class Quotas:
             if usage.get(key, 0) > limit:
                 raise QuotaExceeded(key, usage[key], limit, index)
 
-    def holdings(self, states: Mapping[Key, Counter[str]], usage: Mapping[Key, int],
-                 retained: Mapping[Key, int]) -> list[Holding]:
-        """Every tenant and model with a quota, a sequence or a count: its quota, pages and sequences.
-        `states`: each holder's sequences by state; `usage`: its pages; `retained`: the pages of its sessions
-        under a promise (memd.seq_index keeps all three)."""
-        present = {key for key, counts in states.items() if any(counts.values())}
+    def holdings(self, counts: HolderCounts, *, no_tenant: bool = False) -> list[Holding]:
+        """Every tenant and model with a quota, a sequence or a count: its quota, pages, sequences, sessions and
+        swap slots (memd.seq_index keeps them); with `no_tenant`, NO_TENANT's row too if it holds any."""
+        states = counts.holder_states
+        present = {key for key, n in states.items() if any(n.values())}
         keys = present | set(self.table) | set(self.evictions) | set(self.refusals) \
-            | {key for key, n in retained.items() if n}
-        return [Holding(key, self.quota(key), usage.get(key, 0), self.evictions[key], self.refusals[key],
-                        key in self.set_at_run_time, {s: n for s, n in states.get(key, Counter()).items() if n},
-                        retained.get(key, 0))
+            | {key for key, n in counts.retained.items() if n}
+        if not no_tenant:
+            keys.discard(NO_TENANT)
+        return [Holding(key, self.quota(key), counts.ledger.usage.get(key, 0), self.evictions[key],
+                        self.refusals[key], key in self.set_at_run_time,
+                        {s: n for s, n in states.get(key, Counter()).items() if n}, counts.retained.get(key, 0),
+                        counts.holder_sessions.get(key, 0), counts.holder_slots.get(key, 0))
                 for key in sorted(keys)]
 
     def fits(self, seq: Sequence, blocks: int) -> None:

@@ -61,10 +61,10 @@ SWEEP_SLACK = 4096               # stale heap entries tolerated beyond the live 
 class _View:
     """A sequence as the index last counted it."""
 
-    __slots__ = ("blocks", "cell", "heap", "last_access", "promise", "rank", "slots", "state")
+    __slots__ = ("blocks", "cell", "heap", "last_access", "promise", "rank", "session", "slots", "state")
 
-    def __init__(self, state: SeqState, cell: int, blocks: list[int], slots: int) -> None:
-        self.state, self.cell, self.blocks, self.slots = state, cell, blocks, slots
+    def __init__(self, state: SeqState, cell: int, blocks: list[int], slots: int, session: bool) -> None:
+        self.state, self.cell, self.blocks, self.slots, self.session = state, cell, blocks, slots, session
         self.heap: Cell | None = None        # the PARKED heap it is ranked in (None: swapped heap, or none)
         self.rank: float | None = None       # its rank there (or in the swapped heap)
         self.last_access: float | None = None     # its idle-TTL entry, if it has one
@@ -79,6 +79,8 @@ class SeqIndex:
         state.watches.append(self.dirty)
         self.by_state: Counter[SeqState] = Counter()
         self.holder_states: dict[Key, Counter[str]] = {}
+        self.holder_sessions: Counter[Key] = Counter()
+        self.holder_slots: Counter[Key] = Counter()
         self.swapped_slots = 0
         self.ledger = HolderLedger(state.pool.num_blocks)
         self.parked: dict[Cell, list[tuple[float, int]]] = {}
@@ -133,6 +135,8 @@ class SeqIndex:
             self.swapped_slots -= old.slots
             for key in ledger.cells[old.cell]:
                 self.holder_states[key][old.state.value] -= 1
+                self.holder_sessions[key] -= old.session
+                self.holder_slots[key] -= old.slots
             if old.promise is not None:
                 self.retained[old.promise[0]] -= old.promise[1]
         if seq is None:
@@ -155,12 +159,14 @@ class SeqIndex:
                 ledger.remove(old.cell, old.blocks)
             ledger.add(cell, new)
             blocks = list(new)
-        view = _View(seq.state, cell, blocks, len(seq.slots))
+        view = _View(seq.state, cell, blocks, len(seq.slots), seq.session_id is not None)
         self.views[seq_id] = view
         self.by_state[seq.state] += 1
         self.swapped_slots += view.slots
         for key in ledger.cells[cell]:
             self.holder_states.setdefault(key, Counter())[seq.state.value] += 1
+            self.holder_sessions[key] += view.session
+            self.holder_slots[key] += view.slots
         kept = seq.retain_until > wall
         if kept:
             view.promise = (promise_holder(seq), promise_pages(seq), seq.retain_until)

@@ -279,16 +279,19 @@ class MemdService(pb_grpc.MemdServicer):
         log.info("cached prefixes reset", worker=worker.worker_id, model=worker.model, blocks=blocks)
         return pb.ResetPrefixCacheReply(blocks=blocks)
 
-    def _holders(self) -> pb.QuotasReply:
+    def _holders(self, *, no_tenant: bool = False) -> pb.QuotasReply:
+        """Every holder's row, read from what memd keeps per holder (memd.seq_index): costs the holders, not
+        the sequences, however many are parked."""
         return pb.QuotasReply(holders=[
             pb.HolderRow(kind=h.key[0], name=h.key[1], guaranteed_pages=h.quota.guaranteed, max_pages=h.quota.max,
                          pages=h.pages, evictions=h.evictions, refusals=h.refusals,
-                         set_at_run_time=h.set_at_run_time, sequences=h.sequences, retained_pages=h.retained_pages)
-            for h in self.manager.holdings()])
+                         set_at_run_time=h.set_at_run_time, sequences=h.sequences, retained_pages=h.retained_pages,
+                         sessions=h.sessions, swap_slots=h.swap_slots)
+            for h in self.manager.holdings(no_tenant=no_tenant)])
 
     async def Quotas(self, request: pb.QuotasRequest, context: grpc.aio.ServicerContext) -> pb.QuotasReply:
         log.debug("rpc", method="Quotas")
-        return self._holders()
+        return self._holders(no_tenant=request.with_no_tenant)
 
     async def SetQuota(self, request: pb.SetQuotaRequest, context: grpc.aio.ServicerContext) -> pb.QuotasReply:
         m = self.manager

@@ -221,6 +221,9 @@ class StateCopy:
     rounds: int = 0                              # of re-copying: how busy memd was meanwhile
     # Each tenant's and model's pages as memd keeps them (memd.holder_ledger), checked against the tables.
     holder_pages: dict[tuple[str, str], int] = field(default_factory=dict)
+    # And what it keeps of each holder's sequences: (count per state, sessions, swap slots), as memctl tenants
+    # shows them (memd.seq_index).
+    holder_rows: dict[tuple[str, str], tuple[dict[str, int], int, int]] = field(default_factory=dict)
 
     def heat(self, seq: SeqCopy, now: float) -> float:
         """As `KvManager.heat` computed it at `now` (the copy's instant)."""
@@ -316,7 +319,11 @@ def _steps(manager: KvState, copy: StateCopy, blocks: bool, checked: bool) -> It
             copy.sessions = dict(manager.sessions)
             copy.workers = frozenset(manager.workers)
             manager.index.refresh()
-            copy.holder_pages = {key: n for key, n in manager.index.ledger.usage.items() if n}
+            index = manager.index
+            copy.holder_pages = {key: n for key, n in index.ledger.usage.items() if n}
+            copy.holder_rows = {key: ({state: n for state, n in states.items() if n},
+                                      index.holder_sessions.get(key, 0), index.holder_slots.get(key, 0))
+                                for key, states in index.holder_states.items() if any(states.values())}
             _copy_pool_totals(pool, copy)
             if swap is not None:
                 kept = min(low_mark[0], len(free_slots))        # below it the stack is as it was copied

@@ -98,31 +98,22 @@ def sequences_list(reply: pb.SnapshotReply) -> list[dict[str, Any]]:
             for s in sorted(reply.sequences, key=lambda s: s.seq_id)]
 
 
-def tenants_list(reply: pb.SnapshotReply, quotas: pb.QuotasReply) -> list[dict[str, Any]]:
+def tenants_list(quotas: pb.QuotasReply) -> list[dict[str, Any]]:
     """Per tenant: its sequences by state, the pool pages they hold (a page two of its sequences share once; a
     page two tenants' sequences share counts for each), the swap slots they fill, its quota, evictions and
-    refusals. "" is the sequences of none."""
-    rows: dict[str, dict[str, Any]] = {}
-    pages: dict[str, set[int]] = {}
-
-    def row(tenant: str) -> dict[str, Any]:
-        return rows.setdefault(tenant, {"tenant": tenant, "sequences": 0, "sessions": 0, "running": 0, "parked": 0,
-                                        "swapped": 0, "dropped": 0, "pages": 0, "swap_slots": 0,
-                                        "guaranteed_pages": 0, "max_pages": 0, "evictions": 0, "refusals": 0})
-    for s in reply.sequences:
-        r = row(s.tenant)
-        r["sequences"] += 1
-        r["sessions"] += bool(s.session_id)
-        r[s.state] = r.get(s.state, 0) + 1
-        r["swap_slots"] += s.swapped_blocks
-        pages.setdefault(s.tenant, set()).update(s.block_ids)
+    refusals. "" is the sequences of none. Read from memd's per-holder counts (QuotasRequest.with_no_tenant),
+    not from a snapshot of every sequence."""
+    rows = []
     for h in quotas.holders:
-        if h.kind == "tenant":
-            row(h.name).update(guaranteed_pages=h.guaranteed_pages, max_pages=h.max_pages, evictions=h.evictions,
-                               refusals=h.refusals)
-    for tenant, r in rows.items():
-        r["pages"] = len(pages.get(tenant, ()))
-    return [rows[t] for t in sorted(rows)]
+        if h.kind != "tenant":
+            continue
+        states = dict(h.sequences)
+        rows.append({"tenant": h.name, "sequences": sum(states.values()), "sessions": h.sessions,
+                     "running": states.get("running", 0), "parked": states.get("parked", 0),
+                     "swapped": states.get("swapped", 0), "dropped": states.get("dropped", 0), "pages": h.pages,
+                     "swap_slots": h.swap_slots, "guaranteed_pages": h.guaranteed_pages, "max_pages": h.max_pages,
+                     "evictions": h.evictions, "refusals": h.refusals})
+    return sorted(rows, key=lambda row: row["tenant"])
 
 
 def render_tenants(rows: list[dict[str, Any]]) -> str:

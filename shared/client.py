@@ -353,8 +353,9 @@ class MemdAdmin:
     async def check(self) -> pb.CheckReply:
         return await self._call("Check", pb.CheckRequest())  # type: ignore[return-value]
 
-    async def quotas(self) -> pb.QuotasReply:
-        return await self._call("Quotas", pb.QuotasRequest())  # type: ignore[return-value]
+    async def quotas(self, *, with_no_tenant: bool = False) -> pb.QuotasReply:
+        """Every tenant's and model's row; `with_no_tenant`: the sequences of no tenant's too (tenant "")."""
+        return await self._call("Quotas", pb.QuotasRequest(with_no_tenant=with_no_tenant))  # type: ignore[return-value]
 
     async def set_quota(self, kind: str, name: str, *, guaranteed_pages: int = 0, max_pages: int = 0,
                         clear: bool = False) -> pb.QuotasReply:

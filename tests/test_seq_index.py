@@ -99,7 +99,7 @@ def test_a_restarts_worth_of_cached_blocks_is_announced_over_several_batches_eac
         manager.step(worker, [Park(opened.seq_id, commit_to=len(tokens))])
     events = kv_events.KvEvents(manager, "tcp://127.0.0.1:0")
     batches: list[list[dict]] = []
-    monkeypatch.setattr(events, "_send", batches.append)
+    monkeypatch.setattr(events, "_send", lambda _model, batch: batches.append(batch))
     try:
         while events.blocks or not events.cleared:
             events.flush()

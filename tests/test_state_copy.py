@@ -126,4 +126,7 @@ async def test_the_check_names_a_swap_slot_held_twice_one_outside_the_tier_and_a
         f"swap slot {held} is held by sequence {seq.seq_id} and by the free list",
         f"swap slot {swap.num_slots} of sequence {seq.seq_id} is outside the swap tier",
         "1 swap slot(s) are neither free nor held: leaked",
+        # (changed behind memd's back: what it counts per holder, memctl tenants' row, no longer matches)
+        *(f"{holder} is counted at 1 swapped; 1 session(s), 2 swap slot(s), but its sequences are 1 swapped; "
+          "1 session(s), 3 swap slot(s)" for holder in ("model 'default'", "the sequences of no tenant")),
     ]), leaked

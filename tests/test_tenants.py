@@ -132,6 +132,14 @@ async def test_tenants_own_their_sessions_and_cached_prefixes(memd_factory, infe
     for s in sequences:
         held[s.tenant].update(s.block_ids)
     assert all(rows[t]["pages"] == len(pages) > 0 for t, pages in held.items() if t)
+    # Every row as the snapshot's sequences make it (memd keeps the rows as they change; "" is no tenant's).
+    for tenant in held:
+        mine = [s for s in sequences if s.tenant == tenant]
+        assert {k: rows[tenant][k] for k in ("sequences", "sessions", "parked", "swapped", "dropped", "running",
+                                             "swap_slots", "pages")} == {
+            "sequences": len(mine), "sessions": sum(bool(s.session_id) for s in mine),
+            **{state: sum(s.state == state for s in mine) for state in ("parked", "swapped", "dropped", "running")},
+            "swap_slots": sum(s.swapped_blocks for s in mine), "pages": len(held[tenant])}
     for client in clients.values():
         await client.close()
 

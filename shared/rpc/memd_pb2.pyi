@@ -386,11 +386,13 @@ class ScrubReply(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slots: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failures: _Optional[_Iterable[_Union[ScrubFailure, _Mapping]]] = ...) -> None: ...
 
 class QuotasRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("with_no_tenant",)
+    WITH_NO_TENANT_FIELD_NUMBER: _ClassVar[int]
+    with_no_tenant: bool
+    def __init__(self, with_no_tenant: _Optional[bool] = ...) -> None: ...
 
 class HolderRow(_message.Message):
-    __slots__ = ("kind", "name", "guaranteed_pages", "max_pages", "pages", "evictions", "refusals", "set_at_run_time", "sequences", "retained_pages")
+    __slots__ = ("kind", "name", "guaranteed_pages", "max_pages", "pages", "evictions", "refusals", "set_at_run_time", "sequences", "retained_pages", "sessions", "swap_slots")
     class SequencesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +410,8 @@ class HolderRow(_message.Message):
     SET_AT_RUN_TIME_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RETAINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SLOTS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     guaranteed_pages: int
@@ -418,7 +422,9 @@ class HolderRow(_message.Message):
     set_at_run_time: bool
     sequences: _containers.ScalarMap[str, int]
     retained_pages: int
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., guaranteed_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., set_at_run_time: _Optional[bool] = ..., sequences: _Optional[_Mapping[str, int]] = ..., retained_pages: _Optional[int] = ...) -> None: ...
+    sessions: int
+    swap_slots: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., guaranteed_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., set_at_run_time: _Optional[bool] = ..., sequences: _Optional[_Mapping[str, int]] = ..., retained_pages: _Optional[int] = ..., sessions: _Optional[int] = ..., swap_slots: _Optional[int] = ...) -> None: ...
 
 class QuotasReply(_message.Message):
     __slots__ = ("holders",)
