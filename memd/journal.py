@@ -8,8 +8,9 @@ not hold yet: the leading full pages are written once, and again from the
 first whose checksum was set since (`_Held`). A whole table in every record
 would make a decode Step's journaling grow with its sequences' contexts.
 A record torn by a crash is ignored. On start-up the journal is read back
-(`read_journal`; `memd.recovery` decides what to trust), and a fresh journal
-replaces the old one (a checkpoint). Every few thousand records the journal is
+(`read_journal`; `memd.recovery` decides what to trust), and memd goes on
+appending to it once it has said what recovery decided (`resume`; a fresh
+journal, a checkpoint, where it describes another pool). Every few thousand records the journal is
 rewritten from the live state, so the file stays about the size of the live
 state: a few hundred sequences per flush, beside the flushes' own records, so
 that no Step waits for all of them (their cost grows with their number); the old
