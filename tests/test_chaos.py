@@ -36,6 +36,7 @@ import os
 import random
 import signal
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class Incident:
     worker: str | None             # where that kvroute sent it, if its answer said so
     sent: float                    # wall-clock seconds
     ended: float
+    request_id: str = ""           # its X-Request-Id: the worker that had it logs it (inferd takes the client's)
 
 
 @dataclass
@@ -242,13 +244,13 @@ async def send_turn(url: str, prompt: list[int], session: str | None, max_tokens
     cancelled after `cancel_after` chunks (the client walked away)."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TURN_TIMEOUT_S)
     started, first, answer, usage = time.perf_counter(), None, [], None
-    sent, worker = time.time(), None
+    sent, worker, request_id = time.time(), None, f"chaos-{uuid.uuid4().hex[:12]}"
     try:
         stream = await client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0, stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-            extra_headers={"X-Session-Id": session} if session else {})
+            extra_headers={"X-Request-Id": request_id, **({"X-Session-Id": session} if session else {})})
         worker = stream.response.headers.get(WORKER_HEADER)
         chunks = 0
         async for chunk in stream:
@@ -266,11 +268,11 @@ async def send_turn(url: str, prompt: list[int], session: str | None, max_tokens
         if err.status_code != 500:
             raise Retry(f"HTTP {err.status_code}") from None
         raise Retry(f"HTTP 500: {err.message[:160]}", Incident(
-            f"HTTP 500: {err.message[:300]}", url, err.response.headers.get(WORKER_HEADER), sent, time.time())) \
-            from None
+            f"HTTP 500: {err.message[:300]}", url, err.response.headers.get(WORKER_HEADER), sent, time.time(),
+            request_id)) from None
     except openai.APITimeoutError:                # no byte for the client's whole timeout: which part held it?
         raise Retry("a timeout", Incident(f"no answer within {TURN_TIMEOUT_S:.0f} s", url, worker, sent,
-                                          time.time())) from None
+                                          time.time(), request_id)) from None
     except (openai.APIConnectionError, httpx.HTTPError) as err:
         raise Retry(type(err).__name__) from None
     except openai.APIError:                      # an error the stream said after its 200: the turn failed midway
@@ -393,6 +395,12 @@ def incident_report(fleet: Fleet, session: str | None, incident: Incident) -> di
     routers = dict(zip(fleet.router_urls, fleet.routers, strict=True))
     workers = dict(zip(fleet.worker_urls, fleet.workers, strict=True))
     worker = workers.get(incident.worker or "")
+    mentions = {part.name: [f"{e.get('timestamp', '')[11:23]} {e.get('level')}: {e.get('event')} "
+                            + json.dumps({k: v for k, v in e.items() if k not in ("timestamp", "level", "event")})
+                            for d in part.logs for e in d.log.events if e.get("request") == incident.request_id]
+                for part in fleet.workers}
+    if worker is None and (had := [name for name, lines in mentions.items() if lines]):
+        worker = next(w for w in fleet.workers if w.name == had[0])       # its answer never came: its log says
     parts = [routers[incident.kvroute]] + ([worker, fleet.memds[worker.name.removeprefix("inferd-")[0]]]
                                            if worker is not None else [*fleet.workers, *fleet.memds.values()])
     logged: dict[str, list[str]] = {}
@@ -405,6 +413,7 @@ def incident_report(fleet: Fleet, session: str | None, incident: Incident) -> di
         if lines:
             logged[part.name] = lines[:12]
     return {"what": incident.what, "session": session, "kvroute": routers[incident.kvroute].name,
+            "request_id": incident.request_id, "logged_of_it": {k: v for k, v in mentions.items() if v},
             "worker": worker.name if worker is not None else incident.worker,
             "sent": datetime.fromtimestamp(incident.sent, UTC).strftime("%H:%M:%S.%f")[:-3],
             "waited_s": round(incident.ended - incident.sent, 1), "logged": logged}
