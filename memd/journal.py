@@ -228,22 +228,11 @@ class WriteAheadLog:
         for seq in manager.seqs.values():
             parts.append(self._seq_record(seq, manager))
         parts += [_pack(["F", pid, blocks]) for pid, blocks in manager.fences.items()]
-        data = b"".join(parts)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            _write_all(fd, data)
-            if self.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd = self._written(tmp, os.O_CREAT | os.O_TRUNC, parts)
         os.replace(tmp, self.state.journal)
         if self.fsync:
             self._fsync_dir()
-        if self._fd is not None:
-            os.close(self._fd)
-        os.lseek(fd, 0, os.SEEK_END)
-        self._fd = fd
+        self._use(fd)
         self.records = self._rewrite_deferred = 0
 
     def resume(self, manager: KvManager, found: Recovered, changed: Collection[int]) -> None:
@@ -266,7 +255,13 @@ class WriteAheadLog:
         parts += [self._seq_record(manager.seqs[seq_id], manager) for seq_id in changed if seq_id in manager.seqs]
         parts += [_pack(["F", pid, []]) for pid in found.fences if pid not in manager.fences]
         parts += [_pack(["F", pid, blocks]) for pid, blocks in manager.fences.items()]
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._use(self._written(path, os.O_APPEND, parts))
+        self.records, self._rewrite_deferred = _rewrite_after(manager) + 1, 0      # rewritten from the next flush
+
+    def _written(self, path: Path, flags: int, parts: list[bytes]) -> int:
+        """`path` opened for writing (with `flags`) and `parts` written to it, synced if the journal is: its fd,
+        positioned at its end. Nothing is left open if it fails."""
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags, 0o600)
         try:
             _write_all(fd, b"".join(parts))
             if self.fsync:
@@ -274,10 +269,13 @@ class WriteAheadLog:
         except BaseException:
             os.close(fd)
             raise
+        return fd
+
+    def _use(self, fd: int) -> None:
+        """Append to `fd` from now on."""
         if self._fd is not None:
             os.close(self._fd)
         self._fd = fd
-        self.records, self._rewrite_deferred = max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)) + 1, 0
 
     def flush(self, manager: KvManager) -> None:
         """Append the sequences changed since the last flush; call before replying to whoever changed them."""
@@ -300,7 +298,7 @@ class WriteAheadLog:
         try:
             if self._rewrite is not None:
                 self._advance_rewrite(manager, changes, mark)
-            elif self.records > max(CHECKPOINT_RECORDS, 4 * len(manager.seqs)) + self._rewrite_deferred:
+            elif self.records > _rewrite_after(manager) + self._rewrite_deferred:
                 self._start_rewrite(manager)
         except OSError as exc:
             self._rewrite_failed(exc)
@@ -471,6 +469,11 @@ class WriteAheadLog:
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
+
+
+def _rewrite_after(manager: KvManager) -> int:
+    """Records appended before the journal is rewritten from the live state: it stays about that state's size."""
+    return max(CHECKPOINT_RECORDS, 4 * len(manager.seqs))
 
 
 def _owner_pid(seq: Sequence, manager: KvManager) -> int:

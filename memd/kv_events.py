@@ -115,6 +115,12 @@ class _Batches:
         if events:
             self.events.setdefault(model, []).extend(events)
 
+    def add_changes(self, removed: dict[str, list[bytes]], stored: dict[str, list[_Stored]], medium: str) -> None:
+        """Each model's removals and stores in `medium`. Removals first: a digest one sequence let go and another
+        took in the same flush ends up stored."""
+        for model in removed.keys() | stored.keys():
+            self.add(model, _removed(removed.get(model, []), medium) + _stored(stored.get(model, []), medium))
+
 
 class KvEvents:
     """The publisher: diffs what the pool's prefix cache and the swap tier hold against what it announced."""
@@ -226,9 +232,7 @@ class KvEvents:
                 parent, model, salt = origin_of[block] or (b"", "", "")
                 self._view(model).pooled[block] = new
                 stored.setdefault(model, []).append(_Stored(new, parent, tokens_of[block] or b"", salt))
-        for model in removed.keys() | stored.keys():
-            batches.add(model, self._removed(removed.get(model, []), POOL_MEDIUM) +
-                        self._stored(stored.get(model, []), POOL_MEDIUM))
+        batches.add_changes(removed, stored, POOL_MEDIUM)
 
     def _next_blocks(self) -> list[int]:
         """The changed blocks this batch announces: all of them, or (after a restart that recovered a host's
@@ -291,54 +295,7 @@ class KvEvents:
                     stored.setdefault(model, []).append(block)
             if new:
                 view.swapped[seq_id] = [s.digest for s in new]
-        # Removals first: a digest one sequence let go and another took in the same flush ends up stored.
-        for model in removed.keys() | stored.keys():
-            batches.add(model, self._removed(removed.get(model, []), SWAP_MEDIUM) +
-                        self._stored(stored.get(model, []), SWAP_MEDIUM))
-
-    @staticmethod
-    def _removed(digests: list[bytes], medium: str) -> list[dict[str, Any]]:
-        if not digests:
-            return []
-        return [{"type": "BlockRemoved", "block_hashes": [event_hash(d) for d in digests], "medium": medium}]
-
-    @staticmethod
-    def _stored(blocks: list[_Stored], medium: str) -> list[dict[str, Any]]:
-        """BlockStored events, parents before children, a chain of blocks in one event where they form one."""
-        by_digest = {b.digest: b for b in blocks}
-        ordered: list[_Stored] = []
-        placed: set[bytes] = set()
-        for block in blocks:
-            chain = []
-            while block.digest not in placed:
-                chain.append(block)
-                placed.add(block.digest)
-                parent = by_digest.get(block.parent)
-                if parent is None:
-                    break
-                block = parent
-            ordered += reversed(chain)
-        events: list[dict[str, Any]] = []
-        for block in ordered:
-            size = len(block.tokens) // TOKEN_BYTES
-            last = events[-1] if events else None
-            if last is not None and last["_tail"] == block.parent and last["block_size"] == size:
-                last["block_hashes"].append(event_hash(block.digest))
-                last["token_ids"] += _token_ids(block.tokens)
-                last["_tail"] = block.digest
-                continue
-            events.append({"type": "BlockStored", "block_hashes": [event_hash(block.digest)],
-                           "parent_block_hash": event_hash(block.parent) if block.parent else None,
-                           "token_ids": _token_ids(block.tokens), "block_size": size, "lora_id": None,
-                           "medium": medium, "lora_name": None, "_tail": block.digest,
-                           "_salt": block.salt if not block.parent else ""})
-        for event in events:
-            del event["_tail"]
-            # As vLLM's: one entry per block, the salt (untagged) on the first block of a chain, the only one it
-            # enters the hash of; left out when no block has one.
-            if salt := event.pop("_salt"):
-                event["extra_keys"] = [[salt]] + [None] * (len(event["block_hashes"]) - 1)
-        return events
+        batches.add_changes(removed, stored, SWAP_MEDIUM)
 
     # ---- the wire ---------------------------------------------------------------------------------------
 
@@ -365,6 +322,50 @@ class KvEvents:
                 if seq >= start:
                     await self.replay.send_multipart([client, b"", topic, seq.to_bytes(8, "big"), payload])
             await self.replay.send_multipart([client, b"", b"", END_OF_REPLAY, b""])
+
+
+def _removed(digests: list[bytes], medium: str) -> list[dict[str, Any]]:
+    if not digests:
+        return []
+    return [{"type": "BlockRemoved", "block_hashes": [event_hash(d) for d in digests], "medium": medium}]
+
+
+def _stored(blocks: list[_Stored], medium: str) -> list[dict[str, Any]]:
+    """BlockStored events, parents before children, a chain of blocks in one event where they form one."""
+    by_digest = {b.digest: b for b in blocks}
+    ordered: list[_Stored] = []
+    placed: set[bytes] = set()
+    for block in blocks:
+        chain = []
+        while block.digest not in placed:
+            chain.append(block)
+            placed.add(block.digest)
+            parent = by_digest.get(block.parent)
+            if parent is None:
+                break
+            block = parent
+        ordered += reversed(chain)
+    events: list[dict[str, Any]] = []
+    for block in ordered:
+        size = len(block.tokens) // TOKEN_BYTES
+        last = events[-1] if events else None
+        if last is not None and last["_tail"] == block.parent and last["block_size"] == size:
+            last["block_hashes"].append(event_hash(block.digest))
+            last["token_ids"] += _token_ids(block.tokens)
+            last["_tail"] = block.digest
+            continue
+        events.append({"type": "BlockStored", "block_hashes": [event_hash(block.digest)],
+                       "parent_block_hash": event_hash(block.parent) if block.parent else None,
+                       "token_ids": _token_ids(block.tokens), "block_size": size, "lora_id": None,
+                       "medium": medium, "lora_name": None, "_tail": block.digest,
+                       "_salt": block.salt if not block.parent else ""})
+    for event in events:
+        del event["_tail"]
+        # As vLLM's: one entry per block, the salt (untagged) on the first block of a chain, the only one it
+        # enters the hash of; left out when no block has one.
+        if salt := event.pop("_salt"):
+            event["extra_keys"] = [[salt]] + [None] * (len(event["block_hashes"]) - 1)
+    return events
 
 
 def _swapped_blocks(seq: Sequence) -> list[_Stored]:

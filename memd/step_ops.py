@@ -109,13 +109,18 @@ class StepTxn:
         result = self._open_or_continue(op)
         if op.retain_s:
             seq = self.state.seqs[result.seq_id]
-            index = self.state.index
-            index.refresh(self.touched)
-            held = index.retained_pages(retention.holder(seq), without=seq)
-            until = retention.promise(seq, op.retain_s, held, self.state.quotas)
+            until = self._promise(seq, op.retain_s)
             self.undo.record(_set_retention, seq, seq.retain_until)
             seq.retain_until = until
         return result
+
+    def _promise(self, seq: Sequence, retain_s: float) -> float:
+        """Until when `seq` may be kept `retain_s` more (retention.promise), its holder's other promises counted
+        as they stand in this Step; refused as retention.promise refuses."""
+        index = self.state.index
+        index.refresh(self.touched)
+        return retention.promise(seq, retain_s, index.retained_pages(retention.holder(seq), without=seq),
+                                 self.state.quotas)
 
     def _open_or_continue(self, op: Open) -> OpResult:
         worker = self.worker
@@ -171,11 +176,8 @@ class StepTxn:
         """A fetched session's retention promise goes on here while its holder's guarantee here pays for it; one
         it does not pay for is not kept (the session is, and the turn goes on: no error for what another host
         promised)."""
-        index = self.state.index
-        index.refresh(self.touched)
         try:
-            retention.promise(seq, until - time.time(), index.retained_pages(retention.holder(seq), without=seq),
-                              self.state.quotas)
+            self._promise(seq, until - time.time())
             seq.retain_until = until                  # as promised there: to the same instant
         except (retention.NoGuarantee, retention.RetentionRefused):
             self.counters["cluster_retention_not_kept"] += 1

@@ -254,5 +254,6 @@ async def test_a_retention_promise_travels_with_its_session_through_the_store(st
         assert [await retained_until(memd, seq_id) for seq_id in fetched] == [promised, 0.0]
         async with memd.admin() as admin:
             counters = (await admin.stats()).counters
+            assert (await admin.check()).ok                    # the fetched sessions hold what their tables say
         assert counters["cluster_sessions_fetched"] == 2
         assert counters.get("cluster_retention_not_kept", 0) == (1 if memd is c else 0)

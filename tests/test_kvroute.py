@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import re
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -575,7 +574,7 @@ async def test_the_directory_keeps_the_newer_entry_across_a_stalled_store_and_fo
 
 
 @pytest.mark.processes
-def test_a_connection_reset_as_it_is_made_is_a_connection_error_on_kvroutes_loop(tmp_path):
+def test_a_connection_reset_as_it_is_made_is_a_connection_error_on_kvroutes_loop():
     """A worker killed while kvroute connects resets the connection just made. On uvloop (kvroute's loop) httpx
     let an AttributeError out of anyio for a few of such connections in a thousand, and the turn was an HTTP 500
     (the chaos run's two); kvroute's transport makes every one a ConnectError, which it fails over on."""
@@ -587,13 +586,9 @@ def test_a_connection_reset_as_it_is_made_is_a_connection_error_on_kvroutes_loop
     from kvroute.upstream import UpstreamTransport
 
     # A process of its own resets each connection as soon as it is made (in this one, the GIL spaces them out).
-    port_file = tmp_path / "port"
-    resetter = subprocess.Popen([sys.executable, "-c", RESET_EACH, str(port_file)])
+    resetter = subprocess.Popen([sys.executable, "-c", RESET_EACH], stdout=subprocess.PIPE, text=True)
     try:
-        while not port_file.exists() or not port_file.read_text():
-            assert resetter.poll() is None
-            time.sleep(0.01)                                   # its port, once it listens: a file, polled
-        port = int(port_file.read_text())
+        port = int(resetter.stdout.readline())                 # said once it listens
 
         async def connect_many() -> Counter[str]:
             seen: Counter[str] = Counter()
@@ -613,10 +608,9 @@ def test_a_connection_reset_as_it_is_made_is_a_connection_error_on_kvroutes_loop
 
 CONNECTIONS = 3000                 # it came a few times in a hundred to a few in ten thousand, by load
 RESET_EACH = """
-import socket, struct, sys
+import socket, struct
 listener = socket.create_server(("127.0.0.1", 0), backlog=128)
-open(sys.argv[1] + ".tmp", "w").write(str(listener.getsockname()[1]))
-__import__("os").replace(sys.argv[1] + ".tmp", sys.argv[1])
+print(listener.getsockname()[1], flush=True)
 while True:
     conn, _ = listener.accept()
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
