@@ -18,6 +18,7 @@ import grpc
 import structlog
 from prometheus_client import Histogram
 
+from memd import prefix_lookup
 from memd.collector import collections_paused
 from memd.errors import InvalidArgument, KvError, OpError
 from memd.fdpass import FdServer
@@ -278,6 +279,15 @@ class MemdService(pb_grpc.MemdServicer):
         blocks = self.manager.forget_cached(worker.model)
         log.info("cached prefixes reset", worker=worker.worker_id, model=worker.model, blocks=blocks)
         return pb.ResetPrefixCacheReply(blocks=blocks)
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupReply:
+        try:
+            worker = self.manager.worker(request.worker_id, request.lease)
+            found = prefix_lookup.lookups(self.manager, worker, [(q.token_ids, q.cache_salt)
+                                                                 for q in request.queries])
+        except KvError as err:
+            await _abort(context, err)
+        return pb.LookupReply(cached_blocks=found)
 
     def _holders(self, *, no_tenant: bool = False) -> pb.QuotasReply:
         """Every holder's row, read from what memd keeps per holder (memd.seq_index): costs the holders, not

@@ -151,7 +151,11 @@ class StepTxn:
         if (prefix := self.remote.prefixes.get(id(op))) is not None:
             cached = self._fetch_prefix(seq, prefix)
         self._grow(seq, len(seq.token_ids) + op.reserve)
-        return _result(seq, 0, cached, history=op.continue_session)
+        result = _result(seq, 0, cached, history=op.continue_session)
+        if cached:
+            checksum = self.state.pool.checksum
+            result.cached_sums = [checksum[block] for block in seq.block_ids[:cached // seq.block_size]]
+        return result
 
     def _fetch_session(self, session: str, remote: RemoteSession) -> None:
         """A session another host published: PARKED here, its blocks fetched into fresh pages once the Step stands.
@@ -641,7 +645,7 @@ def _common_prefix(a: array[int], b: list[int]) -> int:
 
 def _result(seq: Sequence, first_block: int, cached: int = 0, *, history: bool = False) -> OpResult:
     return OpResult(seq.seq_id, seq.state.value, first_block, seq.block_ids[first_block:], len(seq.block_ids),
-                    seq.num_committed, cached, array("I", seq.token_ids) if history else None)
+                    seq.num_committed, cached, None, array("I", seq.token_ids) if history else None)
 
 
 def _restore(seq: Sequence, state: SeqState, owner: int | None, num_blocks: int, num_committed: int,

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ from shared import address as addr
 from shared import tokens
 from shared.geometry import PoolGeometry
 from shared.ops import Fork, Free, Op, OpResult, Park
-from shared.packed_steps import pack_ops, unpack_results
+from shared.packed_steps import pack_ops, packed_token_ids, unpack_results
 from shared.protobuf_codec import REASON_KEY, decode_handle
 from shared.rpc import memd_pb2 as pb
 from shared.rpc import memd_pb2_grpc as pb_grpc
@@ -250,6 +250,17 @@ class MemdClient:
         else:
             self._idle_calls.append(call)
         return reply  # type: ignore[no-any-return]
+
+    async def lookup(self, queries: list[tuple[Sequence[int], str]]) -> list[int]:
+        """Per (prompt token ids, cache salt): its leading full blocks memd's prefix cache holds for this worker's
+        model, checksummed, as an Open would share them now. Changes nothing in memd."""
+        request = pb.LookupRequest(worker_id=self.worker_id, lease=self._lease, queries=[
+            pb.LookupQuery(token_ids=packed_token_ids(token_ids), cache_salt=salt) for token_ids, salt in queries])
+        try:
+            reply = await self._stub.Lookup(request, metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise MemdError.from_rpc(err) from None
+        return list(reply.cached_blocks)
 
     async def close(self) -> None:
         """Give the lease back: memd parks whatever this worker still runs."""

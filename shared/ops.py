@@ -113,5 +113,8 @@ class OpResult:
     num_blocks: int
     num_committed: int
     num_cached: int = 0
+    # A new sequence's blocks shared from the prefix cache (its first num_cached // block_size): their pages'
+    # checksums, for a reader that checks each page before it uses it (the vLLM connector); else None.
+    cached_sums: list[int] | None = None
     # Resume, fork, a continued session: the whole history (in memd, a copy of its uint32 array; a client's is a list).
     token_ids: Sequence[int] | None = None

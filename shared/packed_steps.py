@@ -73,7 +73,7 @@ def unpack_ops(data: bytes) -> list[ops.Op]:
 
 def pack_results(results: list[ops.OpResult]) -> bytes:
     return msgpack.packb([_RESULT_FIELDS(r) if r.token_ids is None else
-                          (*_RESULT_FIELDS(r)[:-1], _packed_history(r.token_ids)) for r in results],
+                          (*_RESULT_FIELDS(r)[:-1], packed_token_ids(r.token_ids)) for r in results],
                          use_bin_type=True)
 
 
@@ -82,21 +82,28 @@ def unpack_results(data: bytes) -> list[ops.OpResult]:
     results = [ops.OpResult(*fields) for fields in msgpack.unpackb(data, raw=False, use_list=True)]
     for r in results:
         if type(r.token_ids) is bytes:
-            history = array("I")
-            history.frombytes(r.token_ids)
-            if _BIG_ENDIAN:
-                history.byteswap()
-            r.token_ids = history.tolist()
+            r.token_ids = unpacked_token_ids(r.token_ids).tolist()
     return results
 
 
-def _packed_history(token_ids: Sequence[int]) -> bytes:
-    """A history as packed: the bytes of a little-endian uint32 array."""
+def packed_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as they travel (a history, a Lookup's prompt): the bytes of a little-endian uint32 array."""
     history = token_ids if type(token_ids) is array and token_ids.typecode == "I" else array("I", token_ids)
     if _BIG_ENDIAN:
         history = array("I", history)
         history.byteswap()
     return history.tobytes()
+
+
+def unpacked_token_ids(data: bytes) -> array[int]:
+    """`packed_token_ids`' array again; WireError if `data` is not whole uint32s."""
+    if len(data) % 4:
+        raise WireError(f"token ids of {len(data)} bytes: not an array of uint32")
+    token_ids = array("I")
+    token_ids.frombytes(data)
+    if _BIG_ENDIAN:
+        token_ids.byteswap()
+    return token_ids
 
 
 # ---- checking what memd reads --------------------------------------------------

@@ -56,7 +56,7 @@ def test_histories_memd_keeps_as_arrays_read_back_as_lists(step_results):
 
 
 def test_a_history_is_a_little_endian_uint32_array():
-    result = ops.OpResult(5, "running", 0, [1], 1, 3, 0, [1, 2**32 - 1, 258])
+    result = ops.OpResult(5, "running", 0, [1], 1, 3, 0, token_ids=[1, 2**32 - 1, 258])
     (fields,) = msgpack.unpackb(pack_results([result]))
     assert fields[-1] == b"".join(t.to_bytes(4, "little") for t in (1, 2**32 - 1, 258))
 

@@ -445,3 +445,27 @@ class SetQuotaRequest(_message.Message):
     max_pages: int
     clear: bool
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., guaranteed_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., clear: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("worker_id", "lease", "queries")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    lease: bytes
+    queries: _containers.RepeatedCompositeFieldContainer[LookupQuery]
+    def __init__(self, worker_id: _Optional[int] = ..., lease: _Optional[bytes] = ..., queries: _Optional[_Iterable[_Union[LookupQuery, _Mapping]]] = ...) -> None: ...
+
+class LookupQuery(_message.Message):
+    __slots__ = ("token_ids", "cache_salt")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("cached_blocks",)
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cached_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cached_blocks: _Optional[_Iterable[int]] = ...) -> None: ...

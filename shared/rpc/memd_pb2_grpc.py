@@ -94,6 +94,11 @@ class MemdStub:
                 request_serializer=shared_dot_rpc_dot_memd__pb2.SetQuotaRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_memd__pb2.QuotasReply.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvpool.memd.v1.Memd/Lookup',
+                request_serializer=shared_dot_rpc_dot_memd__pb2.LookupRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_memd__pb2.LookupReply.FromString,
+                _registered_method=True)
 
 
 class MemdServicer:
@@ -186,6 +191,15 @@ class MemdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """How many leading full blocks of each prompt a worker's model's prefix cache holds, checksummed: what an
+        Open would share now. Changes nothing (no reference, no heat, no counter), so an engine that asks again
+        and again before it schedules a request (vLLM's connector API does) costs memd nothing it keeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +262,11 @@ def add_MemdServicer_to_server(servicer, server):
                     servicer.SetQuota,
                     request_deserializer=shared_dot_rpc_dot_memd__pb2.SetQuotaRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_memd__pb2.QuotasReply.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=shared_dot_rpc_dot_memd__pb2.LookupRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_memd__pb2.LookupReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +593,33 @@ class Memd:
             '/kvpool.memd.v1.Memd/SetQuota',
             shared_dot_rpc_dot_memd__pb2.SetQuotaRequest.SerializeToString,
             shared_dot_rpc_dot_memd__pb2.QuotasReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.memd.v1.Memd/Lookup',
+            shared_dot_rpc_dot_memd__pb2.LookupRequest.SerializeToString,
+            shared_dot_rpc_dot_memd__pb2.LookupReply.FromString,
             options,
             channel_credentials,
             insecure,
