@@ -57,9 +57,14 @@ class Tenant:
 
     def salt(self, cache_salt: str | None) -> str | None:
         """The salt this tenant's prompt is cached under: its name's (unless it shares), then the request's."""
-        if not self.name or self.shared_prefix:
-            return cache_salt
-        return f"tenant:{self.name}" + (f"/{cache_salt}" if cache_salt else "")
+        return cache_salt if self.shared_prefix else tenant_salt(self.name, cache_salt)
+
+
+def tenant_salt(tenant: str, cache_salt: str | None) -> str | None:
+    """The prefix space of `tenant`'s prompts salted by `cache_salt`: no other tenant's prompt finds them."""
+    if not tenant:
+        return cache_salt
+    return f"tenant:{tenant}" + (f"/{cache_salt}" if cache_salt else "")
 
 
 ANYONE = Tenant("", (), admin=True)       # a server with no key: nothing is anyone's more than another's
