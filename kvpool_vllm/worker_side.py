@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from kvpool_vllm.block_copy import BlockCopier
+from kvpool_vllm.block_copy import BlockCopier, LayoutError
 from kvpool_vllm.memd_link import MemdLink
 from kvpool_vllm.step_plan import StepPlan
 
@@ -67,9 +67,13 @@ class WorkerSide:
             return None
         if client.attachment.generation != plan.generation:
             return None
-        if self._copier is None or self._copier_epoch != self.link.epoch:
-            self._copier = BlockCopier(self.caches, self.block_dim, client.pool.pages)
+        if self._copier_epoch != self.link.epoch:           # a new attachment: a new mapping of the pool
             self._copier_epoch = self.link.epoch
+            try:
+                self._copier = BlockCopier(self.caches, self.block_dim, client.pool.pages)
+            except LayoutError as err:        # vLLM serves on without memd: said once per attachment
+                self._copier = None
+                log.error("vLLM's KV cache cannot be copied to memd's pages; serving without memd", why=str(err))
         return self._copier
 
     def load(self, plan: StepPlan) -> None:
