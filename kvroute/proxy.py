@@ -5,7 +5,11 @@ a client that hangs up closes the worker's exchange, so inferd cancels the
 request and parks or frees its sequence. A worker that cannot be reached, or
 drops the exchange before answering, or answers 503 (draining, memd away),
 is left for another (reason "failover"); a connection failure also takes it
-out until its next health check passes. A stream the worker breaks midway is
+out until its next health check passes. So is a request a worker has not
+begun to answer when that worker has been down for `STALLED_FAILOVER_S`
+(frozen, or waiting for a memd that is restarting): nothing of it reached the
+client, and the worker, once it runs again, sees the exchange closed and
+cancels its copy. A stream the worker breaks midway is
 broken to the client too (the connection closes without the final chunk),
 never passed off as complete.
 """
@@ -13,6 +17,7 @@ never passed off as complete.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -43,6 +48,13 @@ RENDER_TIMEOUT_S = 5.0           # a worker's /render that takes longer: the req
 WORKER_HEADER = "x-kvroute-worker"       # which worker answered: for operators and tests
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
                         "transfer-encoding", "upgrade", "host", "content-length"})
+
+
+STALLED_FAILOVER_S = 5.0      # a worker down this long with a request it has not begun to answer: it goes elsewhere
+
+
+class WorkerStalled(Exception):
+    """The worker went down holding a request it never began to answer."""
 
 
 def error(status: int, message: str, *, code: str | None = None) -> JSONResponse:
@@ -237,8 +249,9 @@ class Router:
         while True:
             try:
                 upstream = await self._exchange(http, raw, worker)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                self.workers.failed(worker, _describe(exc))        # it never got the request: another may take it
+            except (httpx.ConnectError, httpx.ConnectTimeout, WorkerStalled) as exc:
+                # It never got the request, or cannot answer it: another may take it.
+                self.workers.failed(worker, _describe(exc))
             except httpx.TransportError as exc:
                 # The request may have reached the worker. Once more on a fresh connection (a keep-alive
                 # connection it was closing, say); a second drop is the worker's answer, not a reason to send
@@ -270,10 +283,27 @@ class Router:
         """The worker's answer, headers read, body not yet; counted in flight there until Passthrough ends."""
         worker.in_flight += 1
         try:
-            return await or_disconnect(http.receive, self._send(http, raw, worker))
+            return await or_disconnect(http.receive, self._send_watched(http, raw, worker))
         except BaseException:
             worker.in_flight -= 1
             raise
+
+    async def _send_watched(self, http: HttpRequest, raw: bytes, worker: Worker) -> httpx.Response:
+        """`_send`, given up (WorkerStalled) once the worker has been down STALLED_FAILOVER_S without answering:
+        a frozen worker, or one whose memd is away, would otherwise hold the request past the client's patience."""
+        send = asyncio.ensure_future(self._send(http, raw, worker))
+        try:
+            while True:
+                done, _ = await asyncio.wait({send}, timeout=self.workers.interval_s)
+                if done:
+                    return send.result()
+                if worker.down_for() >= STALLED_FAILOVER_S:
+                    raise WorkerStalled(f"down for {worker.down_for():.0f} s ({worker.why_down}) without answering")
+        finally:
+            if not send.done():
+                send.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await send
 
     def _untried(self, tried: set[Worker], model: str) -> list[Worker]:
         return [w for w in self.workers.up(model) if w not in tried]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import re
+import signal
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -293,6 +294,27 @@ async def released(host: Host, url: str, parked: int) -> None:
         states, _, ok = await memd_state(host.memd)
         return states["running"] == 0 and states["parked"] == parked and ok and not await worker_load(url, host.url)
     await wait_until(check)
+
+
+@pytest.mark.processes
+async def test_a_request_held_by_a_worker_that_went_down_goes_to_another(host_factory, router_factory):
+    """A worker frozen (or waiting out its memd's restart) with a request it never began to answer: once it has
+    been down STALLED_FAILOVER_S, kvroute gives the request to another worker instead of holding the client
+    past its patience (the chaos runs' turns with no answer in 60 s)."""
+    hosts = [await host_factory("a"), await host_factory("b")]
+    _router, url = await router_factory("kvroute", hosts, "--health-interval", "0.5")
+    messages = [{"role": "user", "content": "Tell me about cats."}]
+    first, worker = await chat(url, "frozen", messages, 4)
+    held = next(h for h in hosts if h.url == worker)
+    held.inferd.proc.send_signal(signal.SIGSTOP)           # the session's worker stops, its socket still open
+    try:
+        turn = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                           {"role": "user", "content": "And dogs?"}]
+        answer, by = await asyncio.wait_for(chat(url, "frozen", turn, 4), 45)
+    finally:
+        held.inferd.proc.send_signal(signal.SIGCONT)
+    assert by != worker and answer.choices[0].message.content
+    assert counts_of(await route_counts(url), "failover") >= 1
 
 
 @pytest.mark.processes
