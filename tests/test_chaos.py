@@ -185,10 +185,11 @@ async def monkey(fleet: Fleet, rng: random.Random, stop: asyncio.Event, tally: T
             victim = rng.choice(fleet.workers)
             if victim.daemon is not None and victim.up.is_set():
                 pid = victim.daemon.proc.pid
-                await expect_reclaim(fleet, victim, tally)
+                lease = await expect_reclaim(fleet, victim, tally)
                 os.kill(pid, signal.SIGSTOP)
                 tally.counts["stopped past its lease"] += 1
-                await asyncio.sleep(LEASE_S * 1.5)                # long enough for memd to reclaim it
+                await asyncio.sleep(LEASE_S * 1.5)                # stopped past its lease: memd's to reclaim
+                await reclaimed(fleet, victim, lease)
                 os.kill(pid, signal.SIGCONT)
             continue
         kind = rng.choice(KINDS)
@@ -212,17 +213,30 @@ async def monkey(fleet: Fleet, rng: random.Random, stop: asyncio.Event, tally: T
         await master_back
 
 
-async def expect_reclaim(fleet: Fleet, worker: Part, tally: Tally) -> None:
+async def expect_reclaim(fleet: Fleet, worker: Part, tally: Tally) -> int | None:
     """A worker about to be killed or stopped: if it holds a lease in its memd now, memd must reclaim it (one
-    killed again before it attached, or while its memd is down, leaves nothing to reclaim)."""
+    killed again before it attached, or while its memd is down, leaves nothing to reclaim). Returns memd's id of
+    that lease, if any."""
     memd = fleet.memds[worker.name.removeprefix("inferd-")[0]]
     if worker.daemon is None or memd.daemon is None or not memd.up.is_set():
-        return
+        return None
     with contextlib.suppress(Exception):
         async with memd.daemon.admin() as admin:
-            attached = {w.pid for w in (await admin.snapshot(blocks=False)).workers}
+            attached = {w.pid: w.worker_id for w in (await admin.snapshot(blocks=False)).workers}
         if worker.daemon.proc.pid in attached:
             tally.counts["leases to reclaim"] += 1
+            return attached[worker.daemon.proc.pid]
+    return None
+
+
+async def reclaimed(fleet: Fleet, worker: Part, lease: int | None) -> None:
+    """Until the worker's memd has reclaimed `lease` (its log says so), or has exited: a worker stopped past its
+    lease is let go on only then, or a busy memd whose sweep comes late would see it beat again first."""
+    memd = fleet.memds[worker.name.removeprefix("inferd-")[0]].daemon
+    if lease is None or memd is None:
+        return
+    with contextlib.suppress(TimeoutError, AssertionError):        # memd killed meanwhile: nothing more to wait for
+        await memd.log.wait_for("worker reclaimed", timeout=60, worker=lease)
 
 
 async def _later(part: Part, delay: float) -> None:
