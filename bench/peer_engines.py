@@ -116,6 +116,7 @@ class Server:
     url: str                    # the OpenAI base URL, .../v1
     model: str                  # the served model name
     metrics: tuple[str, ...] = ()     # kvpool: memd's and inferd's /metrics, for where the time went
+    pid: int = 0                      # vLLM: its API server, leader of its process group (engine core, workers)
 
 
 @contextlib.contextmanager
@@ -148,7 +149,8 @@ def kvpool(model_dir: Path, budget: Budget, work: Path) -> Iterator[Server]:
 @contextlib.contextmanager
 def vllm(model_dir: Path, budget: Budget, work: Path, python: Path, max_model_len: int, *,
          kv_transfer: dict | None = None, log_name: str = "vllm.log",
-         env_extra: dict[str, str] | None = None, stats: bool = False) -> Iterator[Server]:
+         env_extra: dict[str, str] | None = None, stats: bool = False,
+         extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
     """vLLM's OpenAI server; `kv_transfer`: its --kv-transfer-config (kvpool's connector from this checkout)."""
     port = free_port()
     blocks = -(-budget.kv_tokens() // VLLM_BLOCK)
@@ -169,12 +171,12 @@ def vllm(model_dir: Path, budget: Budget, work: Path, python: Path, max_model_le
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(budget.max_num_seqs),
             "--max-num-batched-tokens", str(budget.max_batch_tokens),
             "--enable-prompt-tokens-details", *([] if stats else ["--disable-log-stats"]),
-            *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else [])]
+            *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else []), *extra_args]
     with open(work / log_name, "a") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             _wait_healthy(proc, f"http://127.0.0.1:{port}/health", work / log_name)
-            yield Server("vLLM", f"http://127.0.0.1:{port}/v1", "peer")
+            yield Server("vLLM", f"http://127.0.0.1:{port}/v1", "peer", pid=proc.pid)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)        # its engine core is a process of its own

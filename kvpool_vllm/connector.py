@@ -17,15 +17,18 @@ to clean up by hand. This module is the only one that imports vLLM.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
 from kvpool_vllm.memd_link import AttachSpec, MemdLink
 from kvpool_vllm.namespace import namespace
@@ -68,6 +71,9 @@ class MemdConnector(KVConnectorBase_V1):
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
             raise SettingsError("kvpool connector: one worker per engine only for now (tensor and pipeline "
                                 "parallel size 1)")
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            raise SettingsError("kvpool connector: speculative decoding is not supported yet (a block holding "
+                                "draft tokens vLLM later rejects must never be saved)")
         model, bytes_per_token = namespace(vllm_config, kv_cache_config)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.num_blocks = kv_cache_config.num_blocks
@@ -77,6 +83,7 @@ class MemdConnector(KVConnectorBase_V1):
                         timeout_s=settings.timeout_s)
         link.wait_up(settings.timeout_s)            # serve at once with memd if it is there; without it if not
         self._scheduler = SchedulerSide(link, self.block_size, settings) if side == "scheduler" else None
+        self._medium = "GPU" if vllm_config.device_config.device_type == "cuda" else "CPU"      # memd's pool's
         self._worker = WorkerSide(link) if side == "worker" else None
 
     # ---- scheduler side ----------------------------------------------------------------
@@ -107,6 +114,21 @@ class MemdConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.finished(request.request_id)
         return False, None            # saves are copied within their engine step: vLLM may free the blocks now
+
+    def take_events(self) -> Iterable[BlockStored]:
+        """The blocks memd now holds for this engine, announced as vLLM announces its own (its block hashes, its
+        extra keys) with memd's tier as their medium, so a router that recomputes vLLM's hashes finds them."""
+        assert self._scheduler is not None
+        bs = self.block_size
+        for request, start, end in self._scheduler.take_stored():
+            hashes = request.block_hashes
+            for i in range(start, min(end, len(hashes))):
+                extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
+                yield BlockStored(block_hashes=[maybe_convert_block_hash(hashes[i])],
+                                  parent_block_hash=maybe_convert_block_hash(hashes[i - 1]) if i else None,
+                                  token_ids=list(request.all_token_ids[i * bs:(i + 1) * bs]), block_size=bs,
+                                  lora_id=None, medium=self._medium, lora_name=None,
+                                  extra_keys=to_event_extra_keys([extra]), group_idx=0, ownership="kvpool-memd")
 
     # ---- worker side -------------------------------------------------------------------
 

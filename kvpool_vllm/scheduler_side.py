@@ -41,6 +41,7 @@ class SchedulerSide:
         self.planner = StepPlanner(block_size)
         self.counters = {"lookups": 0, "lookup_hit_tokens": 0, "memd_down": 0}
         self._requests: dict[str, Any] = {}                 # vLLM's Request of each request it scheduled
+        self._ending: dict[str, Any] = {}                   # ...and of those finished, until their blocks are told
         self._asked: dict[str, int] = {}                    # tokens vLLM had computed itself when it asked
         self._loads: dict[str, tuple[int, int]] = {}        # blocks [start, stop) to load, once allocated
         self._fresh: set[str] = set()
@@ -135,10 +136,22 @@ class SchedulerSide:
     def finished(self, req_id: str) -> None:
         with self._lock:
             self.planner.finished(req_id)
-        self._requests.pop(req_id, None)
+            if (request := self._requests.pop(req_id, None)) is not None and req_id in self.planner.seqs:
+                self._ending[req_id] = request
         self._asked.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._fresh.discard(req_id)
+
+    def take_stored(self) -> list[tuple[Any, int, int]]:
+        """(vLLM's Request, first block, end) of the blocks committed in memd since the last call: what memd now
+        holds for this engine, for vLLM's KV events under vLLM's own block hashes."""
+        with self._lock:
+            stored, self.planner.stored = self.planner.stored, []
+            found = [(self._requests.get(req_id) or self._ending.get(req_id), start, end)
+                     for req_id, start, end in stored]
+            for req_id in [r for r in self._ending if r not in self.planner.seqs]:
+                del self._ending[req_id]
+        return [item for item in found if item[0] is not None]
 
     def _flush_when_idle(self) -> None:
         """Commits and frees no engine step will carry (vLLM went idle): sent by themselves."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+TIMEOUT_S = 2.0             # longest wait for memd in an engine step before going on without it
+
 
 class SettingsError(ValueError):
     """The extra config cannot be used; the message is the one line vLLM's user reads."""
@@ -18,7 +20,7 @@ class SettingsError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Settings:
     memd_address: str | None = None      # memd's gRPC target; None: where memd listens by default on this host
-    timeout_s: float = 2.0               # longest wait for memd in an engine step before going on without it
+    timeout_s: float = TIMEOUT_S
     tenant: str = ""                     # the tenant of requests that name none in kv_transfer_params
 
     @classmethod
@@ -33,7 +35,7 @@ class Settings:
             if key in extra and (not isinstance(extra[key], kind) or isinstance(extra[key], bool)):
                 raise SettingsError(f"kvpool connector: kv_connector_extra_config {key!r} must be a "
                                     f"{'number' if key == 'timeout_s' else 'string'}, not {extra[key]!r}")
-        timeout_s = float(extra.get("timeout_s", cls.timeout_s))
+        timeout_s = float(extra.get("timeout_s", TIMEOUT_S))
         if not 0 < timeout_s <= 60:
             raise SettingsError(f"kvpool connector: timeout_s {timeout_s:g} must be above 0 and at most 60 seconds")
         return cls(extra.get("memd_address") or None, timeout_s, extra.get("tenant", ""))

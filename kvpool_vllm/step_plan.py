@@ -89,6 +89,7 @@ class StepPlan:
 class _Seq:
     """A request's memd sequence, as this side knows it."""
 
+    req_id: str
     seq_id: int
     epoch: int
     num_tokens: int                  # tokens memd's history holds
@@ -115,6 +116,7 @@ class StepPlanner:
         self.block_size = block_size
         self.seqs: dict[str, _Seq] = {}
         self.refused: set[str] = set()       # requests memd refused pages (a tenant at its max): never asked again
+        self.stored: list[tuple[str, int, int]] = []   # (request, first block, end): committed in memd since taken
         self.counters = {"saved_blocks": 0, "loaded_blocks": 0, "load_misses": 0, "saves_refused": 0}
 
     def received(self, req_id: str, seq_id: int, first: int, sums: list[int]) -> None:
@@ -230,18 +232,21 @@ class StepPlanner:
     # ---- reading its results -------------------------------------------------------------
 
     def _freed(self, req_id: str, seq: _Seq) -> None:
+        self._committed(seq)
         if self.seqs.get(req_id) is seq:
             del self.seqs[req_id]
 
     def _committed(self, seq: _Seq) -> None:
         if commit := self._commit(seq):
-            seq.committed = commit["commit_to"] // self.block_size
+            upto = commit["commit_to"] // self.block_size
+            self.stored.append((seq.req_id, seq.committed, upto))
+            seq.committed = upto
         seq.sums.clear()
 
     def _opened(self, req: Scheduled, result: OpResult, epoch: int, out: StepPlan) -> None:
         bs = self.block_size
         cached = result.num_cached // bs
-        seq = _Seq(result.seq_id, epoch, req.end, list(result.block_ids), cached, cached)
+        seq = _Seq(req.req_id, result.seq_id, epoch, req.end, list(result.block_ids), cached, cached)
         self.seqs[req.req_id] = seq
         if req.load:
             start, stop = req.load

@@ -6,10 +6,11 @@ request and parks or frees its sequence. A worker that cannot be reached, or
 drops the exchange before answering, or answers 503 (draining, memd away),
 is left for another (reason "failover"); a connection failure also takes it
 out until its next health check passes. So is a request a worker has not
-begun to answer when that worker has been down for `STALLED_FAILOVER_S`
-(frozen, or waiting for a memd that is restarting): nothing of it reached the
-client, and the worker, once it runs again, sees the exchange closed and
-cancels its copy. A stream the worker breaks midway is
+begun to answer once that worker has been down `STALLED_FAILOVER_S` in all
+while it held the request (frozen, or waiting for a memd that is restarting,
+or attaching again after it lost its lease: its health may flap meanwhile):
+nothing of it reached the client, and the worker, once it runs again, sees
+the exchange closed and cancels its copy. A stream the worker breaks midway is
 broken to the client too (the connection closes without the final chunk),
 never passed off as complete.
 """
@@ -50,7 +51,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "transfer-encoding", "upgrade", "host", "content-length"})
 
 
-STALLED_FAILOVER_S = 5.0      # a worker down this long with a request it has not begun to answer: it goes elsewhere
+STALLED_FAILOVER_S = 5.0      # a worker down this long in all, holding a request it has not begun to answer: elsewhere
 
 
 class WorkerStalled(Exception):
@@ -292,13 +293,18 @@ class Router:
         """`_send`, given up (WorkerStalled) once the worker has been down STALLED_FAILOVER_S without answering:
         a frozen worker, or one whose memd is away, would otherwise hold the request past the client's patience."""
         send = asyncio.ensure_future(self._send(http, raw, worker))
+        loop, down_s = asyncio.get_running_loop(), 0.0        # the time it was down while this request waited
         try:
             while True:
+                started = loop.time()
                 done, _ = await asyncio.wait({send}, timeout=self.workers.interval_s)
                 if done:
                     return send.result()
-                if worker.down_for() >= STALLED_FAILOVER_S:
-                    raise WorkerStalled(f"down for {worker.down_for():.0f} s ({worker.why_down}) without answering")
+                if not worker.up:          # counted over every check, not only in one stretch: a worker that
+                    down_s += loop.time() - started        # flaps between down and up holds the request as long
+                if down_s >= STALLED_FAILOVER_S:
+                    raise WorkerStalled(f"down {down_s:.0f} s ({worker.why_down}) while it held the request "
+                                        "unanswered")
         finally:
             if not send.done():
                 send.cancel()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -35,7 +34,6 @@ class Worker:
     in_flight: int = 0                         # this kvroute's requests there now
     model: str | None = None                   # the model it serves (its API's name), by its /health
     namespace: str = ""                        # its K/V's namespace in memd (memd's KV events' topics name it)
-    down_since: float = 0.0                    # time.monotonic() it went down at (0: up, or never checked)
 
     def serves(self, model: str) -> bool:
         """Whether a request for `model` is this worker's ("": any; a worker not yet heard from: maybe)."""
@@ -44,17 +42,6 @@ class Worker:
     @property
     def load(self) -> int:
         return max(self.queued, self.in_flight)
-
-    def down_for(self) -> float:
-        """Seconds it has been down since it was last up (0 while up)."""
-        return time.monotonic() - self.down_since if not self.up and self.down_since else 0.0
-
-    def set_up(self, up: bool, why: str) -> None:
-        if up:
-            self.down_since = 0.0
-        elif self.up or not self.down_since:
-            self.down_since = time.monotonic()
-        self.up, self.why_down = up, why
 
 
 class Workers:
@@ -73,7 +60,7 @@ class Workers:
         """A request could not reach `worker`: out until a check passes."""
         if worker.up:
             log.warning("a worker failed; its requests go to the others", worker=worker.url, error=why)
-        worker.set_up(False, why)
+        worker.up, worker.why_down = False, why
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self.all))
@@ -110,7 +97,7 @@ class Workers:
             log.info("a worker is up", worker=worker.url)
         elif not up and worker.up:
             log.warning("a worker is down; its requests go to the others", worker=worker.url, error=why)
-        worker.set_up(up, why)
+        worker.up, worker.why_down = up, why
 
 
 def _queued(text: str) -> int:

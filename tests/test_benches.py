@@ -182,6 +182,20 @@ def test_the_peer_bench_runs_both_servers_and_they_decode_the_same_tokens():
     assert all(0 < report[f"peer_{key}_ratio"] < float("inf") for key in keys)
 
 
+@pytest.mark.timeout(600)          # four vLLM starts (~35 s each on 2 cores) and a memd
+def test_the_vllm_memd_bench_loads_a_restarted_vllms_conversations_from_memd_with_the_same_replies():
+    report = quick("bench_vllm_memd.py")
+    run = report["runs"][0]
+    assert report["vllm_memd_agreement"] == 1.0            # every reply the same with memd as without
+    # restarted alone, vLLM recomputes every conversation (but the system prompt the first user's turn put back);
+    # with memd, the conversations come back
+    assert run["alone"]["restart"]["cached_share_later"] < 0.5 < run["memd"]["restart"]["cached_share_later"]
+    assert run["memd"]["steady"]["cached_share_later"] > 0.5 and report["cpu"]
+    assert all(0 < report[key] < float("inf") for key in ("vllm_memd_overhead_ttft_ratio",
+                                                          "vllm_memd_overhead_tok_s_ratio",
+                                                          "vllm_memd_restart_ttft2_ratio"))
+
+
 def test_the_tenants_bench_runs_and_only_the_guarantee_keeps_the_quiet_tenants_sessions():
     report = quick("bench_tenants.py")
     runs = report["runs"]

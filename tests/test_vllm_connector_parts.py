@@ -135,6 +135,9 @@ async def test_what_one_engine_saves_another_loads_byte_for_byte(engines):
     prompt = list(range(500, 540))                                  # 2 full blocks and 8 tokens
     await asyncio.to_thread(_serve, a, Request("r1", list(prompt)), [3, 5, 7, 9], decode=30)
     saved = {i: a.block(vllm) for i, vllm in enumerate([3, 5, 7, 9])}   # 70 tokens: 4 full blocks
+    stored = a.scheduler.take_stored()                    # what vLLM's KV events will announce memd holds
+    assert [(r.request_id, start, end) for r, start, end in stored] == [("r1", 0, 2), ("r1", 2, 3), ("r1", 3, 4)]
+    assert a.scheduler.take_stored() == [] and a.scheduler._ending == {}
 
     asked = Request("r2", prompt + [1000 + t for t in range(30)] + [77, 78])
     assert await asyncio.to_thread(b.scheduler.matched, asked, 0) == 4 * BS
@@ -231,6 +234,7 @@ async def test_memd_gone_costs_hits_never_an_exception(engines):
 
 def test_settings_are_checked_whole():
     assert Settings.parse({"memd_address": "unix:/x", "timeout_s": 1, "tenant": "t"}) == Settings("unix:/x", 1.0, "t")
+    assert Settings.parse(None) == Settings.parse({}) == Settings()             # every default, none given
     for bad, words in (({"memd": "x"}, "unknown kv_connector_extra_config key 'memd'"),
                        ({"timeout_s": "1"}, "'timeout_s' must be a number"),
                        ({"timeout_s": 0}, "must be above 0"), ({"tenant": 3}, "'tenant' must be a string")):
