@@ -26,6 +26,10 @@ turn together, then think):
 
 Every reply is compared between the two engines (same weights, greedy): a
 connector that loads wrong K/V shows as disagreement, not only as speed.
+With users taking a turn together, which requests share a forward pass
+depends on timing, so a reply may differ for that alone on a model with
+near-tied logits; `--quick` sends them one after another, where any
+difference is the K/V's.
 
 `--json`: `vllm_memd_<load>_<figure>_ratio` (memd over alone, medians of
 paired ratios; `_min`/`_max` their spread), `vllm_memd_overhead_ttft_ratio`
@@ -64,9 +68,12 @@ from shared.launch import spawn_ready
 
 LOADS = ("steady", "restart", "two_servers", "pressure")
 FULL = {"users": 8, "turns": 4, "think_s": 1.0, "system_tokens": 1200, "question_tokens": 40, "max_tokens": 48,
-        "pressure_users": 16}
+        "pressure_users": 16, "together": True}
+# --quick: the users of a turn one after another, so that each engine batches each request alone and any reply
+# that differs is the K/V's doing; together, which requests share a pass depends on timing, and a random tiny
+# model's near-tied logits then turn different float sums into different greedy tokens.
 QUICK = {"users": 2, "turns": 2, "think_s": 0.0, "system_tokens": 100, "question_tokens": 8, "max_tokens": 6,
-         "pressure_users": 4}
+         "pressure_users": 4, "together": False}
 PRESSURE_SHARE = 0.25            # vLLM's KV over the pressure load's working set
 MAX_MODEL_LEN = 4096
 
@@ -122,7 +129,11 @@ class Conversations:
                 seen.cached_later += (details.cached_tokens or 0) if details is not None else 0
 
         started = time.perf_counter()
-        await asyncio.gather(*[one(u) for u in range(len(self.messages))])
+        if shape["together"]:
+            await asyncio.gather(*[one(u) for u in range(len(self.messages))])
+        else:
+            for u in range(len(self.messages)):
+                await one(u)
         seen.wall_s += time.perf_counter() - started
 
     def tokens(self) -> int:
