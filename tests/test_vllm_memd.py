@@ -214,9 +214,9 @@ def test_a_vllm_killed_mid_stream_leaves_its_work_to_another_and_nothing_held(se
     with peer_engines.vllm(server.model_dir, BUDGET, work, peer_engines.connector_python(), 1024,
                            kv_transfer=_transfer(memd), log_name="vllm-second.log") as second, \
             httpx.stream("POST", f"{second.url}/completions", timeout=120, json=body) as reply:
-        lines = reply.iter_lines()
-        while not next(lines).startswith("data:"):
-            pass                                                   # its prompt computed, its reply begun
+        chunks = (line for line in reply.iter_lines() if line.startswith("data:"))
+        for _ in range(3):      # its prompt computed and two engine steps more: the first commits the prompt's
+            next(chunks)        # saved blocks in memd (a block saved in the step a vLLM dies in is lost)
         os.killpg(second.pid, signal.SIGKILL)
     _, cached = _complete(server, conversation + [77, 78, 79])
     assert cached == 5 * BLOCK                                      # what the killed server saved, loaded
