@@ -20,7 +20,7 @@ import structlog
 from memd.cluster import LOOKUP_TIMEOUT_S, block_keys, parse_record, session_key, sum_key
 from memd.kv_state import Worker
 from memd.manager import KvManager
-from memd.sequences import RemoteLookups, RemotePrefix, prefix_space
+from memd.sequences import RemoteLookups, RemotePrefix, prefix_space, shareable_blocks
 from shared.cluster_store import ClusterStore
 from shared.ops import Op, Open
 
@@ -81,13 +81,9 @@ class Lookups:
         """
         m, bs = self.manager, worker.block_size
         tokens = op.token_ids
-        limit = (len(tokens) - 1) // bs if tokens else 0
-        local = 0
+        limit = shareable_blocks(len(tokens), bs)
         space = prefix_space(worker.model, op.cache_salt or "")
-        for digest, chunk in m.hasher.walk(space, tokens, bs, 0, b"", limit):
-            if m.pool.lookup(digest, chunk) is None:
-                break
-            local += 1
+        local = sum(1 for _ in m.pool.cached_run(m.hasher.walk(space, tokens, bs, 0, b"", limit)))
         if local >= limit:
             return
         keys = block_keys(space, tokens, bs, limit)[local:]

@@ -523,6 +523,15 @@ class BlockPool:
             return None
         return block
 
+    def cached_run(self, chain: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, int]]:
+        """(hash, block) of each block of `chain` (a prefix's hashes and token bytes, in order) the prefix cache
+        holds, up to the first it does not: what a prompt may share. A lazy chain is hashed no further."""
+        for digest, tokens in chain:
+            block = self.lookup(digest, tokens)
+            if block is None:
+                return
+            yield digest, block
+
     def lookup_run(self, digests: list[bytes], tokens: bytes) -> list[int | None]:
         """`lookup` of consecutive full blocks at once: `tokens` holds theirs, an equal share each.
 

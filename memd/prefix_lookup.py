@@ -20,7 +20,7 @@ from array import array
 from memd.errors import InvalidArgument
 from memd.kv_state import Worker
 from memd.manager import KvManager
-from memd.sequences import check_salt, prefix_space
+from memd.sequences import check_salt, prefix_space, shareable_blocks
 from shared.packed_steps import unpacked_token_ids
 from shared.protobuf_codec import WireError
 
@@ -30,12 +30,10 @@ MAX_QUERIES = 4096          # prompts in one Lookup: an engine asks for what it 
 def cached_blocks(manager: KvManager, worker: Worker, token_ids: array[int], salt: str) -> int:
     """Leading full blocks of `token_ids` in `worker`'s model's prefix cache (salted), each with a checksum,
     up to the block before the last token's."""
-    bs = worker.block_size
-    limit = (len(token_ids) - 1) // bs if token_ids else 0
-    pool, found = manager.pool, 0
-    for digest, chunk in manager.hasher.walk(prefix_space(worker.model, salt), token_ids, bs, 0, b"", limit):
-        block = pool.lookup(digest, chunk)
-        if block is None or not pool.checksum[block]:
+    bs, pool, found = worker.block_size, manager.pool, 0
+    for _, block in pool.cached_run(manager.hasher.walk(prefix_space(worker.model, salt), token_ids, bs, 0, b"",
+                                                        shareable_blocks(len(token_ids), bs))):
+        if not pool.checksum[block]:
             break
         found += 1
     return found

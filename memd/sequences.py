@@ -184,6 +184,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)          # in ints: exact at any size
 
 
+def shareable_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks of a prompt that may come from the prefix cache: all but the one holding its last token,
+    which is always computed (its logits are what the worker needs)."""
+    return (num_tokens - 1) // block_size if num_tokens else 0
+
+
 def locate(seq: Sequence, pos: int) -> tuple[int, int]:
     """Block id and offset of token `pos`; positions are never negative."""
     if not 0 <= pos < seq.num_committed:

@@ -34,6 +34,7 @@ from memd.sequences import (
     blocks_for,
     check_name,
     check_salt,
+    shareable_blocks,
     token_bytes,
 )
 from memd.step_outcome import Eviction, StepOutcome, SwappedIn
@@ -462,13 +463,10 @@ class StepTxn:
         start = len(seq.block_ids)
         if seq.num_committed != start * bs or len(seq.hashes) != start:
             return seq.num_committed
-        limit = (len(seq.token_ids) - 1) // bs if seq.token_ids else 0
         hits = []
-        for digest, chunk in self.state.hasher.walk(seq.prefix_space, seq.token_ids, bs, start,
-                                                    seq.hashes[-1] if seq.hashes else b"", limit):
-            block = self.state.pool.lookup(digest, chunk)
-            if block is None:
-                break
+        for digest, block in self.state.pool.cached_run(self.state.hasher.walk(
+                seq.prefix_space, seq.token_ids, bs, start, seq.hashes[-1] if seq.hashes else b"",
+                shareable_blocks(len(seq.token_ids), bs))):
             hits.append(block)
             seq.hashes.append(digest)
         self.state.pool.incref_n(hits)
