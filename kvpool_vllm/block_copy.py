@@ -32,7 +32,6 @@ class LayoutError(ValueError):
 @dataclass(frozen=True, slots=True)
 class _Layer:
     cache: torch.Tensor          # vLLM's tensor for this layer
-    block_dim: int               # the dimension its blocks are laid along
     start: int                   # where its slice of a block begins in a page, in elements of the cache dtype
     size: int                    # elements of one block of this layer
 
@@ -48,18 +47,16 @@ class BlockCopier:
         if len(dtypes) != 1:
             raise LayoutError(f"KV cache layers of several dtypes ({sorted(map(str, dtypes))}): not supported")
         self.dtype = dtypes.pop()
-        self.pages = pages
+        self.pages, self.block_dim = pages, block_dim
         elt = torch.empty((), dtype=self.dtype).element_size()
         if pages.shape[1] % elt:
             raise LayoutError(f"a page of {pages.shape[1]} bytes is not whole {self.dtype} elements")
         self._elements = pages.view(self.dtype)                # [num_pages, page_bytes // elt]
         layers, start = [], 0
-        for name, cache in caches.items():
-            blocks = cache.shape[block_dim]
-            size = cache.numel() // blocks
-            layers.append(_Layer(cache, block_dim, start, size))
+        for cache in caches.values():
+            size = cache.numel() // cache.shape[block_dim]
+            layers.append(_Layer(cache, start, size))
             start += size
-            del name
         self._layers = tuple(layers)
         self.block_bytes = start * elt
         if self.block_bytes > pages.shape[1]:
@@ -70,25 +67,26 @@ class BlockCopier:
         """vLLM's `blocks` into memd's `pages`, one to one; returns the pages' checksums."""
         if not blocks:
             return []
-        src, dst = self._index(blocks), self._index(pages)
+        src, dst, dim = self._index(blocks), self._index(pages), self.block_dim
         for layer in self._layers:
-            rows = layer.cache.index_select(layer.block_dim, src).movedim(layer.block_dim, 0)
+            rows = layer.cache.index_select(dim, src).movedim(dim, 0)
             self._elements[dst, layer.start:layer.start + layer.size] = rows.reshape(len(blocks), layer.size)
-        return page_checksums(self.pages, pages)
+        return self.checksums(pages)
 
     def checksums(self, pages: list[int]) -> list[int]:
+        """memd's pages' checksums, by the pool's own function (what memd checks them against)."""
         return page_checksums(self.pages, pages)
 
     def load(self, pages: list[int], blocks: list[int]) -> None:
         """memd's `pages` into vLLM's `blocks`, one to one (checked by the caller first)."""
         if not blocks:
             return
-        src, dst = self._index(pages), self._index(blocks)
+        src, dst, dim = self._index(pages), self._index(blocks), self.block_dim
         for layer in self._layers:
             rows = self._elements[src, layer.start:layer.start + layer.size]
             shape = list(layer.cache.shape)
-            del shape[layer.block_dim]
-            layer.cache.index_copy_(layer.block_dim, dst, rows.view(len(blocks), *shape).movedim(0, layer.block_dim))
+            del shape[dim]
+            layer.cache.index_copy_(dim, dst, rows.view(len(blocks), *shape).movedim(0, dim))
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.pages.device)

@@ -41,6 +41,7 @@ class SchedulerSide:
         self.planner = StepPlanner(block_size)
         self.counters = {"lookups": 0, "lookup_hit_tokens": 0, "memd_down": 0}
         self._requests: dict[str, Any] = {}                 # vLLM's Request of each request it scheduled
+        self._spaces: dict[str, tuple[str, str]] = {}       # ...and its (salt, tenant), read once
         self._ending: dict[str, Any] = {}                   # ...and of those finished, until their blocks are told
         self._asked: dict[str, int] = {}                    # tokens vLLM had computed itself when it asked
         self._loads: dict[str, tuple[int, int]] = {}        # blocks [start, stop) to load, once allocated
@@ -81,6 +82,7 @@ class SchedulerSide:
         """vLLM gave `request` blocks to run (anew: new or resumed): its loads, if any, are set."""
         req_id = request.request_id
         self._requests[req_id] = request
+        self._spaces[req_id] = self._salt(request)
         self._fresh.add(req_id)
         if num_external:
             local = self._asked.get(req_id, 0)
@@ -96,7 +98,7 @@ class SchedulerSide:
             request = self._requests.get(req_id)
             if request is None:
                 continue
-            salt, tenant = self._salt(request)
+            salt, tenant = self._spaces[req_id]
             (blocks, *_) = self.kv_cache_manager.get_block_ids(req_id)
             scheduled.append(Scheduled(req_id, request.all_token_ids, request.num_computed_tokens + count, blocks,
                                        salt, tenant, self._loads.pop(req_id, None), req_id in self._fresh))
@@ -138,6 +140,7 @@ class SchedulerSide:
             self.planner.finished(req_id)
             if (request := self._requests.pop(req_id, None)) is not None and req_id in self.planner.seqs:
                 self._ending[req_id] = request
+        self._spaces.pop(req_id, None)
         self._asked.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._fresh.discard(req_id)
