@@ -27,6 +27,7 @@ import pytest
 from inferd.tiny import make_tiny_model
 from shared.client import MemdAdmin
 from shared.launch import free_port_pair, spawn_ready
+from tests.test_inferd_service import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -160,11 +161,9 @@ def test_memd_killed_under_load_costs_hits_never_a_request_nor_a_token(served):
 async def _both_sides_attached(address: str) -> None:
     """memd's own count of attached workers reaches vLLM's two connector sides (they attach with a backoff)."""
     async with MemdAdmin(address) as admin:
-        for _ in range(600):
-            if (await admin.stats()).workers >= 2:
-                return
-            await asyncio.sleep(0.1)      # polling memd's count: the attachments happen in vLLM's processes
-    raise AssertionError("vLLM's connector did not attach to memd again within 60 s")
+        async def attached() -> bool:
+            return (await admin.stats()).workers >= 2
+        await wait_until(attached, timeout=60)
 
 
 def test_vllm_announces_what_memd_holds_for_it_under_its_own_block_hashes(served):
@@ -227,9 +226,7 @@ async def _idle(address: str) -> None:
     """memd holds no page for any vLLM (the killed one's sequences reclaimed, the live one's finished requests
     freed by its connector's flush) and memctl check finds every invariant holding."""
     async with MemdAdmin(address) as admin:
-        for _ in range(600):
-            if (await admin.stats()).used_blocks == 0:
-                break
-            await asyncio.sleep(0.1)      # polling memd's count: the frees happen in vLLM's processes
-        assert (await admin.stats()).used_blocks == 0
+        async def empty() -> bool:
+            return (await admin.stats()).used_blocks == 0
+        await wait_until(empty, timeout=60)
         assert (await admin.check()).ok
